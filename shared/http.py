@@ -1,0 +1,87 @@
+"""HTTP boundary helpers shared by every service: typed request bodies and error mapping.
+
+Request bodies are decoded with msgspec straight into Structs (no ``await request.json()`` dicts),
+so a bad request gets a 400 whose message and ``param`` name the offending field. Every service
+installs `install_error_handlers` once; errors have OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_AT = re.compile(r"^(.*) - at `\$((?:[.\[][^`]*)?)`$")
+
+
+class HTTPError(Exception):
+    """An error with an HTTP status, raised anywhere below a route."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
+def bad_request(message: str, param: str | None = None) -> HTTPError:
+    return HTTPError(400, message, param=param)
+
+
+def decode_body(body: bytes, cls: type[T]) -> T:
+    """Decode a JSON body into ``cls``; a 400 naming the field on failure."""
+    if not body:
+        raise bad_request("request body is empty; a JSON object is required")
+    try:
+        return msgspec.json.decode(body, type=cls)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        m = _AT.match(msg)
+        if m:
+            param = m.group(2).lstrip(".") or None
+            raise bad_request(f"{m.group(1)} at field '{param}'", param=param) from None
+        raise bad_request(msg) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+
+
+async def read_body(request: Request, cls: type[T]) -> T:
+    return decode_body(await request.body(), cls)
+
+
+class MsgspecJSON(Response):
+    """A JSON response rendered by msgspec (Structs, dicts, lists)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
+
+
+def error_payload(status: int, message: str, param: str | None, type_: str) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(HTTPError)
+    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
+        if exc.status >= 500:
+            log.error("request failed: %s", exc.message)
+        return JSONResponse(error_payload(exc.status, exc.message, exc.param, exc.type), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        msg = f"{first.get('msg', 'invalid request')} at field '{loc}'" if loc else first.get("msg", "invalid request")
+        return JSONResponse(error_payload(400, msg, loc, "invalid_request_error"), status_code=400)

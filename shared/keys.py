@@ -1,0 +1,90 @@
+"""Every Redis key, stream, consumer group, TTL and length limit streamrl uses, in one place.
+
+All keys of a run live under ``streamrl:{<run_id>}:`` (the braces are a Redis Cluster hash tag,
+so one run maps to one slot and multi-key operations stay legal on a cluster).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Consumer groups.
+GATEWAYS_GROUP = "gateways"
+TRAINER_GROUP = "trainer"
+
+# Worker registry: a worker is alive while its heartbeat is younger than this.
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 10.0
+
+# Approximate caps (XADD MAXLEN ~) for streams that are logs rather than work queues.
+DEADLETTER_MAXLEN = 100_000
+WEIGHT_ACKS_MAXLEN = 10_000
+WEIGHTS_MAXLEN = 1_000
+
+# The only field of every stream entry: the encoded message.
+ENTRY_FIELD = b"m"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Key names for one run."""
+
+    run_id: str
+
+    def _k(self, name: str) -> str:
+        return f"streamrl:{{{self.run_id}}}:{name}"
+
+    @property
+    def tasks(self) -> str:
+        """Stream of Task entries, consumer group GATEWAYS_GROUP."""
+        return self._k("tasks")
+
+    @property
+    def trajectories(self) -> str:
+        """Stream of Trajectory entries, consumer group TRAINER_GROUP."""
+        return self._k("trajectories")
+
+    @property
+    def weights(self) -> str:
+        """Stream of WeightAnnouncement entries; every generator reads all of it."""
+        return self._k("weights")
+
+    @property
+    def weight_acks(self) -> str:
+        """Stream of WeightAck entries written by generators."""
+        return self._k("weight_acks")
+
+    @property
+    def deadletter(self) -> str:
+        """Stream of DeadLetter entries."""
+        return self._k("deadletter")
+
+    @property
+    def registry(self) -> str:
+        """Sorted set: worker id -> unix time its heartbeat expires."""
+        return self._k("registry")
+
+    @property
+    def registry_info(self) -> str:
+        """Hash: worker id -> encoded Heartbeat."""
+        return self._k("registry:info")
+
+    @property
+    def pause(self) -> str:
+        """Hash: pause reason -> epoch. Gateways launch no new rollout while it is non-empty."""
+        return self._k("pause")
+
+    @property
+    def pause_epoch(self) -> str:
+        """Counter giving every pause a fresh epoch, so a stale resume cannot end a newer pause."""
+        return self._k("pause:epoch")
+
+    @property
+    def trainer_step(self) -> str:
+        """The trainer's current step (string int), for workers and the CLI."""
+        return self._k("trainer:step")
+
+    @property
+    def stop(self) -> str:
+        """Set when the run has finished; workers drain and exit."""
+        return self._k("stop")

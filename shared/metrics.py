@@ -1,0 +1,47 @@
+"""Prometheus metrics for a service: its own registry, the text exposition, event-loop lag.
+
+Each service builds one ServiceMetrics, declares its counters/gauges on ``registry`` and serves
+``render()`` at ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServiceMetrics:
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        self.loop_lag = Gauge(
+            "streamrl_event_loop_lag_seconds", "Delay of a 0.25 s timer on the event loop", registry=self.registry
+        )
+        self.up_since = Gauge("streamrl_start_time_seconds", "Unix time the service started", registry=self.registry)
+        self.up_since.set(time.time())
+        self._task: asyncio.Task | None = None
+
+    def start_loop_lag_probe(self, interval_s: float = 0.25) -> None:
+        async def probe() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                t0 = loop.time()
+                await asyncio.sleep(interval_s)
+                self.loop_lag.set(max(0.0, loop.time() - t0 - interval_s))
+
+        self._task = asyncio.create_task(probe(), name="loop-lag-probe")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

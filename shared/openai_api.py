@@ -1,0 +1,228 @@
+"""OpenAI-compatible HTTP messages, with the token-level extensions RL needs.
+
+Served by the generator, forwarded by the gateway's session proxy, sent by agents. Requests accept
+(and ignore) extra fields that real clients send (``reasoning_effort``, ``prompt_cache_key``, ...).
+Extensions, all optional for clients:
+  * assistant messages may carry ``prompt_token_ids`` / ``generation_token_ids`` /
+    ``generation_log_probs`` (NeMo-Gym's contract) and requests ``required_prefix_token_ids``: the
+    generator then keeps the model's exact earlier tokens (the splice);
+  * ``streamrl`` on a request tags it (train or validation) for the sampling gate;
+  * responses carry ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` per
+    choice and the ``weight_version`` (at admission and at the last token) that produced them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class _Lenient(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Unknown fields are accepted and dropped (clients send many)."""
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: Any = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+    generation_log_probs: list[float] | None = None
+
+
+class RequestTag(_Lenient):
+    """streamrl's request tag: which sampling profile applies and which session it belongs to."""
+
+    kind: Literal["train", "validation"] = "train"
+    session_id: str | None = None
+
+
+class ChatCompletionRequest(_Lenient):
+    messages: list[ChatMessage]
+    model: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    required_prefix_token_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    streamrl: RequestTag | None = None
+    stream: bool = False
+
+
+class CompletionRequest(_Lenient):
+    prompt: str | list[int]
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    streamrl: RequestTag | None = None
+    stream: bool = False
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    required_prefix_token_ids: list[int] | None = None
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    content: list[TokenLogprob]
+
+
+class ResponseMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
+    generation_token_ids: list[int] = msgspec.field(default_factory=list)
+    generation_log_probs: list[float] = msgspec.field(default_factory=list)
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ResponseMessage
+    finish_reason: str
+    logprobs: ChoiceLogprobs | None = None
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int]
+    weight_version: int
+    weight_version_end: int
+    object: str = "chat.completion"
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+    generation_token_ids: list[int] = msgspec.field(default_factory=list)
+    generation_log_probs: list[float] = msgspec.field(default_factory=list)
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    prompt_token_ids: list[int]
+    weight_version: int
+    weight_version_end: int
+    object: str = "text_completion"
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    owned_by: str = "streamrl"
+    max_model_len: int = 0
+    weight_version: int = -1
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+# Generator admin API.
+
+
+class LoadWeightsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    version: int
+    path: str
+    checksum: str | None = None
+    mode: Literal["drain", "keep"] = "drain"
+
+
+class PauseRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    mode: Literal["drain", "keep"] = "drain"
+
+
+class GeneratorState(msgspec.Struct, kw_only=True):
+    worker_id: str
+    state: str
+    weight_version: int
+    engine: str
+    model: str
+    in_flight: int
+    waiting: int
+    requests_total: int
+    generated_tokens_total: int
+    tokens_per_s: float
+    prefix_cache_resets: int
+    last_refit_s: float
+    error: str | None = None

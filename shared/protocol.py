@@ -1,0 +1,268 @@
+"""The wire protocol: every message that crosses a process boundary through Redis.
+
+Messages are msgspec Structs, tagged (field ``type``) so one decoder handles the union, encoded as
+msgpack. Token ids and logprobs travel as packed little-endian int32/float32 bytes (see
+`shared.tokens`). Every message carries the schema version ``v`` it was written with; a reader
+rejects any other version loudly (`ProtocolError`), so a rolling upgrade never mis-reads entries.
+
+Who writes what:
+    trainer  -> tasks        Task                (consumer group "gateways")
+    gateway  -> trajectories Trajectory          (consumer group "trainer")
+    trainer  -> weights      WeightAnnouncement  (read by every generator)
+    generator-> weight_acks  WeightAck           (read by the trainer while it waits on a refit)
+    any      -> registry     Heartbeat           (worker registry, see `shared.registry`)
+    any      -> deadletter   DeadLetter          (entries that failed to decode or validate)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, TypeVar, Union
+
+import msgspec
+import numpy as np
+
+from shared.tokens import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
+
+SCHEMA_VERSION = 1
+
+TaskKind = Literal["train", "validation"]
+RolloutStatus = Literal["ok", "failed", "env_flagged", "truncated"]
+WorkerKind = Literal["generator", "gym_gateway", "trainer"]
+
+
+class ProtocolError(ValueError):
+    """An entry that cannot be decoded, has another schema version, or fails validation."""
+
+
+class _Message(msgspec.Struct, kw_only=True, tag_field="type"):
+    v: int = SCHEMA_VERSION
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    """Sampling parameters of one request profile (train or validation)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 256
+    kind: TaskKind = "train"
+
+
+class Task(_Message, tag="task"):
+    """One rollout to run: issued by the trainer's scheduler, consumed by one gateway worker."""
+
+    task_id: str
+    group_id: str
+    index_in_group: int
+    group_size: int
+    prompt_index: int
+    env: str
+    instance: dict[str, Any]
+    kind: TaskKind
+    target_step: int
+    sampling: SamplingParams
+    deadline_s: float
+    issued_at: float = msgspec.field(default_factory=time.time)
+    attempt: int = 0
+
+
+class Turn(msgspec.Struct, kw_only=True):
+    """One model call of a rollout.
+
+    ``prompt_ids`` holds only the prompt tokens that are new relative to the rollout's context:
+    the prompt the engine saw is ``context[:context_len] + prompt_ids``. When the agent's history
+    is token-exact, ``context_len`` equals the length of everything before this turn.
+    """
+
+    prompt_ids: bytes
+    context_len: int
+    generated_ids: bytes
+    generated_logprobs: bytes
+    weight_version: int
+    weight_version_end: int
+    finish_reason: str = "stop"
+    generator_id: str = ""
+    latency_s: float = 0.0
+
+    def prompt(self) -> np.ndarray:
+        return unpack_ids(self.prompt_ids)
+
+    def generated(self) -> np.ndarray:
+        return unpack_ids(self.generated_ids)
+
+    def logprobs(self) -> np.ndarray:
+        return unpack_logprobs(self.generated_logprobs)
+
+
+class Trajectory(_Message, tag="trajectory"):
+    """One finished rollout, published by the gateway after the environment scored it."""
+
+    task_id: str
+    group_id: str
+    index_in_group: int
+    group_size: int
+    prompt_index: int
+    env: str
+    kind: TaskKind
+    target_step: int
+    launch_version: int
+    reward: float
+    status: RolloutStatus
+    turns: list[Turn]
+    fallback_reason: str | None = None
+    mask_sample: bool | None = None
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    gateway_id: str = ""
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(t.generated_ids) // 4 for t in self.turns)
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted({v for t in self.turns for v in (t.weight_version, t.weight_version_end)})
+
+
+class WeightAnnouncement(_Message, tag="weights"):
+    """Weight version ``version`` is ready at ``path`` (a safetensors folder)."""
+
+    version: int
+    path: str
+    checksum: str
+    num_bytes: int
+    format: Literal["safetensors"] = "safetensors"
+    mode: Literal["drain", "keep"] = "drain"
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class WeightAck(_Message, tag="weight_ack"):
+    """A generator's answer to a WeightAnnouncement."""
+
+    worker_id: str
+    version: int
+    ok: bool
+    error: str | None = None
+    cache_reset: bool = False
+    load_s: float = 0.0
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    """A live worker's registry record, refreshed every few seconds."""
+
+    worker_id: str
+    kind: WorkerKind
+    url: str
+    pid: int
+    host: str
+    state: Literal["starting", "ready", "paused", "loading", "failed", "draining"]
+    weight_version: int = -1
+    in_flight: int = 0
+    started_at: float = 0.0
+    at: float = msgspec.field(default_factory=time.time)
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
+    error: str | None = None
+
+
+class DeadLetter(_Message, tag="deadletter"):
+    """An entry that could not be used, with the reason; the raw payload is kept for audit."""
+
+    source: str
+    entry_id: str
+    reason: str
+    payload: bytes
+    at: float = msgspec.field(default_factory=time.time)
+
+
+Message = Union[Task, Trajectory, WeightAnnouncement, WeightAck, Heartbeat, DeadLetter]
+M = TypeVar("M", bound=_Message)
+
+
+class _Header(msgspec.Struct):
+    type: str = ""
+    v: int = -1
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(msg: _Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, expected: type[M]) -> M:
+    """Decode ``data`` as ``expected``; raise ProtocolError naming what is wrong."""
+    try:
+        header = _header_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable entry: {exc}") from exc
+    tag = expected.__struct_config__.tag
+    if header.type != tag:
+        raise ProtocolError(f"expected a {tag!r} message, got type {header.type!r}")
+    if header.v != SCHEMA_VERSION:
+        raise ProtocolError(
+            f"{tag!r} message has schema version {header.v}; this reader understands only "
+            f"version {SCHEMA_VERSION}"
+        )
+    decoder = _decoders.get(expected)
+    if decoder is None:
+        decoder = _decoders[expected] = msgspec.msgpack.Decoder(expected)
+    try:
+        msg = decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"invalid {tag!r} message: {exc}") from exc
+    _validate(msg)
+    return msg
+
+
+def _validate(msg: _Message) -> None:
+    """Semantic checks msgspec's types cannot express."""
+    if isinstance(msg, Trajectory):
+        if not 0 <= msg.index_in_group < msg.group_size:
+            raise ProtocolError(
+                f"trajectory {msg.task_id}: index_in_group {msg.index_in_group} outside group of "
+                f"{msg.group_size}"
+            )
+        for i, turn in enumerate(msg.turns):
+            for name in ("prompt_ids", "generated_ids", "generated_logprobs"):
+                if len(getattr(turn, name)) % 4:
+                    raise ProtocolError(f"trajectory {msg.task_id}: turns[{i}].{name} is not packed 32-bit data")
+            if len(turn.generated_ids) != len(turn.generated_logprobs):
+                raise ProtocolError(
+                    f"trajectory {msg.task_id}: turns[{i}] has {len(turn.generated_ids) // 4} generated ids "
+                    f"but {len(turn.generated_logprobs) // 4} logprobs"
+                )
+            if turn.context_len < 0:
+                raise ProtocolError(f"trajectory {msg.task_id}: turns[{i}].context_len is negative")
+        if not np.isfinite(msg.reward):
+            raise ProtocolError(f"trajectory {msg.task_id}: reward is not finite")
+    elif isinstance(msg, Task):
+        if not 0 <= msg.index_in_group < msg.group_size:
+            raise ProtocolError(f"task {msg.task_id}: index_in_group outside group")
+
+
+def make_turn(
+    *,
+    prompt_ids: list[int] | np.ndarray,
+    context_len: int,
+    generated_ids: list[int] | np.ndarray,
+    generated_logprobs: list[float] | np.ndarray,
+    weight_version: int,
+    weight_version_end: int | None = None,
+    **kwargs: Any,
+) -> Turn:
+    """Build a Turn from plain sequences, packing the arrays."""
+    return Turn(
+        prompt_ids=pack_ids(prompt_ids),
+        context_len=context_len,
+        generated_ids=pack_ids(generated_ids),
+        generated_logprobs=pack_logprobs(generated_logprobs),
+        weight_version=weight_version,
+        weight_version_end=weight_version if weight_version_end is None else weight_version_end,
+        **kwargs,
+    )

@@ -1,0 +1,255 @@
+"""The run's config tree: the one schema every service of a run agrees on.
+
+A run is one YAML file that all services read (as NeMo-RL's single config tree), so the schema is
+part of the cross-service contract and lives here; each service reads only its own sections
+(`generator`, `gym_gateway`, `trainer`) plus the shared ones. Key names follow NeMo-RL where one
+exists (`grpo.num_prompts_per_step`, `loss_fn.use_importance_sampling_correction`, ...).
+Every field carries a one-line description (shown by ``streamrl config --explain``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from shared.config import ConfigError
+from shared.protocol import SamplingParams
+
+
+def D(text: str) -> Meta:
+    return Meta(description=text)
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RunSection(_Section):
+    run_id: Annotated[str, D("name of the run; all Redis keys live under streamrl:{run_id}:")] = "default"
+    output_dir: Annotated[str, D("folder for metrics, weights, checkpoints and logs")] = "runs/default"
+    seed: Annotated[int, D("seed for data order, sampling and initialisation")] = 42
+
+
+class RedisSection(_Section):
+    url: Annotated[str | None, D("Redis 7+/Valkey URL (env REDIS_URL); null: `streamrl up` embeds Valkey")] = None
+
+
+class DataSection(_Section):
+    train_path: Annotated[str, D("JSONL of training task instances, one object per line")] = ""
+    val_path: Annotated[str | None, D("JSONL of validation task instances")] = None
+    shuffle: Annotated[bool, D("shuffle the training prompts each epoch (seeded by run.seed)")] = True
+
+
+class OptimizerSection(_Section):
+    name: Annotated[Literal["adamw"], D("optimizer")] = "adamw"
+    lr: Annotated[float, D("learning rate")] = 1e-5
+    weight_decay: Annotated[float, D("decoupled weight decay")] = 0.0
+    betas: Annotated[tuple[float, float], D("Adam betas")] = (0.9, 0.999)
+    eps: Annotated[float, D("Adam epsilon")] = 1e-8
+
+
+class VllmSection(_Section):
+    dtype: Annotated[str, D("engine dtype (float32 on CPU for exact logprobs)")] = "auto"
+    enforce_eager: Annotated[bool, D("skip torch.compile/graph capture (fast start on CPU)")] = False
+    max_model_len: Annotated[int | None, D("engine context length; null: the model's")] = None
+    kv_cache_memory_bytes: Annotated[int | None, D("KV cache size in bytes (required on CPU)")] = None
+    gpu_memory_utilization: Annotated[float, D("GPU memory fraction for weights+KV (GPU only)")] = 0.9
+    max_num_seqs: Annotated[int, D("max sequences batched together by the engine")] = 256
+    enable_prefix_caching: Annotated[bool | None, D("prefix caching; null: the engine's default")] = None
+    tensor_parallel_size: Annotated[int, D("tensor parallel degree of each engine")] = 1
+
+
+class GenerationSection(_Section):
+    backend: Annotated[Literal["vllm", "transformers"], D("generation engine")] = "vllm"
+    temperature: Annotated[float, D("training sampling temperature")] = 1.0
+    top_p: Annotated[float, D("training nucleus sampling")] = 1.0
+    top_k: Annotated[int | None, D("training top-k; must stay null (on-policy gate)")] = None
+    max_new_tokens: Annotated[int, D("cap on generated tokens per model call")] = 512
+    val_temperature: Annotated[float | None, D("validation temperature; null: the training value")] = None
+    val_top_p: Annotated[float | None, D("validation top-p; null: the training value")] = None
+    vllm_cfg: VllmSection = msgspec.field(default_factory=VllmSection)
+
+    def sampling(self, kind: Literal["train", "validation"]) -> SamplingParams:
+        if kind == "validation":
+            return SamplingParams(
+                temperature=self.temperature if self.val_temperature is None else self.val_temperature,
+                top_p=self.top_p if self.val_top_p is None else self.val_top_p,
+                top_k=None,
+                max_tokens=self.max_new_tokens,
+                kind="validation",
+            )
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_new_tokens
+        )
+
+
+class PolicySection(_Section):
+    model_name: Annotated[str, D("HF model folder (or hub id where reachable) of the policy")] = ""
+    tokenizer_name: Annotated[str | None, D("tokenizer folder; null: model_name")] = None
+    max_total_sequence_length: Annotated[int, D("longest trajectory (prompt+generations) trained on")] = 4096
+    train_global_batch_size: Annotated[int | None, D("rows per optimizer step; null: the whole step's batch")] = None
+    train_micro_batch_size: Annotated[int, D("rows per forward/backward pass")] = 8
+    max_grad_norm: Annotated[float, D("gradient clipping norm")] = 1.0
+    precision: Annotated[Literal["float32", "bfloat16"], D("training precision")] = "float32"
+    optimizer: OptimizerSection = msgspec.field(default_factory=OptimizerSection)
+    generation: GenerationSection = msgspec.field(default_factory=GenerationSection)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer_name or self.model_name
+
+
+class AsyncGrpoSection(_Section):
+    enabled: Annotated[bool, D("asynchronous GRPO (generation overlaps training)")] = True
+    max_trajectory_age_steps: Annotated[int, D("staleness bound L: tasks issued up to step+L, older groups evicted")] = 1
+    in_flight_weight_updates: Annotated[bool, D("refit without draining in-flight generation")] = False
+    allow_future_targets: Annotated[bool, D("a step may consume groups staged for later steps")] = True
+
+
+class GrpoSection(_Section):
+    num_prompts_per_step: Annotated[int, D("prompt groups per training step")] = 32
+    num_generations_per_prompt: Annotated[int, D("rollouts per prompt (group size G)")] = 16
+    max_num_steps: Annotated[int, D("training steps to run")] = 100
+    normalize_rewards: Annotated[bool, D("divide advantages by the group's reward std")] = True
+    use_leave_one_out_baseline: Annotated[bool, D("baseline = mean of the other rollouts of the group")] = True
+    val_period: Annotated[int, D("validate every N steps; 0: never")] = 0
+    val_at_start: Annotated[bool, D("validate before the first step")] = False
+    max_val_samples: Annotated[int | None, D("validation prompts per validation; null: all")] = None
+    async_grpo: AsyncGrpoSection = msgspec.field(default_factory=AsyncGrpoSection)
+
+
+class LossSection(_Section):
+    ratio_clip_min: Annotated[float, D("PPO clip below 1 (r >= 1 - ratio_clip_min)")] = 0.2
+    ratio_clip_max: Annotated[float, D("PPO clip above 1 (r <= 1 + ratio_clip_max)")] = 0.2
+    ratio_clip_c: Annotated[float | None, D("dual-clip constant (> 1) for negative advantages; null: off")] = None
+    use_importance_sampling_correction: Annotated[
+        bool, D("weight tokens by pi_train_old/pi_generator (required for async)")
+    ] = True
+    truncated_importance_sampling_ratio: Annotated[float | None, D("upper bound of the IS weight; null: none")] = 5.0
+    truncated_importance_sampling_type: Annotated[
+        Literal["tis", "icepop"], D("tis: clamp the weight; icepop: drop tokens outside the bounds")
+    ] = "tis"
+    truncated_importance_sampling_ratio_min: Annotated[float | None, D("lower IS bound (icepop needs it)")] = None
+    reference_policy_kl_penalty: Annotated[float, D("beta of the k3 KL to the initial policy; 0: off")] = 0.0
+    token_level_loss: Annotated[bool, D("mean over all valid tokens of the step (else per sequence)")] = True
+
+
+class EnvSection(_Section):
+    name: Annotated[str, D("environment used for tasks whose row names none")] = "tool_calc"
+    failure_policy: Annotated[
+        Literal["fail_fast", "backfill"], D("failed rollout: stop the run, or train a zero-reward placeholder")
+    ] = "fail_fast"
+    max_turns: Annotated[int, D("cap on model calls per rollout")] = 8
+
+
+class CheckpointSection(_Section):
+    enabled: Annotated[bool, D("save checkpoints")] = True
+    checkpoint_dir: Annotated[str | None, D("folder; null: <output_dir>/checkpoints")] = None
+    save_period: Annotated[int, D("save every N steps (and at the last step)")] = 10
+    keep_last: Annotated[int, D("checkpoints kept on disk")] = 2
+
+
+class LoggerSection(_Section):
+    log_dir: Annotated[str | None, D("folder for metrics.jsonl and plots; null: output_dir")] = None
+    plot: Annotated[bool, D("write reward_curve.png at the end")] = True
+
+
+class GeneratorSection(_Section):
+    host: Annotated[str, D("bind address")] = "127.0.0.1"
+    port: Annotated[int, D("port of the first generator (more get the next ports); 0: any free port")] = 8100
+    num_workers: Annotated[int, D("generator processes started by `streamrl up`")] = 1
+    turn_terminator: Annotated[str | None, D("token that ends a chat turn; null: the tokenizer's EOS")] = None
+    weight_load_timeout_s: Annotated[float, D("deadline for loading one weight version")] = 120.0
+    drain_timeout_s: Annotated[float, D("deadline to finish in-flight requests before a drained refit")] = 60.0
+    max_concurrent_requests: Annotated[int, D("requests admitted at once; more wait (backpressure)")] = 512
+
+
+class GatewaySection(_Section):
+    host: Annotated[str, D("bind address of the session proxy")] = "127.0.0.1"
+    port: Annotated[int, D("port of the first gateway worker; 0: any free port")] = 8200
+    num_workers: Annotated[int, D("gateway processes started by `streamrl up`")] = 1
+    max_concurrent_rollouts: Annotated[int, D("rollouts one worker runs at once")] = 64
+    rollout_timeout_s: Annotated[float, D("deadline of one rollout")] = 600.0
+    reclaim_idle_s: Annotated[float, D("take over tasks a dead worker left pending this long")] = 900.0
+    request_timeout_s: Annotated[float, D("deadline of one model call through the proxy")] = 300.0
+
+
+class TrainerSection(_Section):
+    host: Annotated[str, D("bind address of the REST API")] = "127.0.0.1"
+    port: Annotated[int, D("REST port")] = 8300
+    refit_timeout_s: Annotated[float, D("deadline for all generators to confirm a weight version")] = 300.0
+    startup_timeout_s: Annotated[float, D("deadline for the first generator to register")] = 600.0
+    data_timeout_s: Annotated[float, D("longest wait for a step's data before failing loudly")] = 3600.0
+    torch_threads: Annotated[int | None, D("torch intra-op threads; null: torch's default")] = None
+    backend: Annotated[Literal["torch"], D("training backend")] = "torch"
+
+
+class RunConfig(_Section):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    redis: RedisSection = msgspec.field(default_factory=RedisSection)
+    data: DataSection = msgspec.field(default_factory=DataSection)
+    policy: PolicySection = msgspec.field(default_factory=PolicySection)
+    grpo: GrpoSection = msgspec.field(default_factory=GrpoSection)
+    loss_fn: LossSection = msgspec.field(default_factory=LossSection)
+    env: EnvSection = msgspec.field(default_factory=EnvSection)
+    checkpointing: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
+    logger: LoggerSection = msgspec.field(default_factory=LoggerSection)
+    generator: GeneratorSection = msgspec.field(default_factory=GeneratorSection)
+    gym_gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
+    trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+
+    def check(self) -> None:
+        """Cross-field checks; each error names the key to change. Never rewrites anything."""
+        g, lf = self.grpo, self.loss_fn
+        if g.num_generations_per_prompt < 2:
+            raise ConfigError("grpo.num_generations_per_prompt must be >= 2 (GRPO compares rollouts of a group)")
+        if g.num_prompts_per_step < 1:
+            raise ConfigError("grpo.num_prompts_per_step must be >= 1")
+        if g.async_grpo.max_trajectory_age_steps < 0:
+            raise ConfigError("grpo.async_grpo.max_trajectory_age_steps must be >= 0")
+        if g.async_grpo.enabled and g.async_grpo.max_trajectory_age_steps > 0 and not lf.use_importance_sampling_correction:
+            raise ConfigError(
+                "loss_fn.use_importance_sampling_correction must be true with grpo.async_grpo.enabled "
+                "(asynchronous samples are off-policy)"
+            )
+        if lf.truncated_importance_sampling_type == "icepop" and lf.truncated_importance_sampling_ratio_min is None:
+            raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min is required for icepop")
+        if lf.ratio_clip_c is not None and lf.ratio_clip_c <= 1:
+            raise ConfigError("loss_fn.ratio_clip_c must be > 1 (or null)")
+        if self.policy.generation.top_k not in (None, -1):
+            raise ConfigError("policy.generation.top_k must be null: training samples must stay on-policy")
+        if self.policy.train_micro_batch_size < 1:
+            raise ConfigError("policy.train_micro_batch_size must be >= 1")
+        if (
+            self.policy.train_global_batch_size is not None
+            and (g.num_prompts_per_step * g.num_generations_per_prompt) % self.policy.train_global_batch_size
+        ):
+            raise ConfigError(
+                "policy.train_global_batch_size must divide grpo.num_prompts_per_step x num_generations_per_prompt"
+            )
+        if not self.policy.model_name:
+            raise ConfigError("policy.model_name is required")
+        if not self.data.train_path:
+            raise ConfigError("data.train_path is required")
+        if g.val_period > 0 or g.val_at_start:
+            if not self.data.val_path:
+                raise ConfigError("data.val_path is required when grpo.val_period > 0 or grpo.val_at_start")
+
+
+def explain(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, type, description) for every leaf of the schema, for `streamrl config --explain`."""
+    rows: list[tuple[str, str, str]] = []
+    for field in msgspec.structs.fields(cls):
+        key = f"{prefix}{field.encode_name}"
+        tp = field.type
+        desc = ""
+        if getattr(tp, "__metadata__", None):
+            desc = next((m.description for m in tp.__metadata__ if isinstance(m, Meta) and m.description), "")
+            tp = tp.__origin__
+        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            rows.extend(explain(tp, key + "."))
+        else:
+            rows.append((key, getattr(tp, "__name__", str(tp)).replace("typing.", ""), desc))
+    return rows

@@ -1,0 +1,186 @@
+"""Redis Streams client: produce, consume with consumer groups, ack, reclaim, dead-letter.
+
+Delivery contract (see DESIGN.md): a consumer acks an entry only once its effect is durable.
+Entries a dead consumer left pending are taken over with XAUTOCLAIM after an idle timeout.
+An entry that cannot be decoded or validated is copied to the dead-letter stream with the reason
+and acked, so one bad writer cannot wedge a consumer group and nothing disappears silently.
+
+Callers: the trainer (tasks out, trajectories in, weights out, weight acks in), the gateway
+(tasks in, trajectories out), the generator (weights in, weight acks out).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from shared import keys as K
+from shared.protocol import DeadLetter, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M")
+
+
+def connect(url: str, *, socket_timeout_s: float = 30.0) -> aioredis.Redis:
+    """An asyncio Redis client that retries transient connection errors with backoff.
+
+    Works with redis://, rediss:// (TLS) and unix:// URLs, with passwords and ACL users in the URL.
+    """
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=False,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=5.0,
+        health_check_interval=15,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
+@dataclass(frozen=True)
+class Delivery(Generic[M]):
+    """One decoded entry read through a consumer group."""
+
+    entry_id: str
+    msg: M
+
+
+def _id(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+class StreamClient:
+    """Typed access to the run's streams for one consumer."""
+
+    def __init__(self, redis: aioredis.Redis, run_keys: K.RunKeys, consumer: str) -> None:
+        self.redis = redis
+        self.keys = run_keys
+        self.consumer = consumer
+        self.deadlettered = 0
+
+    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
+        """Create ``group`` on ``stream`` (and the stream) unless it exists."""
+        try:
+            await self.redis.xgroup_create(stream, group, id=start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def publish(self, stream: str, msg, *, maxlen: int | None = None) -> str:
+        entry_id = await self.redis.xadd(
+            stream, {K.ENTRY_FIELD: encode(msg)}, maxlen=maxlen, approximate=maxlen is not None
+        )
+        return _id(entry_id)
+
+    async def publish_many(self, stream: str, msgs: Sequence) -> list[str]:
+        """Publish in one pipelined round trip (not a transaction: each XADD is atomic itself)."""
+        if not msgs:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for msg in msgs:
+                pipe.xadd(stream, {K.ENTRY_FIELD: encode(msg)})
+            ids = await pipe.execute()
+        return [_id(i) for i in ids]
+
+    async def read_group(
+        self,
+        stream: str,
+        group: str,
+        expected: type[M],
+        *,
+        count: int,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[Delivery[M]]:
+        """Read up to ``count`` entries for this consumer.
+
+        ``pending=True`` re-reads this consumer's own unacknowledged entries (after a restart);
+        otherwise new entries are read, blocking up to ``block_ms``.
+        """
+        reply = await self.redis.xreadgroup(
+            group, self.consumer, {stream: "0" if pending else ">"}, count=count, block=None if pending else block_ms
+        )
+        entries = reply[0][1] if reply else []
+        return await self._decode_entries(stream, group, entries, expected)
+
+    async def reclaim(
+        self, stream: str, group: str, expected: type[M], *, min_idle_ms: int, count: int = 100
+    ) -> list[Delivery[M]]:
+        """Take over entries other consumers left pending for at least ``min_idle_ms``."""
+        claimed: list = []
+        start = "0-0"
+        while True:
+            reply = await self.redis.xautoclaim(stream, group, self.consumer, min_idle_ms, start_id=start, count=count)
+            start, entries = _id(reply[0]), reply[1]
+            deleted = reply[2] if len(reply) > 2 else []
+            if deleted:
+                # Entries deleted from the stream while pending (trimmed): nothing to redeliver.
+                log.warning("reclaim on %s: %d pending entries no longer exist", stream, len(deleted))
+            claimed.extend(entries)
+            if start == "0-0" or len(claimed) >= count:
+                break
+        if claimed:
+            log.info("reclaimed %d idle entries on %s for %s", len(claimed), stream, self.consumer)
+        return await self._decode_entries(stream, group, claimed, expected)
+
+    async def ack(self, stream: str, group: str, entry_ids: Sequence[str]) -> int:
+        if not entry_ids:
+            return 0
+        return await self.redis.xack(stream, group, *entry_ids)
+
+    async def dead_letter(self, source: str, entry_id: str, payload: bytes, reason: str) -> None:
+        self.deadlettered += 1
+        log.warning("dead-lettering %s entry %s: %s", source, entry_id, reason)
+        letter = DeadLetter(source=source, entry_id=entry_id, reason=reason, payload=payload)
+        await self.publish(self.keys.deadletter, letter, maxlen=K.DEADLETTER_MAXLEN)
+
+    async def read_latest(self, stream: str, expected: type[M]) -> Delivery[M] | None:
+        """The newest entry of a broadcast stream (e.g. the latest weight announcement)."""
+        reply = await self.redis.xrevrange(stream, count=1)
+        if not reply:
+            return None
+        entry_id, fields = reply[0]
+        return Delivery(_id(entry_id), decode(fields[K.ENTRY_FIELD], expected))
+
+    async def read_after(
+        self, stream: str, last_id: str, expected: type[M], *, block_ms: int, count: int = 100
+    ) -> list[Delivery[M]]:
+        """Read a broadcast stream (no consumer group) after ``last_id``; bad entries are skipped."""
+        reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+        out: list[Delivery[M]] = []
+        for entry_id, fields in reply[0][1] if reply else []:
+            try:
+                out.append(Delivery(_id(entry_id), decode(fields.get(K.ENTRY_FIELD, b""), expected)))
+            except ProtocolError as exc:
+                log.error("skipping bad %s entry %s: %s", stream, _id(entry_id), exc)
+                out.append(Delivery(_id(entry_id), None))  # type: ignore[arg-type]
+        return out
+
+    async def _decode_entries(self, stream: str, group: str, entries, expected: type[M]) -> list[Delivery[M]]:
+        good: list[Delivery[M]] = []
+        bad: list[str] = []
+        for entry_id, fields in entries:
+            eid = _id(entry_id)
+            payload = fields.get(K.ENTRY_FIELD) if fields else None
+            if payload is None:
+                await self.dead_letter(stream, eid, b"", f"entry has no {K.ENTRY_FIELD.decode()!r} field")
+                bad.append(eid)
+                continue
+            try:
+                good.append(Delivery(eid, decode(payload, expected)))
+            except ProtocolError as exc:
+                await self.dead_letter(stream, eid, payload, str(exc))
+                bad.append(eid)
+        if bad:
+            await self.ack(stream, group, bad)
+        return good

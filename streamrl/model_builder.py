@@ -1,0 +1,150 @@
+"""Build the tiny policy used by the demo and the tests: a Qwen3-architecture causal LM and a
+locally trained byte-level BPE tokenizer with a Qwen-style chat template (tools, <think>).
+
+Nothing is downloaded: the tokenizer is trained on text generated here from a seed, the model is
+randomly initialised from the same seed, and both are written with ``save_pretrained`` so the
+services load them with the same code that loads a real checkpoint (`AutoTokenizer`,
+`AutoModelForCausalLM`, vLLM's loader). Untied embeddings (vLLM's in-place reload leaves a tied
+lm_head stale), head_dim 32 (the smallest vLLM's CPU attention supports), 32K positions so real
+agent harnesses fit. Called by ``streamrl model init`` and by test fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+_WORDS = (
+    "the a an and or of to in on for with is are was be it this that what which who how why when where "
+    "answer number result value sum total tool call function calculator expression arguments name "
+    "use compute please question reply repeat after me exactly word words say here there then now "
+    "apple banana cherry grape lemon mango orange peach pear plum red green blue yellow black white "
+    "cat dog bird fish horse tiger lion mouse river mountain city house tree stone water fire wind "
+    "one two three four five six seven eight nine ten hello thanks yes no ok done true false error "
+    "file test code python run bash command output input list read write open close print return def "
+    "class import from self if else while not in is None True False assistant user system"
+).split()
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny model; the defaults are what the demo and the tests use."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1_000_000.0
+    seed: int = 0
+
+
+def _corpus(seed: int, n_lines: int = 6000) -> list[str]:
+    """Seeded synthetic text: chat transcripts with tool calls, arithmetic, prose, code."""
+    rng = random.Random(seed)
+    lines: list[str] = []
+    for i in range(n_lines):
+        kind = i % 6
+        if kind == 0:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice("+-*")
+            lines.append(f"What is {a} {op} {b}? Use the calculator. The answer is {a + b}.")
+        elif kind == 1:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            args = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} + {b}"}})
+            lines.append(f"<|im_start|>assistant\n<tool_call>\n{args}\n</tool_call><|im_end|>")
+        elif kind == 2:
+            lines.append(f"<|im_start|>user\n<tool_response>\n{rng.randint(0, 2000)}\n</tool_response><|im_end|>")
+        elif kind == 3:
+            words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
+            lines.append(f"Repeat after me: {words}\n{words}")
+        elif kind == 4:
+            words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 20)))
+            lines.append(words.capitalize() + rng.choice([".", "?", "!"]))
+        else:
+            name = rng.choice(_WORDS)
+            lines.append(f"def {name}_{i}(x, y):\n    return x + y * {rng.randint(0, 9)}\n")
+    return lines
+
+
+def _train_tokenizer(spec: TinyModelSpec):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    # Digits are split one by one (as Qwen's tokenizers do), then byte-level BPE.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\d"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=SPECIAL_TOKENS + ADDED_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    return tok
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write tokenizer + chat template + randomly initialised Qwen3 model to ``out_dir``."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(spec),
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=[],
+    )
+    hf_tok.chat_template = (Path(__file__).with_name("chat_template.jinja")).read_text()
+    hf_tok.model_max_length = spec.max_position_embeddings
+    hf_tok.save_pretrained(out)
+
+    torch.manual_seed(spec.seed)
+    pad_id = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen3Config(
+        vocab_size=len(hf_tok),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=False,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = pad_id
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "streamrl_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+    return out
+
+
+def is_model_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors")) and (p / "tokenizer.json").is_file()
