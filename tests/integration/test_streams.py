@@ -1,0 +1,114 @@
+"""Streams client against a real Valkey server: produce, consume, ack, reclaim, dead-letter."""
+
+import uuid
+
+import pytest
+
+from shared import keys as K
+from shared.protocol import DeadLetter, Heartbeat, SamplingParams, Task, decode, encode
+from shared.registry import live_workers, publish_heartbeat, remove_worker
+from shared.streams import StreamClient, connect
+
+pytestmark = pytest.mark.integration
+
+
+def _task(i: int) -> Task:
+    return Task(
+        task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=2, prompt_index=i, env="echo",
+        instance={"i": i}, kind="train", target_step=0, sampling=SamplingParams(), deadline_s=30.0,
+    )
+
+
+@pytest.fixture
+async def clients(redis_url):
+    redis = connect(redis_url)
+    keys = K.RunKeys(f"t-{uuid.uuid4().hex[:8]}")
+    a = StreamClient(redis, keys, "worker-a")
+    b = StreamClient(redis, keys, "worker-b")
+    await a.ensure_group(keys.tasks, K.GATEWAYS_GROUP)
+    yield a, b, keys
+    await redis.aclose()
+
+
+async def test_produce_consume_ack(clients):
+    a, _, keys = clients
+    await a.publish_many(keys.tasks, [_task(i) for i in range(5)])
+    got = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=3, block_ms=100)
+    assert [d.msg.prompt_index for d in got] == [0, 1, 2]
+    assert await a.ack(keys.tasks, K.GATEWAYS_GROUP, [d.entry_id for d in got]) == 3
+    rest = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10, block_ms=100)
+    assert [d.msg.prompt_index for d in rest] == [3, 4]
+    pending = await a.redis.xpending(keys.tasks, K.GATEWAYS_GROUP)
+    assert pending["pending"] == 2
+
+
+async def test_unacked_entries_are_redelivered_to_same_consumer_after_restart(clients):
+    a, _, keys = clients
+    await a.publish(keys.tasks, _task(1))
+    first = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=1, block_ms=100)
+    again = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10, pending=True)
+    assert [d.entry_id for d in again] == [first[0].entry_id]
+
+
+async def test_idle_pending_entries_are_reclaimed_by_another_consumer(clients):
+    a, b, keys = clients
+    await a.publish_many(keys.tasks, [_task(i) for i in range(3)])
+    taken = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=3, block_ms=100)
+    assert len(taken) == 3
+    # worker-a "dies": nothing is acked. Not idle long enough yet -> nothing to reclaim.
+    assert await b.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task, min_idle_ms=60_000) == []
+    reclaimed = await b.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task, min_idle_ms=0)
+    assert sorted(d.msg.prompt_index for d in reclaimed) == [0, 1, 2]
+    info = await b.redis.xpending_range(keys.tasks, K.GATEWAYS_GROUP, "-", "+", 10)
+    assert {i["consumer"] for i in info} == {b"worker-b"}
+
+
+async def test_bad_entries_are_dead_lettered_acked_and_consumer_carries_on(clients):
+    a, _, keys = clients
+    await a.redis.xadd(keys.tasks, {K.ENTRY_FIELD: b"\xc1not msgpack"})
+    await a.redis.xadd(keys.tasks, {b"other": b"x"})
+    await a.redis.xadd(keys.tasks, {K.ENTRY_FIELD: encode(_task(1)).replace(b"\xa4task", b"\xa4tusk")})
+    await a.publish(keys.tasks, _task(9))
+    got = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10, block_ms=100)
+    assert [d.msg.prompt_index for d in got] == [9]
+    assert a.deadlettered == 3
+    letters = [decode(f[K.ENTRY_FIELD], DeadLetter) for _, f in await a.redis.xrange(keys.deadletter)]
+    reasons = [letter.reason for letter in letters]
+    assert "undecodable" in reasons[0]
+    assert "no 'm' field" in reasons[1]
+    assert "expected a 'task' message" in reasons[2]
+    assert letters[0].payload == b"\xc1not msgpack" and letters[0].source == keys.tasks
+    pending = await a.redis.xpending(keys.tasks, K.GATEWAYS_GROUP)
+    assert pending["pending"] == 1  # only the good one awaits its ack
+
+
+async def test_registry_lists_live_workers_and_drops_removed(clients):
+    a, _, keys = clients
+    for wid, kind in [("gen-1", "generator"), ("gw-1", "gym_gateway")]:
+        hb = Heartbeat(worker_id=wid, kind=kind, url="http://x", pid=1, host="h", state="ready", weight_version=3)
+        await publish_heartbeat(a.redis, keys, hb)
+    gens = await live_workers(a.redis, keys, "generator")
+    assert [h.worker_id for h in gens] == ["gen-1"] and gens[0].weight_version == 3
+    await remove_worker(a.redis, keys, "gen-1")
+    assert [h.worker_id for h in await live_workers(a.redis, keys)] == ["gw-1"]
+
+
+async def test_expired_heartbeats_drop_out(clients):
+    a, _, keys = clients
+    hb = Heartbeat(worker_id="old", kind="generator", url="u", pid=1, host="h", state="ready")
+    await publish_heartbeat(a.redis, keys, hb)
+    await a.redis.zadd(keys.registry, {"old": 1.0})  # expired long ago
+    assert await live_workers(a.redis, keys) == []
+    assert await a.redis.hget(keys.registry_info, "old") is None
+
+
+async def test_read_latest_and_read_after_broadcast(clients):
+    from shared.protocol import WeightAnnouncement
+
+    a, b, keys = clients
+    assert await a.read_latest(keys.weights, WeightAnnouncement) is None
+    ids = [await a.publish(keys.weights, WeightAnnouncement(version=v, path=f"/w{v}", checksum="c", num_bytes=1)) for v in range(3)]
+    latest = await b.read_latest(keys.weights, WeightAnnouncement)
+    assert latest.msg.version == 2 and latest.entry_id == ids[2]
+    after = await b.read_after(keys.weights, ids[0], WeightAnnouncement, block_ms=10)
+    assert [d.msg.version for d in after] == [1, 2]
