@@ -21,6 +21,10 @@ DEADLETTER_MAXLEN = 100_000
 WEIGHT_ACKS_MAXLEN = 10_000
 WEIGHTS_MAXLEN = 1_000
 
+# Pause reasons (fields of RunKeys.pause) that stop gateways from launching new rollouts.
+# Other reasons (e.g. "validation") only stop the trainer from issuing training tasks.
+LAUNCH_GATE_REASONS = ("user", "refit")
+
 # The only field of every stream entry: the encoded message.
 ENTRY_FIELD = b"m"
 
