@@ -22,18 +22,18 @@ class _Lenient(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Unknown fields are accepted and dropped (clients send many)."""
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(_Lenient, kw_only=True, omit_defaults=True):
     name: str
     arguments: str = "{}"
 
 
-class ToolCall(_Lenient):
+class ToolCall(_Lenient, kw_only=True, omit_defaults=True):
     id: str = ""
     type: str = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(_Lenient, kw_only=True, omit_defaults=True):
     role: str
     content: Any = None
     name: str | None = None
@@ -46,14 +46,14 @@ class ChatMessage(_Lenient):
     generation_log_probs: list[float] | None = None
 
 
-class RequestTag(_Lenient):
+class RequestTag(_Lenient, kw_only=True, omit_defaults=True):
     """streamrl's request tag: which sampling profile applies and which session it belongs to."""
 
     kind: Literal["train", "validation"] = "train"
     session_id: str | None = None
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(_Lenient, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage]
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
@@ -74,7 +74,7 @@ class ChatCompletionRequest(_Lenient):
     stream: bool = False
 
 
-class CompletionRequest(_Lenient):
+class CompletionRequest(_Lenient, kw_only=True, omit_defaults=True):
     prompt: str | list[int]
     model: str | None = None
     temperature: float | None = None
@@ -89,7 +89,7 @@ class CompletionRequest(_Lenient):
     stream: bool = False
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_Lenient, kw_only=True, omit_defaults=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
