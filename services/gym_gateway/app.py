@@ -1,0 +1,142 @@
+"""The gateway's HTTP app: the session proxy routes plus health, readiness and metrics.
+
+    POST /sessions/{session_id}/v1/chat/completions   OpenAI chat, recorded per rollout
+    GET  /sessions/{session_id}/v1/models             the model list of the session's generator
+    GET  /health, /ready, /metrics
+
+`build_app` creates the long-lived clients (Redis, httpx, proxy, worker) in named steps and keeps
+them on ``app.state``; the lifespan starts the worker loop and the heartbeat, and on shutdown
+drains running rollouts within ``drain_timeout_s`` before closing clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import Gauge
+
+from shared import keys as K
+from shared.http import HTTPError, install_error_handlers, read_body
+from shared.metrics import CONTENT_TYPE, ServiceMetrics
+from shared.openai_api import ChatCompletionRequest
+from shared.protocol import Heartbeat
+from shared.registry import HeartbeatTask
+from shared.run_config import RunConfig
+from shared.streams import StreamClient, connect
+from services.gym_gateway.proxy import GeneratorPool, SessionProxy
+from services.gym_gateway.worker import GatewayWorker
+
+log = logging.getLogger(__name__)
+
+
+def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: float = 30.0) -> FastAPI:
+    gw = cfg.gym_gateway
+    url = f"http://{gw.host}:{port}"
+    metrics = ServiceMetrics("gym_gateway")
+    started_at = time.time()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # 1. clients
+        redis = connect(cfg.redis.url or "redis://127.0.0.1:6379/0")
+        keys = K.RunKeys(cfg.run.run_id)
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=4 * gw.max_concurrent_rollouts,
+                                                     max_keepalive_connections=2 * gw.max_concurrent_rollouts))
+        streams = StreamClient(redis, keys, worker_id)
+        # 2. proxy and worker
+        proxy = SessionProxy(GeneratorPool(redis, keys), http, request_timeout_s=gw.request_timeout_s)
+        worker = GatewayWorker(streams, proxy, http, session_base_url=url, max_concurrent=gw.max_concurrent_rollouts,
+                               reclaim_idle_s=gw.reclaim_idle_s, max_turns=cfg.env.max_turns, gateway_id=worker_id)
+        app.state.proxy, app.state.worker = proxy, worker
+
+        def snapshot() -> Heartbeat:
+            return Heartbeat(worker_id=worker_id, kind="gym_gateway", url=url, pid=os.getpid(), host=socket.gethostname(),
+                             state="draining" if worker.stopping else "ready", in_flight=len(worker.active),
+                             started_at=started_at,
+                             stats={"completed": float(worker.completed), "sessions": float(len(proxy.sessions))})
+
+        # 3. background tasks
+        heartbeat = HeartbeatTask(redis, keys, snapshot)
+        heartbeat.start()
+        metrics.start_loop_lag_probe()
+        loop_task = asyncio.create_task(worker.run(), name="gateway-worker")
+        loop_task.add_done_callback(_die_loudly)
+        app.state.loop_task = loop_task
+        try:
+            yield
+        finally:
+            await worker.drain(drain_timeout_s)
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
+            await heartbeat.aclose(worker_id)
+            await metrics.aclose()
+            await http.aclose()
+            await redis.aclose()
+
+    app = FastAPI(title="streamrl gym gateway", lifespan=lifespan)
+    install_error_handlers(app)
+    g_active = Gauge("streamrl_gateway_active_rollouts", "Rollouts running", registry=metrics.registry)
+    g_done = Gauge("streamrl_gateway_completed_rollouts_total", "Rollouts published", registry=metrics.registry)
+    g_failed = Gauge("streamrl_gateway_failed_rollouts_total", "Failed rollouts by reason", ["reason"], registry=metrics.registry)
+    g_calls = Gauge("streamrl_gateway_model_calls_total", "Model calls through the proxy", registry=metrics.registry)
+    g_breaks = Gauge("streamrl_gateway_prefix_breaks_total", "Calls whose prompt broke the session's token prefix",
+                     registry=metrics.registry)
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat(session_id: str, request: Request) -> Response:
+        req = await read_body(request, ChatCompletionRequest)
+        if req.stream:
+            raise HTTPError(400, "streaming is not supported by the session proxy", param="stream")
+        body = await app.state.proxy.chat(session_id, req)
+        return Response(body, media_type="application/json")
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def models(session_id: str) -> Response:
+        s = app.state.proxy.sessions.get(session_id)
+        if s is None:
+            raise HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
+        resp = await app.state.proxy.http.get(f"{s.generator_url}/v1/models")
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        task = getattr(app.state, "loop_task", None)
+        ok = task is not None and not task.done()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        worker, proxy = app.state.worker, app.state.proxy
+        g_active.set(len(worker.active))
+        g_done.set(worker.completed)
+        for reason, n in worker.failed.items():
+            g_failed.labels(reason=reason).set(n)
+        g_calls.set(proxy.calls_total)
+        g_breaks.set(proxy.prefix_breaks_total)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _die_loudly(task: asyncio.Task) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.critical("gateway worker loop died: %r; exiting", exc)
+        os._exit(1)
+    else:
+        # The run ended (stop key): ask uvicorn to shut down by signalling ourselves.
+        os.kill(os.getpid(), 15)

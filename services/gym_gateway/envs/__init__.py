@@ -1,0 +1,25 @@
+"""Environment registry: name -> implementation. Built-ins: ``tool_calc`` (multi-turn tool use)
+and ``echo`` (single turn)."""
+
+from __future__ import annotations
+
+from services.gym_gateway.envs.base import Environment
+from services.gym_gateway.envs.echo import EchoEnv
+from services.gym_gateway.envs.tool_calc import ToolCalcEnv
+
+_REGISTRY: dict[str, type] = {"tool_calc": ToolCalcEnv, "echo": EchoEnv}
+
+
+class UnknownEnvironment(KeyError):
+    pass
+
+
+def get_env(name: str) -> Environment:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def env_names() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,68 @@
+"""The environment contract and the chat client agents use to reach the model.
+
+An environment runs one rollout: it talks to the model only through `ChatClient` (an
+OpenAI-compatible client pointed at the rollout's session proxy URL, exactly what a black-box agent
+would be given) and returns an `Outcome` with the reward. Token ids never pass through the
+environment: the session proxy records them. Environments are selected by name (`envs.get_env`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import httpx
+import msgspec
+
+from shared.openai_api import ChatCompletionResponse
+
+
+class TransportError(RuntimeError):
+    """The model could not be reached (generator gone, proxy error): an infrastructure failure."""
+
+
+class ModelRequestError(RuntimeError):
+    """The model endpoint refused the request (4xx), e.g. the context is full."""
+
+
+@dataclass
+class Outcome:
+    reward: float
+    status: Literal["ok", "truncated", "env_flagged"] = "ok"
+    metrics: dict[str, float] = field(default_factory=dict)
+    mask_sample: bool | None = None
+
+
+class ChatClient:
+    """Minimal async OpenAI chat client for a session URL (``.../sessions/<id>/v1``)."""
+
+    def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.http = http
+        self.timeout_s = timeout_s
+        self._decoder = msgspec.json.Decoder(ChatCompletionResponse)
+
+    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any) -> ChatCompletionResponse:
+        body: dict[str, Any] = {"messages": messages, **params}
+        if tools:
+            body["tools"] = tools
+        try:
+            resp = await self.http.post(f"{self.base_url}/chat/completions", content=msgspec.json.encode(body),
+                                        headers={"content-type": "application/json"}, timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            raise TransportError(f"model call failed: {type(exc).__name__}: {exc}") from exc
+        if 400 <= resp.status_code < 500:
+            raise ModelRequestError(f"model refused the request ({resp.status_code}): {resp.text[:500]}")
+        if resp.status_code >= 500:
+            raise TransportError(f"model endpoint error {resp.status_code}: {resp.text[:500]}")
+        return self._decoder.decode(resp.content)
+
+
+class Environment(Protocol):
+    name: str
+
+    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+        """Run one episode against the model; raise on infrastructure failure."""
+
+    def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """A dataset of ``n`` task instances (for built-in environments)."""

@@ -1,0 +1,191 @@
+"""The torch training backend: a transformers causal LM trained with the clipped GRPO loss.
+
+Loads the policy with ``AutoModelForCausalLM.from_pretrained`` (the same code loads the tiny demo
+model and a real checkpoint), computes per-token logprobs under the sampling temperature (matching
+the generator's processed logprobs), and runs ``len(rows) / train_global_batch_size`` optimizer
+updates per step, each accumulated over micro-batches. With one update per step the pre-update
+("old") logprobs equal the current ones in value, so they are taken from the same forward pass
+instead of a second one. Weights are exported with ``save_pretrained`` as safetensors, which the
+generators load in place.
+
+Called by the trainer loop (in a worker thread, so the event loop keeps serving REST and streams).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.trainer.batch import Row, StepBatch
+from services.trainer.loss import LossNormalizer, clipped_pg_loss
+from shared.run_config import LossSection, PolicySection
+
+log = logging.getLogger(__name__)
+
+
+def _load_model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+class TorchBackend:
+    def __init__(self, policy: PolicySection, loss: LossSection, *, seed: int, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.policy = policy
+        self.loss_cfg = loss
+        self.dtype = torch.float32 if policy.precision == "float32" else torch.bfloat16
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = _load_model(policy.model_name, self.dtype).to(self.device)
+        self.model.train()
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.temperature = policy.generation.temperature
+        opt = policy.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.ref_model = None
+        if loss.reference_policy_kl_penalty > 0:
+            self.ref_model = _load_model(policy.model_name, self.dtype).to(self.device).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self.updates = 0
+        log.info("torch backend: %s, %.2fM params, %s on %s", policy.model_name,
+                 sum(p.numel() for p in self.model.parameters()) / 1e6, self.dtype, self.device)
+
+    # ---- logprobs -----------------------------------------------------------------------------
+
+    def _pad(self, rows: list[Row]) -> dict[str, torch.Tensor]:
+        width = max(len(r.input_ids) for r in rows)
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        attn = np.zeros((len(rows), width), dtype=np.int64)
+        tmask = np.zeros((len(rows), width), dtype=np.float32)
+        glp = np.zeros((len(rows), width), dtype=np.float32)
+        for i, r in enumerate(rows):
+            n = len(r.input_ids)
+            ids[i, :n], attn[i, :n], tmask[i, :n], glp[i, :n] = r.input_ids, 1, r.token_mask, r.gen_logprobs
+        t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        return {
+            "input_ids": t(ids),
+            "attention_mask": t(attn),
+            "token_mask": t(tmask),
+            "gen_lp": t(glp),
+            "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=self.device),
+            "sample_mask": torch.tensor([r.sample_mask for r in rows], dtype=torch.float32, device=self.device),
+        }
+
+    def _token_logprobs(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """logprob of token t given tokens < t, at position t (position 0 gets 0)."""
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        lp = torch.gather(F.log_softmax(logits, dim=-1), 2, mb["input_ids"][:, 1:, None]).squeeze(-1)
+        return F.pad(lp, (1, 0))
+
+    # ---- training -----------------------------------------------------------------------------
+
+    def train_step(self, batch: StepBatch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        rows = sorted(batch.trainable, key=lambda r: len(r.input_ids))
+        if not rows:
+            return {"loss": 0.0, "grad_norm": 0.0, "num_updates": 0.0, "train_time_s": 0.0}
+        global_bs = self.policy.train_global_batch_size or len(batch.rows)
+        num_updates = max(1, math.ceil(len(batch.rows) / global_bs))
+        rows_per_update = math.ceil(len(rows) / num_updates)
+        micro = self.policy.train_micro_batch_size
+        prev = self._prev_logprobs(rows, micro) if num_updates > 1 else None
+        sums: dict[str, float] = {}
+        losses, grad_norms = [], []
+        for u in range(num_updates):
+            upd = rows[u * rows_per_update : (u + 1) * rows_per_update]
+            if not upd:
+                continue
+            norm = LossNormalizer(
+                valid_tokens=float(sum((r.token_mask * r.sample_mask).sum() for r in upd)),
+                valid_sequences=float(sum(r.sample_mask > 0 for r in upd)),
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_total = 0.0
+            for s in range(0, len(upd), micro):
+                mb_rows = upd[s : s + micro]
+                mb = self._pad(mb_rows)
+                curr = self._token_logprobs(self.model, mb)
+                prev_lp = curr.detach() if prev is None else self._stack(prev, mb_rows, curr.shape)
+                ref_lp = None
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref_lp = self._token_logprobs(self.ref_model, mb)
+                loss, m = clipped_pg_loss(
+                    curr_lp=curr, prev_lp=prev_lp, gen_lp=mb["gen_lp"], advantages=mb["advantages"],
+                    token_mask=mb["token_mask"], sample_mask=mb["sample_mask"], cfg=self.loss_cfg, norm=norm,
+                    ref_lp=ref_lp,
+                )
+                loss.backward()
+                loss_total += float(loss.detach())
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {self.updates}")
+            self.optimizer.step()
+            self.updates += 1
+            losses.append(loss_total)
+            grad_norms.append(float(grad_norm))
+        tokens = max(sums.get("tokens", 0.0), 1.0)
+        return {
+            "loss": float(np.mean(losses)),
+            "grad_norm": float(np.mean(grad_norms)),
+            "num_updates": float(num_updates),
+            "train_tokens": sums.get("tokens", 0.0),
+            "token_mult_prob_error": sums.get("token_mult_prob_error_sum", 0.0) / tokens,
+            "gen_kl_error": sums.get("gen_kl_error_sum", 0.0) / tokens,
+            "sampling_importance_ratio": sums.get("sampling_importance_ratio_sum", 0.0) / tokens,
+            "is_oob_ratio": sums.get("is_oob_sum", 0.0) / tokens,
+            "clip_fraction": sums.get("clip_fraction_sum", 0.0) / tokens,
+            "kl_penalty": sums.get("kl_penalty_sum", 0.0) / tokens,
+            "train_time_s": time.perf_counter() - t0,
+        }
+
+    @torch.no_grad()
+    def _prev_logprobs(self, rows: list[Row], micro: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for s in range(0, len(rows), micro):
+            mb_rows = rows[s : s + micro]
+            lp = self._token_logprobs(self.model, self._pad(mb_rows))
+            for r, row_lp in zip(mb_rows, lp):
+                out[r.task_id] = row_lp[: len(r.input_ids)].clone()
+        return out
+
+    def _stack(self, prev: dict[str, torch.Tensor], rows: list[Row], shape: torch.Size) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        for i, r in enumerate(rows):
+            t[i, : len(r.input_ids)] = prev[r.task_id]
+        return t
+
+    # ---- weights and state --------------------------------------------------------------------
+
+    def save_weights(self, out_dir: Path) -> None:
+        self.model.save_pretrained(out_dir, safe_serialization=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "updates": self.updates,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = int(state["updates"])
+        torch.set_rng_state(state["torch_rng"])

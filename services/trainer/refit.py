@@ -1,0 +1,144 @@
+"""Refit: publish a weight version and wait until every live generator confirms it.
+
+    close launch gate -> write safetensors folder (atomic rename) -> checksum -> announce on the
+    weights stream -> wait for a WeightAck from every registered generator -> reopen the gate
+
+Generators drain (or, with in-flight weight updates, freeze) their requests, load, reset their
+prefix cache and ack; see services/generator/weights.py. Every phase has a deadline. A generator
+that reports a failure, or does not confirm before the deadline, fails the refit loudly with its
+name (never a silent hang). A generator that leaves the registry while we wait is dropped from the
+set we wait on, with a warning.
+
+Owned by the trainer runtime; the learner's ``save_weights`` is passed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import keys as K
+from shared.protocol import WeightAck, WeightAnnouncement
+from shared.registry import live_workers
+from shared.streams import StreamClient
+from shared.weights_format import checksum_dir, dir_num_bytes
+from services.trainer.control import PauseControl
+
+log = logging.getLogger(__name__)
+
+
+class RefitError(RuntimeError):
+    """A weight version could not be confirmed by every generator."""
+
+
+@dataclass
+class RefitReport:
+    version: int
+    save_s: float
+    confirm_s: float
+    total_s: float
+    generators: list[str] = field(default_factory=list)
+
+
+async def wait_for_generators(streams: StreamClient, timeout_s: float) -> list[str]:
+    """Block until at least one generator has registered; fail loudly at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gens = await live_workers(streams.redis, streams.keys, "generator")
+        if gens:
+            return [g.worker_id for g in gens]
+        if time.monotonic() > deadline:
+            raise RefitError(f"no generator registered within {timeout_s:.0f}s (trainer.startup_timeout_s)")
+        await asyncio.sleep(0.5)
+
+
+class WeightPublisher:
+    def __init__(
+        self,
+        streams: StreamClient,
+        pause: PauseControl,
+        weights_dir: Path,
+        *,
+        timeout_s: float,
+        in_flight_updates: bool,
+        keep_versions: int = 3,
+    ) -> None:
+        self.streams = streams
+        self.pause = pause
+        self.weights_dir = weights_dir
+        self.timeout_s = timeout_s
+        self.mode = "keep" if in_flight_updates else "drain"
+        self.keep_versions = keep_versions
+
+    async def refit(self, version: int, save: Callable[[Path], None]) -> RefitReport:
+        t0 = time.perf_counter()
+        epoch = await self.pause.pause("refit")
+        try:
+            path = await asyncio.to_thread(self._write, version, save)
+            t_saved = time.perf_counter()
+            checksum = await asyncio.to_thread(checksum_dir, path)
+            generators = await self._announce_and_confirm(
+                WeightAnnouncement(
+                    version=version, path=str(path.resolve()), checksum=checksum,
+                    num_bytes=dir_num_bytes(path), mode=self.mode,
+                )
+            )
+        finally:
+            await self.pause.resume("refit", epoch)
+        await asyncio.to_thread(self._prune, version)
+        t1 = time.perf_counter()
+        report = RefitReport(version, t_saved - t0, t1 - t_saved, t1 - t0, generators)
+        log.info("refit to v%d confirmed by %d generator(s) in %.2fs (save %.2fs)", version,
+                 len(generators), report.total_s, report.save_s)
+        return report
+
+    def _write(self, version: int, save: Callable[[Path], None]) -> Path:
+        final = self.weights_dir / f"v{version:06d}"
+        tmp = self.weights_dir / f".v{version:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return final
+
+    async def _announce_and_confirm(self, ann: WeightAnnouncement) -> list[str]:
+        expected = set(await wait_for_generators(self.streams, self.timeout_s))
+        last = await self.streams.redis.xrevrange(self.streams.keys.weight_acks, count=1)
+        cursor = last[0][0].decode() if last else "0-0"
+        await self.streams.publish(self.streams.keys.weights, ann, maxlen=K.WEIGHTS_MAXLEN)
+        confirmed: dict[str, WeightAck] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while expected - set(confirmed):
+            if time.monotonic() > deadline:
+                missing = sorted(expected - set(confirmed))
+                raise RefitError(
+                    f"weight version {ann.version} not confirmed within {self.timeout_s:.0f}s "
+                    f"(trainer.refit_timeout_s) by generator(s): {', '.join(missing)}"
+                )
+            for d in await self.streams.read_after(self.streams.keys.weight_acks, cursor, WeightAck, block_ms=500):
+                cursor = d.entry_id
+                ack = d.msg
+                if ack is None or ack.version != ann.version:
+                    continue
+                if not ack.ok:
+                    raise RefitError(f"generator {ack.worker_id} failed to load weight version {ann.version}: {ack.error}")
+                confirmed[ack.worker_id] = ack
+            live = {g.worker_id for g in await live_workers(self.streams.redis, self.streams.keys, "generator")}
+            gone = expected - live - set(confirmed)
+            if gone:
+                log.warning("generator(s) left during refit to v%d: %s", ann.version, ", ".join(sorted(gone)))
+                expected -= gone
+                if not expected:
+                    raise RefitError(f"every generator left before confirming weight version {ann.version}")
+        return sorted(confirmed)
+
+    def _prune(self, current: int) -> None:
+        versions = sorted(p for p in self.weights_dir.glob("v[0-9]*") if p.is_dir())
+        for old in versions[: -self.keep_versions]:
+            shutil.rmtree(old, ignore_errors=True)

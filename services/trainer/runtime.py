@@ -1,0 +1,405 @@
+"""The trainer runtime: wires scheduler, replay buffer, learner, refit, validation, checkpoints
+and metrics, and runs the asynchronous GRPO loop.
+
+    start: load policy -> publish v0 -> every generator confirms -> issue tasks (collection starts
+           only after the initial refit)
+    step s: wait for N usable groups (buffer) -> advantages + loss + optimizer (thread) ->
+            refit to v=s+1 -> checkpoint / ack -> log -> top up tasks for [s+1, s+1+L]
+
+A background consumer moves trajectories from the stream into the buffer (or to a running
+validation). Trajectory entries are acked once the step that used them is checkpointed (or when
+they are evicted / duplicates), so a crash between checkpoints re-delivers them on restart.
+Any background failure (a fail-fast rollout failure, a decode storm, Redis gone) fails the run
+loudly instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from shared import keys as K
+from shared.protocol import Heartbeat, Trajectory
+from shared.registry import HeartbeatTask, live_workers
+from shared.run_config import RunConfig
+from shared.streams import StreamClient, connect
+from services.trainer.batch import build_step_batch
+from services.trainer.buffer import ReplayBuffer
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.control import PauseControl
+from services.trainer.metrics_log import MetricsLog, plot_reward_curve, read_metrics
+from services.trainer.refit import WeightPublisher
+from services.trainer.scheduler import PromptSource, Scheduler, _read_jsonl
+from services.trainer.validation import ValidationRunner
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "trainer"
+
+
+class RunFailed(RuntimeError):
+    """The run cannot continue; the message says why."""
+
+
+class TrainerRuntime:
+    def __init__(self, cfg: RunConfig, *, worker_id: str, url: str) -> None:
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.url = url
+        out = Path(cfg.run.output_dir)
+        self.weights_dir = out / "weights"
+        self.ckpt_dir = Path(cfg.checkpointing.checkpoint_dir or out / "checkpoints")
+        self.log_dir = Path(cfg.logger.log_dir or out)
+        self.keys = K.RunKeys(cfg.run.run_id)
+        self.step = 0
+        self.weight_version = -1
+        self.state = "starting"
+        self.error: str | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self.last_validation: dict[str, Any] | None = None
+        self.validation_requests: list[str] = []
+        self.started_at = time.time()
+        self.trajectories_received = 0
+        self._fatal: BaseException | None = None
+        self._group_ready = asyncio.Event()
+        self._unacked: list[str] = []
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.redis = connect(cfg.redis.url or "redis://127.0.0.1:6379/0")
+        self.streams = StreamClient(self.redis, self.keys, CONSUMER)
+        await self.streams.ensure_group(self.keys.tasks, K.GATEWAYS_GROUP)
+        await self.streams.ensure_group(self.keys.trajectories, K.TRAINER_GROUP)
+        self.pause = PauseControl(self.redis, self.keys)
+        await self.redis.delete(self.keys.stop)
+        g = cfg.grpo
+        self.buffer = ReplayBuffer(max_age=g.async_grpo.max_trajectory_age_steps, allow_future=g.async_grpo.allow_future_targets)
+        self.scheduler = Scheduler(
+            PromptSource(cfg.data.train_path, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+            num_prompts_per_step=g.num_prompts_per_step,
+            group_size=g.num_generations_per_prompt,
+            max_age=g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
+            default_env=cfg.env.name,
+            sampling=cfg.policy.generation.sampling("train"),
+            rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
+        )
+        self.validator = None
+        if cfg.data.val_path:
+            self.validator = ValidationRunner(
+                self.streams, _read_jsonl(cfg.data.val_path), sampling=cfg.policy.generation.sampling("validation"),
+                default_env=cfg.env.name, max_samples=g.max_val_samples, rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
+            )
+        self.publisher = WeightPublisher(
+            self.streams, self.pause, self.weights_dir, timeout_s=cfg.trainer.refit_timeout_s,
+            in_flight_updates=g.async_grpo.in_flight_weight_updates,
+        )
+        self.state = "loading_policy"
+        self.backend = await asyncio.to_thread(self._build_backend)
+        self.metrics = MetricsLog(self.log_dir / "metrics.jsonl")
+        await asyncio.to_thread(self._restore)
+        self.heartbeat = HeartbeatTask(self.redis, self.keys, self._heartbeat)
+        self.heartbeat.start()
+
+    def _build_backend(self):
+        from services.trainer.backends.torch_backend import TorchBackend
+
+        return TorchBackend(self.cfg.policy, self.cfg.loss_fn, seed=self.cfg.run.seed, threads=self.cfg.trainer.torch_threads)
+
+    def _restore(self) -> None:
+        path = latest_checkpoint(self.ckpt_dir) if self.cfg.checkpointing.enabled else None
+        if path is None:
+            return
+        state, meta = load_checkpoint(path)
+        self.backend.load_state_dict(state["backend"])
+        self.scheduler.restore(state["scheduler"])
+        self.buffer.restore_consumed(set(state["consumed_ids"]))
+        self.step = int(meta["step"])
+        log.info("resumed from %s at step %d (%d consumed ids)", path, self.step, len(state["consumed_ids"]))
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.worker_id, kind="trainer", url=self.url, pid=os.getpid(), host=socket.gethostname(),
+            state="failed" if self.error else "ready", weight_version=self.weight_version,
+            started_at=self.started_at, stats={"step": float(self.step)}, error=self.error,
+        )
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            self._tasks.append(asyncio.create_task(self._consume(), name="trajectory-consumer"))
+            await self._refit(self.step, initial=True)
+            await self._issue()
+            if self.cfg.grpo.val_at_start and self.validator:
+                await self._validate(f"val-start-{uuid.uuid4().hex[:6]}")
+            while self.step < self.cfg.grpo.max_num_steps:
+                await self._step()
+            self.state = "finished"
+            await self.redis.set(self.keys.stop, b"finished")
+            log.info("run finished after %d steps", self.step)
+        except Exception as exc:
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("run failed: %s", self.error)
+            await self._safe(self.redis.set(self.keys.stop, b"failed"))
+            raise
+        finally:
+            await self._finish()
+
+    async def _step(self) -> None:
+        step = self.step
+        await self._wait_while_paused()
+        if self.validation_requests or self._periodic_validation_due(step):
+            vid = self.validation_requests.pop(0) if self.validation_requests else f"val-{step}"
+            await self._validate(vid)
+        t0 = time.perf_counter()
+        self.state = "collecting"
+        sample = await self._wait_for_batch(step)
+        t_data = time.perf_counter()
+        self.state = "training"
+        batch = build_step_batch(
+            sample.groups, max_len=self.cfg.policy.max_total_sequence_length,
+            leave_one_out=self.cfg.grpo.use_leave_one_out_baseline, normalize=self.cfg.grpo.normalize_rewards,
+        )
+        train_metrics = await asyncio.to_thread(self.backend.train_step, batch)
+        t_train = time.perf_counter()
+        self.state = "refit"
+        report = await self._refit(step + 1)
+        self.step = step + 1
+        await self.redis.set(self.keys.trainer_step, str(self.step))
+        self._unacked += [e for g in sample.groups for e in g.entry_ids]
+        if self._checkpoint_due():
+            await asyncio.to_thread(self._checkpoint)
+        if self._checkpoint_due() or not self.cfg.checkpointing.enabled:
+            # Acked only once durable: a crash before this point re-delivers them on restart.
+            await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, self._unacked)
+            self._unacked = []
+        record = self._step_record(step, sample, batch, train_metrics, report, t0, t_data, t_train)
+        self.last_metrics = record
+        self.metrics.write(record)
+        await self._issue()
+
+    def _step_record(self, step, sample, batch, train_metrics, report, t0, t_data, t_train) -> dict[str, Any]:
+        ages = [step - g.gen_version for g in sample.groups]
+        targets: dict[str, int] = {}
+        for t in sample.targets:
+            targets[str(t - step)] = targets.get(str(t - step), 0) + 1
+        elapsed = time.time() - self.started_at
+        return {
+            "kind": "train",
+            "step": step,
+            "weight_version": step,
+            **batch.stats,
+            **train_metrics,
+            "staleness_mean": sum(ages) / len(ages),
+            "staleness_max": max(ages),
+            "sampled_target_offsets": targets,
+            "evicted_groups": len(sample.evicted),
+            "evicted_total": self.buffer.evicted_total,
+            "duplicates_total": self.buffer.duplicates_total,
+            "buffer_depth": {str(k): v for k, v in self.buffer.depth_by_target().items()},
+            "in_flight_groups": {str(k): v for k, v in self.scheduler.in_flight_by_target().items()},
+            "time_wait_data_s": t_data - t0,
+            "time_train_s": t_train - t_data,
+            "time_refit_s": report.total_s,
+            "time_step_s": time.perf_counter() - t0,
+            "trajectories_received": self.trajectories_received,
+            "trajectories_per_s": self.trajectories_received / max(elapsed, 1e-6),
+            "consumed_ids": sorted(t.task_id for g in sample.groups for t in g.rows.values()),
+            "time": time.time(),
+        }
+
+    async def _wait_for_batch(self, step: int):
+        n = self.cfg.grpo.num_prompts_per_step
+        deadline = time.monotonic() + self.cfg.trainer.data_timeout_s
+        while True:
+            self._raise_if_fatal()
+            self._group_ready.clear()
+            sample = self.buffer.sample(step, n)
+            if sample.evicted:
+                await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [e for g in sample.evicted for e in g.entry_ids])
+                await self._issue()
+            if sample.groups:
+                return sample
+            if time.monotonic() > deadline:
+                raise RunFailed(
+                    f"step {step}: no {n} usable groups within {self.cfg.trainer.data_timeout_s:.0f}s "
+                    f"(trainer.data_timeout_s); staged {self.buffer.depth_by_target()}, "
+                    f"in flight {self.scheduler.in_flight_by_target()}"
+                )
+            try:
+                await asyncio.wait_for(self._group_ready.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _refit(self, version: int, initial: bool = False):
+        self.state = "refit"
+        if initial:
+            log.info("initial refit: publishing v%d before any task is issued", version)
+        report = await self.publisher.refit(version, self.backend.save_weights)
+        self.weight_version = version
+        self.last_refit = report
+        return report
+
+    async def _issue(self) -> None:
+        if {"validation", "user"} & set(await self.pause.reasons()):
+            return
+        g = self.cfg.grpo
+        staged = {t: self.buffer.count_usable(t) for t in self.scheduler.window(self.step, g.max_num_steps)}
+        tasks = self.scheduler.plan(self.step, g.max_num_steps, staged)
+        if not tasks:
+            return
+        try:
+            await self.streams.publish_many(self.keys.tasks, tasks)
+        except Exception:
+            self.scheduler.unissue(tasks)
+            raise
+        log.info("issued %d tasks (%d groups) for targets %s", len(tasks), len(tasks) // g.num_generations_per_prompt,
+                 sorted({t.target_step for t in tasks}))
+
+    # ---- trajectories in ----------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        try:
+            backlog = await self.streams.read_group(self.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=10_000, pending=True)
+            if backlog:
+                log.info("re-reading %d unacknowledged trajectories from before the restart", len(backlog))
+            for d in backlog:
+                await self._accept(d.entry_id, d.msg)
+            while True:
+                for d in await self.streams.read_group(
+                    self.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=256, block_ms=1000
+                ):
+                    await self._accept(d.entry_id, d.msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("trajectory consumer died")
+            self._fatal = exc
+            self._group_ready.set()
+
+    async def _accept(self, entry_id: str, traj: Trajectory) -> None:
+        self.trajectories_received += 1
+        if traj.kind == "validation":
+            if self.validator is not None:
+                self.validator.deliver(traj)
+            await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [entry_id])
+            return
+        if traj.status == "failed" and self.cfg.env.failure_policy == "fail_fast":
+            self._fatal = RunFailed(
+                f"rollout {traj.task_id} failed ({traj.fallback_reason}); env.failure_policy is fail_fast "
+                "(set it to backfill to train on with a zero-reward placeholder)"
+            )
+            self._group_ready.set()
+            return
+        result = self.buffer.add(traj, entry_id)
+        if result is False:
+            await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [entry_id])
+        elif result is not None:
+            self.scheduler.group_arrived(result.target_step, result.group_id)
+            self._group_ready.set()
+
+    def _raise_if_fatal(self) -> None:
+        if self._fatal is not None:
+            raise RunFailed(str(self._fatal)) from self._fatal
+
+    # ---- pause, validation, checkpoints -------------------------------------------------------
+
+    async def _wait_while_paused(self) -> None:
+        while "user" in await self.pause.reasons():
+            self.state = "paused"
+            self._raise_if_fatal()
+            await asyncio.sleep(0.5)
+
+    def _periodic_validation_due(self, step: int) -> bool:
+        p = self.cfg.grpo.val_period
+        return bool(self.validator) and p > 0 and step > 0 and step % p == 0
+
+    async def _validate(self, validation_id: str) -> None:
+        if self.validator is None:
+            log.error("validation %s requested but data.val_path is not set", validation_id)
+            return
+        self.state = "validating"
+        epoch = await self.pause.pause("validation")
+        try:
+            await self._drain(self.cfg.gym_gateway.rollout_timeout_s)
+            result = await self.validator.run(self.step, validation_id)
+        finally:
+            await self.pause.resume("validation", epoch)
+        self.last_validation = result
+        self.metrics.write({**result, "time": time.time()})
+        log.info("validation %s at step %d: accuracy %.3f over %d", validation_id, self.step, result["accuracy"], result["num_samples"])
+        await self._issue()
+
+    async def _drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.in_flight_count() and time.monotonic() < deadline:
+            self._raise_if_fatal()
+            await asyncio.sleep(0.2)
+        if self.scheduler.in_flight_count():
+            log.warning("drain before validation timed out with %d groups in flight; proceeding", self.scheduler.in_flight_count())
+
+    def _checkpoint_due(self) -> bool:
+        c = self.cfg.checkpointing
+        return c.enabled and (self.step % c.save_period == 0 or self.step >= self.cfg.grpo.max_num_steps)
+
+    def _checkpoint(self) -> None:
+        state = {
+            "backend": self.backend.state_dict(),
+            "scheduler": self.scheduler.state(),
+            "consumed_ids": sorted(self.buffer.consumed_ids()),
+        }
+        save_checkpoint(self.ckpt_dir, self.step, state, {"weight_version": self.weight_version}, self.cfg.checkpointing.keep_last)
+
+    # ---- status and shutdown ------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        gens = await live_workers(self.redis, self.keys)
+        return {
+            "run_id": self.cfg.run.run_id,
+            "state": self.state,
+            "error": self.error,
+            "step": self.step,
+            "max_num_steps": self.cfg.grpo.max_num_steps,
+            "weight_version": self.weight_version,
+            "buffer_depth": {str(k): v for k, v in self.buffer.depth_by_target().items()},
+            "pending_groups": self.buffer.pending_groups(),
+            "in_flight_groups": {str(k): v for k, v in self.scheduler.in_flight_by_target().items()},
+            "evicted_total": self.buffer.evicted_total,
+            "pause": await self.pause.reasons(),
+            "last": {k: v for k, v in self.last_metrics.items() if k != "consumed_ids"},
+            "last_validation": self.last_validation,
+            "workers": [{"id": w.worker_id, "kind": w.kind, "state": w.state, "weight_version": w.weight_version,
+                         "in_flight": w.in_flight} for w in gens],
+            "uptime_s": time.time() - self.started_at,
+        }
+
+    async def _finish(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._unacked and self.error is None:
+            await self._safe(self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, self._unacked))
+        self.metrics.close()
+        if self.cfg.logger.plot:
+            await asyncio.to_thread(plot_reward_curve, read_metrics(self.log_dir / "metrics.jsonl"),
+                                    self.log_dir / "reward_curve.png", f"run {self.cfg.run.run_id}")
+
+    async def aclose(self) -> None:
+        await self.heartbeat.aclose(self.worker_id)
+        await self.redis.aclose()
+
+    @staticmethod
+    async def _safe(coro) -> None:
+        try:
+            await coro
+        except Exception as exc:
+            log.warning("ignored during shutdown: %s", exc)

@@ -1,0 +1,50 @@
+"""GRPO advantages per explicit group id."""
+
+import numpy as np
+import pytest
+
+from services.trainer.advantages import batch_advantages, group_advantages
+
+pytestmark = pytest.mark.unit
+
+
+def test_leave_one_out_baseline_and_std():
+    r = [1.0, 0.0, 0.0, 1.0]
+    a = group_advantages(r, normalize=False)
+    # others of row 0: [0, 0, 1] -> mean 1/3; others of row 1: [1, 0, 1] -> mean 2/3
+    np.testing.assert_allclose(a, [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)
+    an = group_advantages(r, normalize=True)
+    others_std = np.std([0.0, 0.0, 1.0], ddof=1)
+    np.testing.assert_allclose(an[0], (1 - 1 / 3) / (others_std + 1e-6), rtol=1e-5)
+
+
+def test_plain_group_mean_baseline():
+    a = group_advantages([1.0, 0.0, 0.0, 1.0], leave_one_out=False, normalize=True)
+    std = np.std([1, 0, 0, 1], ddof=1)
+    np.testing.assert_allclose(a, np.array([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6), rtol=1e-5)
+
+
+def test_identical_rewards_give_zero_advantage():
+    np.testing.assert_array_equal(group_advantages([0.5, 0.5, 0.5]), np.zeros(3))
+
+
+def test_single_member_group_gets_zero():
+    np.testing.assert_array_equal(group_advantages([1.0]), np.zeros(1))
+
+
+def test_placeholders_do_not_pull_down_siblings():
+    with_ph = group_advantages([1.0, 0.0, 0.0, 0.0], normalize=False, is_placeholder=[False, False, True, True])
+    without = group_advantages([1.0, 0.0], normalize=False)
+    np.testing.assert_allclose(with_ph[:2], without)
+    assert with_ph[2] == 0 and with_ph[3] == 0
+
+
+def test_identical_prompts_in_two_groups_stay_two_groups():
+    # same prompt twice in the batch: grouping by prompt tokens would merge them
+    a = batch_advantages(["g1", "g1", "g2", "g2"], [1.0, 0.0, 1.0, 1.0], group_size=2, normalize=False)
+    np.testing.assert_allclose(a, [1.0, -1.0, 0.0, 0.0])
+
+
+def test_group_size_is_checked_where_advantages_are_computed():
+    with pytest.raises(ValueError, match="group 'g1' has 3 rows"):
+        batch_advantages(["g1", "g1", "g1"], [1.0, 0.0, 1.0], group_size=2)

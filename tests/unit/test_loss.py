@@ -1,0 +1,80 @@
+"""Clipped PG loss with importance-sampling correction."""
+
+import math
+
+import pytest
+import torch
+
+from services.trainer.loss import LossNormalizer, clipped_pg_loss
+from shared.run_config import LossSection
+
+pytestmark = pytest.mark.unit
+
+
+def run(curr, prev, gen, adv, mask=None, smask=None, cfg=None, norm=None):
+    curr = torch.tensor(curr, dtype=torch.float32, requires_grad=True)
+    prev = torch.tensor(prev, dtype=torch.float32)
+    gen = torch.tensor(gen, dtype=torch.float32)
+    mask = torch.ones_like(prev) if mask is None else torch.tensor(mask, dtype=torch.float32)
+    smask = torch.ones(prev.shape[0]) if smask is None else torch.tensor(smask, dtype=torch.float32)
+    norm = norm or LossNormalizer(float((mask * smask[:, None]).sum()), float(smask.sum()))
+    loss, m = clipped_pg_loss(curr_lp=curr, prev_lp=prev, gen_lp=gen, advantages=torch.tensor(adv, dtype=torch.float32),
+                              token_mask=mask, sample_mask=smask, cfg=cfg or LossSection(), norm=norm)
+    loss.backward()
+    return loss, curr.grad, m
+
+
+def test_on_policy_loss_is_minus_mean_advantage_and_pushes_logprob_up_for_positive_advantage():
+    lp = [[-1.0, -2.0]]
+    loss, grad, m = run(lp, lp, lp, [2.0])
+    assert loss.item() == pytest.approx(-2.0)
+    assert (grad < 0).all()  # descending the loss raises logp of positively advantaged tokens
+    assert m["token_mult_prob_error_sum"] / m["tokens"] == pytest.approx(1.0)
+
+
+def test_importance_weight_scales_tokens_and_is_truncated():
+    cfg = LossSection(truncated_importance_sampling_ratio=2.0)
+    # w = exp(prev - gen): token 0 -> e^0.5 = 1.65, token 1 -> e^3 clipped to 2.0
+    loss, _, m = run([[-1.0, -1.0]], [[-1.0, -1.0]], [[-1.5, -4.0]], [1.0], cfg=cfg)
+    assert loss.item() == pytest.approx(-(math.exp(0.5) + 2.0) / 2, rel=1e-5)
+    assert m["is_oob_sum"] == 1.0
+
+
+def test_icepop_drops_out_of_bound_tokens():
+    cfg = LossSection(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0,
+                      truncated_importance_sampling_ratio_min=0.5)
+    loss, grad, _ = run([[-1.0, -1.0]], [[-1.0, -1.0]], [[-1.1, -4.0]], [1.0], cfg=cfg)
+    assert grad[0, 1].item() == 0.0 and grad[0, 0].item() != 0.0
+
+
+def test_ratio_clipping_stops_gradient_past_the_trust_region():
+    # curr moved far above old with A > 0: clipped, no gradient
+    _, grad, m = run([[-0.1]], [[-1.0]], [[-1.0]], [1.0])
+    assert grad.abs().sum().item() == 0.0
+    assert m["clip_fraction_sum"] == 1.0
+
+
+def test_dual_clip_caps_negative_advantage_terms():
+    cfg = LossSection(ratio_clip_c=3.0)
+    # ratio = e^2 = 7.4 > c with A = -1: term capped at c * |A| = 3
+    loss, grad, _ = run([[1.0]], [[-1.0]], [[-1.0]], [-1.0], cfg=cfg)
+    assert loss.item() == pytest.approx(3.0)
+    assert grad.abs().sum().item() == 0.0
+
+
+def test_masked_tokens_and_samples_contribute_nothing():
+    _, grad, m = run([[-1.0, -1.0], [-1.0, -1.0]], [[-1.0, -1.0]] * 2, [[-1.0, -1.0]] * 2, [1.0, 1.0],
+                     mask=[[1, 0], [1, 1]], smask=[1, 0])
+    assert grad[0, 1].item() == 0.0 and grad[1].abs().sum().item() == 0.0 and grad[0, 0].item() != 0.0
+    assert m["tokens"] == 1.0
+
+
+def test_token_level_normalisation_is_global_across_micro_batches():
+    cfg = LossSection()
+    curr = [[-1.0, -2.0], [-0.5, -0.7]]
+    adv = [1.0, -2.0]
+    full, _, _ = run(curr, curr, curr, adv, cfg=cfg)
+    norm = LossNormalizer(valid_tokens=4.0, valid_sequences=2.0)
+    a, _, _ = run(curr[:1], curr[:1], curr[:1], adv[:1], cfg=cfg, norm=norm)
+    b, _, _ = run(curr[1:], curr[1:], curr[1:], adv[1:], cfg=cfg, norm=norm)
+    assert (a + b).item() == pytest.approx(full.item())
