@@ -92,9 +92,12 @@ class HeartbeatTask:
             except Exception as exc:  # Redis briefly away: keep trying, the TTL covers the gap
                 log.warning("heartbeat failed: %s", exc)
             self._wake.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+            # arrives in the same loop turn as a beat_now() wake-up, and aclose() then hangs.
             try:
-                await asyncio.wait_for(self._wake.wait(), K.HEARTBEAT_INTERVAL_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(K.HEARTBEAT_INTERVAL_S):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
 
     async def aclose(self, worker_id: str) -> None:
