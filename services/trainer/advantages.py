@@ -1,9 +1,12 @@
 """GRPO advantages, computed per explicit group id (never by prompt tokens or row position).
 
 For row i of a group with rewards r:
-  leave-one-out (default): b_i = mean of the other rows' rewards, s_i = their sample std;
-  otherwise:               b   = group mean,                      s   = group sample std.
-  A_i = r_i - b_i, divided by (s_i + 1e-6) when ``normalize`` and s_i > 0.
+  leave-one-out (default): b_i = mean of the other rows' rewards;  otherwise: b = group mean.
+  A_i = r_i - b_i, divided by (s + 1e-6) when ``normalize`` and s > 0, where s is the sample std of
+  the whole group. One s for the whole group keeps the advantages of a group summing to zero. (A
+  per-row std of the *other* rows does not: in a group with a single success that row's "others"
+  all scored 0, so it would stay unscaled while every failure is scaled up, and the net push on the
+  tokens all rows share, such as the tool-call format, turns negative and erodes it.)
 A group of one row gets A = 0. Placeholder rows (backfilled failures, ``is_placeholder``) are left
 out of their siblings' baselines and get A = 0, so an infrastructure failure neither rewards nor
 punishes the healthy rows. Rows masked out of the loss for other reasons (env-flagged, logprob
@@ -37,24 +40,11 @@ def group_advantages(
     if n < 2:
         return adv.astype(np.float32)
     rr = r[idx]
-    if leave_one_out:
-        total = rr.sum()
-        base = (total - rr) / (n - 1)
-        if n > 2:
-            sq = (rr**2).sum()
-            # sample variance of the other n-1 rows
-            mean_o = base
-            var_o = ((sq - rr**2) - (n - 1) * mean_o**2) / (n - 2)
-            std = np.sqrt(np.clip(var_o, 0.0, None))
-        else:
-            std = np.zeros(n)
-    else:
-        base = np.full(n, rr.mean())
-        std = np.full(n, rr.std(ddof=1))
+    base = (rr.sum() - rr) / (n - 1) if leave_one_out else np.full(n, rr.mean())
     a = rr - base
-    if normalize:
-        scale = np.where(std > 0, std + EPS, 1.0)
-        a = a / scale
+    std = rr.std(ddof=1)
+    if normalize and std > 0:
+        a = a / (std + EPS)
     adv[idx] = a
     return adv.astype(np.float32)
 

@@ -14,8 +14,14 @@ def test_leave_one_out_baseline_and_std():
     # others of row 0: [0, 0, 1] -> mean 1/3; others of row 1: [1, 0, 1] -> mean 2/3
     np.testing.assert_allclose(a, [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)
     an = group_advantages(r, normalize=True)
-    others_std = np.std([0.0, 0.0, 1.0], ddof=1)
-    np.testing.assert_allclose(an[0], (1 - 1 / 3) / (others_std + 1e-6), rtol=1e-5)
+    np.testing.assert_allclose(an, a / (np.std(r, ddof=1) + 1e-6), rtol=1e-5)
+
+
+@pytest.mark.parametrize("rewards", [[1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0], [0.2, 0.5, 0.9], [1, 0, 0, 0, 0, 0, 0, 1]])
+@pytest.mark.parametrize("loo", [True, False])
+def test_group_advantages_sum_to_zero(rewards, loo):
+    # A group with one success must not push shared tokens down on balance.
+    assert abs(group_advantages(rewards, leave_one_out=loo, normalize=True).sum()) < 1e-5
 
 
 def test_plain_group_mean_baseline():

@@ -4,10 +4,17 @@ and ``echo`` (single turn)."""
 from __future__ import annotations
 
 from services.gym_gateway.envs.base import Environment
+from services.gym_gateway.envs.crossing import CrossingEnv
 from services.gym_gateway.envs.echo import EchoEnv
+from services.gym_gateway.envs.guess_number import GuessNumberEnv
 from services.gym_gateway.envs.tool_calc import ToolCalcEnv
 
-_REGISTRY: dict[str, type] = {"tool_calc": ToolCalcEnv, "echo": EchoEnv}
+_REGISTRY: dict[str, type] = {
+    "crossing": CrossingEnv,
+    "tool_calc": ToolCalcEnv,
+    "guess_number": GuessNumberEnv,
+    "echo": EchoEnv,
+}
 
 
 class UnknownEnvironment(KeyError):

@@ -1,0 +1,201 @@
+"""The ``streamrl`` command line.
+
+    streamrl up CONFIG [key=value ...]     run a job on this machine (embedded Valkey unless REDIS_URL)
+    streamrl demo                          build + warm-start the tiny model, then a short async GRPO run
+    streamrl status|pause|resume|validate  talk to a running trainer's REST API
+    streamrl model init DIR                build the tiny Qwen3 model + tokenizer
+    streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
+    streamrl config check|explain          validate a config / list every key with its description
+    streamrl bench                         run the benchmarks and rewrite BENCHMARKS.md
+
+Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="streamrl: asynchronous GRPO over Redis Streams")
+model_app = typer.Typer(no_args_is_help=True, help="tiny model tools")
+data_app = typer.Typer(no_args_is_help=True, help="datasets of the built-in environments")
+config_app = typer.Typer(no_args_is_help=True, help="config validation and documentation")
+app.add_typer(model_app, name="model")
+app.add_typer(data_app, name="data")
+app.add_typer(config_app, name="config")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.secho(msg, fg="red", err=True)
+    raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def up(ctx: typer.Context, config: Path = typer.Argument(..., help="run config YAML"),
+       no_progress: bool = typer.Option(False, help="no live display")) -> None:
+    """Run generator(s), gateway worker(s) and the trainer on this machine until the run ends."""
+    from shared.config import ConfigError
+    from streamrl.supervisor import JobFailed, Supervisor
+
+    try:
+        sup = Supervisor(str(config), list(ctx.args), progress=not no_progress)
+    except ConfigError as exc:
+        _fail(f"config error: {exc}")
+    try:
+        code = sup.run()
+    except JobFailed as exc:
+        _fail(f"job failed: {exc}", 1)
+    raise typer.Exit(code)
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), help="output folder"),
+    steps: int = typer.Option(None, help="override grpo.max_num_steps"),
+    no_progress: bool = typer.Option(False, help="no live display"),
+) -> None:
+    """Build the tiny model if missing, warm-start it, and run a short async GRPO job that learns."""
+    from streamrl.demo import run_demo
+
+    raise typer.Exit(run_demo(out, steps=steps, progress=not no_progress))
+
+
+def _trainer_url(url: Optional[str], run_dir: Optional[Path]) -> str:
+    if url:
+        return url.rstrip("/")
+    if os.environ.get("STREAMRL_TRAINER_URL"):
+        return os.environ["STREAMRL_TRAINER_URL"].rstrip("/")
+    for d in [run_dir] if run_dir else [Path("runs/demo"), *sorted(Path("runs").glob("*"))]:
+        f = Path(d) / "run.json"
+        if f.is_file():
+            return json.loads(f.read_text())["trainer_url"]
+    return "http://127.0.0.1:8300"
+
+
+def _call(method: str, path: str, url: Optional[str], run_dir: Optional[Path], body: Optional[dict] = None) -> dict:
+    import httpx
+
+    base = _trainer_url(url, run_dir)
+    try:
+        r = httpx.request(method, f"{base}{path}", json=body, timeout=10.0)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the trainer at {base}: {exc}", 1)
+    if r.status_code >= 400:
+        _fail(f"{r.status_code}: {r.text}", 1)
+    return r.json()
+
+
+URL = typer.Option(None, "--url", help="trainer URL (default: run.json of --run-dir, or STREAMRL_TRAINER_URL)")
+RUN_DIR = typer.Option(None, "--run-dir", help="output folder of a `streamrl up` job")
+
+
+@app.command()
+def status(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show the run: step, state, buffer, staleness, workers."""
+    s = _call("GET", "/status", url, run_dir)
+    if as_json:
+        typer.echo(json.dumps(s, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"run {s['run_id']}: step {s['step']}/{s['max_num_steps']} ({s['state']})")
+    for col in ("worker", "kind", "state", "weight version", "in flight"):
+        t.add_column(col)
+    for w in s["workers"]:
+        t.add_row(w["id"], w["kind"], w["state"], str(w["weight_version"]), str(w["in_flight"]))
+    Console().print(t)
+    last = s.get("last") or {}
+    typer.echo(f"weight version {s['weight_version']}  buffer {s['buffer_depth']}  in flight {s['in_flight_groups']}  "
+               f"pause {s['pause'] or '-'}  reward {last.get('reward_mean', float('nan')):.3f}")
+    if s.get("error"):
+        typer.secho(f"error: {s['error']}", fg="red")
+
+
+@app.command()
+def pause(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR) -> None:
+    """Stop launching rollouts and stop training at the next step boundary."""
+    typer.echo(json.dumps(_call("POST", "/pause", url, run_dir)))
+
+
+@app.command()
+def resume(epoch: Optional[int] = typer.Option(None, help="the pause epoch to end"),
+           url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR) -> None:
+    """End a pause (the active one, or the one with --epoch)."""
+    typer.echo(json.dumps(_call("POST", "/resume", url, run_dir, {"epoch": epoch} if epoch is not None else {})))
+
+
+@app.command()
+def validate(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR) -> None:
+    """Run a validation at the next step boundary."""
+    typer.echo(json.dumps(_call("POST", "/validate", url, run_dir)))
+
+
+@model_app.command("init")
+def model_init(out: Path, seed: int = typer.Option(0, help="seed of tokenizer corpus and weights")) -> None:
+    """Build the tiny Qwen3 model and its BPE tokenizer into OUT."""
+    from streamrl.model_builder import TinyModelSpec, build_tiny_model
+
+    build_tiny_model(out, TinyModelSpec(seed=seed))
+    typer.echo(f"tiny model written to {out}")
+
+
+@data_app.command("make")
+def data_make(env: str, out: Path, n: int = typer.Option(1000, "--n"), seed: int = typer.Option(0)) -> None:
+    """Write N instances of a built-in environment as JSONL."""
+    from services.gym_gateway.envs import UnknownEnvironment, get_env
+
+    try:
+        e = get_env(env)
+    except UnknownEnvironment as exc:
+        _fail(str(exc))
+    write_jsonl(out, [{"env": env, "instance": inst} for inst in e.make_instances(n, seed)])
+    typer.echo(f"{n} {env} instances written to {out}")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@config_app.command("check", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def config_check(ctx: typer.Context, config: Path) -> None:
+    """Load CONFIG strictly (with overrides after it) and print the resolved tree."""
+    from shared.config import ConfigError, load, to_yaml
+    from shared.run_config import RunConfig
+
+    try:
+        cfg = load(RunConfig, config, list(ctx.args))
+    except ConfigError as exc:
+        _fail(f"config error: {exc}")
+    typer.echo(to_yaml(cfg))
+
+
+@config_app.command("explain")
+def config_explain() -> None:
+    """Every config key with its type and one-line description."""
+    from shared.run_config import explain
+
+    for key, tp, desc in explain():
+        typer.echo(f"{key:55s} {tp:22s} {desc}")
+
+
+@app.command()
+def bench(out: Path = typer.Option(Path("BENCHMARKS.md"), help="file to (re)write")) -> None:
+    """Run the benchmarks and write their tables to BENCHMARKS.md."""
+    from streamrl.bench import run_benchmarks
+
+    raise typer.Exit(run_benchmarks(out))
+
+
+def main() -> None:
+    app(prog_name="streamrl")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""``streamrl demo``: the README's first command.
+
+1. build the tiny Qwen3 model + tokenizer if missing (runs/models/tiny-qwen3);
+2. write the crossing train/validation datasets;
+3. warm-start the model briefly (streamrl.warmstart) so its first reward is in (0.1, 0.6);
+4. run `streamrl up deploy/configs/demo.yaml` (embedded Valkey, vLLM generator, gateway, trainer);
+5. print the reward of the first and last five steps and where the metrics and the plot are.
+Every demo run starts training from the warm-started policy (earlier checkpoints are removed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from streamrl.model_builder import build_tiny_model, is_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "deploy" / "configs" / "demo.yaml"
+MODEL_DIR = Path("runs/models/tiny-qwen3")
+NUM_TRAIN, NUM_VAL = 4000, 64
+
+
+def prepare(out: Path) -> Path:
+    """Model, data and warm-started policy for a run in ``out``; returns the policy folder."""
+    from services.gym_gateway.envs.crossing import CrossingEnv
+    from streamrl.cli import write_jsonl
+    from streamrl.warmstart import warm_start
+
+    if not is_model_dir(MODEL_DIR):
+        print(f"[1/4] building the tiny Qwen3 model and tokenizer in {MODEL_DIR}", flush=True)
+        build_tiny_model(MODEL_DIR)
+    else:
+        print(f"[1/4] tiny model found in {MODEL_DIR}", flush=True)
+    env = CrossingEnv()
+    data = out / "data"
+    write_jsonl(data / "train.jsonl", [{"env": "crossing", "instance": i} for i in env.make_instances(NUM_TRAIN, seed=1)])
+    write_jsonl(data / "val.jsonl", [{"env": "crossing", "instance": i} for i in env.make_instances(NUM_VAL, seed=2)])
+    print(f"[2/4] datasets: {NUM_TRAIN} train / {NUM_VAL} validation crossing tasks in {data}", flush=True)
+    policy = out / "policy-init"
+    if not (policy / "warmstart.json").is_file():
+        print("[3/4] warm-starting the policy (short supervised fine-tune)", flush=True)
+        summary = warm_start(MODEL_DIR, policy)
+        print(f"      done in {summary['time_s']:.0f}s (loss {summary['final_loss']:.3f})", flush=True)
+    else:
+        print(f"[3/4] warm-started policy found in {policy}", flush=True)
+    for stale in ("checkpoints", "weights", "metrics.jsonl", "reward_curve.png", "logs"):
+        p = out / stale
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return policy
+
+
+def summarize(out: Path) -> dict:
+    from services.trainer.metrics_log import read_metrics
+
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "train"]
+    if not steps:
+        return {"steps": 0}
+    first = [r["reward_mean"] for r in steps[:5]]
+    last = [r["reward_mean"] for r in steps[-5:]]
+    ids = [i for r in steps for i in r["consumed_ids"]]
+    return {
+        "steps": len(steps),
+        "first5_reward": sum(first) / len(first),
+        "last5_reward": sum(last) / len(last),
+        "improvement": sum(last) / len(last) - sum(first) / len(first),
+        "trajectories_trained": len(ids),
+        "duplicate_ids": len(ids) - len(set(ids)),
+        "mean_staleness": sum(r["staleness_mean"] for r in steps) / len(steps),
+        "mean_step_s": sum(r["time_step_s"] for r in steps) / len(steps),
+    }
+
+
+def run_demo(out: Path, *, steps: int | None = None, progress: bool = True) -> int:
+    from streamrl.supervisor import Supervisor
+
+    logging.basicConfig(level=logging.WARNING)
+    t0 = time.perf_counter()
+    out = Path(out)
+    policy = prepare(out)
+    overrides = [
+        f"run.output_dir={out}",
+        f"data.train_path={out / 'data' / 'train.jsonl'}",
+        f"data.val_path={out / 'data' / 'val.jsonl'}",
+        f"policy.model_name={policy}",
+    ]
+    if steps is not None:
+        overrides.append(f"grpo.max_num_steps={steps}")
+    print(f"[4/4] async GRPO: streamrl up {CONFIG.relative_to(ROOT)} {' '.join(overrides)}", flush=True)
+    code = Supervisor(str(CONFIG), overrides, progress=progress).run()
+    s = summarize(out)
+    s["total_time_s"] = time.perf_counter() - t0
+    (out / "summary.json").write_text(json.dumps(s, indent=2))
+    if s.get("steps"):
+        print(f"\nreward: first 5 steps {s['first5_reward']:.3f} -> last 5 steps {s['last5_reward']:.3f} "
+              f"({s['improvement']:+.3f}); {s['trajectories_trained']} trajectories trained, "
+              f"{s['duplicate_ids']} trained twice; mean staleness {s['mean_staleness']:.2f}; "
+              f"total {s['total_time_s'] / 60:.1f} min")
+        print(f"metrics: {out / 'metrics.jsonl'}  plot: {out / 'reward_curve.png'}  logs: {out / 'logs'}")
+    return code

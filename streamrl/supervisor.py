@@ -1,0 +1,180 @@
+"""``streamrl up``: run a whole job on one machine as child processes.
+
+    embedded Valkey (unless REDIS_URL/redis.url) -> generator(s) -> wait /ready -> gateway(s)
+    -> trainer -> progress display until the trainer exits -> stop everything (by pid)
+
+Each child gets the same config file and overrides (so they agree on the run), its own port and
+a stable worker id, and logs to ``<output_dir>/logs/<name>.log``. If any child dies while the
+trainer runs, the job stops loudly with that child's log tail. Ctrl-C stops the trainer first (it
+drains), then the workers, then Redis. ``run.json`` in the output folder records the URLs and pids
+for ``streamrl status``/``pause``/``resume``/``validate``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shared.config import load
+from shared.run_config import RunConfig
+from streamrl.progress import Progress
+from streamrl.redis_server import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    log_path: Path
+    port: int
+    proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, *self.args], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env}, start_new_session=True,
+        )
+        fh.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float) -> None:
+        if not self.alive():
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: engine subprocesses too
+            self.proc.wait()
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _port(configured: int, offset: int) -> int:
+    return free_port() if configured == 0 else configured + offset
+
+
+class Supervisor:
+    def __init__(self, config_path: str, overrides: list[str], *, progress: bool = True) -> None:
+        self.config_path = str(Path(config_path).resolve())
+        self.overrides = list(overrides)
+        self.cfg = load(RunConfig, config_path, overrides)  # fail on a bad config before starting anything
+        self.out = Path(self.cfg.run.output_dir)
+        self.logs = self.out / "logs"
+        self.children: list[Child] = []
+        self.redis: RedisServer | None = None
+        self.show_progress = progress
+
+    def _child(self, name: str, module: str, port: int, extra: list[str]) -> Child:
+        args = ["-m", module, "--config", self.config_path, "--port", str(port), *extra, *self.overrides]
+        c = Child(name, args, self.logs / f"{name}.log", port, env={"REDIS_URL": self.redis_url})
+        self.children.append(c)
+        return c
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_redis()
+            gens = [self._child(f"generator-{i}", "services.generator", _port(cfg.generator.port, i), ["--worker-id", f"generator-{i}"])
+                    for i in range(cfg.generator.num_workers)]
+            for g in gens:
+                g.start()
+            self._wait_ready(gens, timeout_s=600)
+            gws = [self._child(f"gateway-{i}", "services.gym_gateway", _port(cfg.gym_gateway.port, i), ["--worker-id", f"gateway-{i}"])
+                   for i in range(cfg.gym_gateway.num_workers)]
+            for g in gws:
+                g.start()
+            trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
+            trainer.start()
+            self._write_run_file(trainer)
+            return self._watch(trainer)
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping the job", file=sys.stderr)
+            return 130
+        finally:
+            self.shutdown()
+
+    def _start_redis(self) -> None:
+        url = os.environ.get("REDIS_URL") or self.cfg.redis.url
+        if url:
+            self.redis_url = url
+            return
+        self.redis = RedisServer(self.out / "redis")
+        self.redis.start()
+        self.redis_url = self.redis.url
+
+    def _wait_ready(self, children: list[Child], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(children)
+        while pending:
+            for c in list(pending):
+                if not c.alive():
+                    raise JobFailed(f"{c.name} exited during start-up (code {c.proc.returncode}):\n{c.tail()}")
+                try:
+                    if httpx.get(f"{c.url}/ready", timeout=2.0).status_code == 200:
+                        pending.remove(c)
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                raise JobFailed(f"{', '.join(c.name for c in pending)} not ready within {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+    def _write_run_file(self, trainer: Child) -> None:
+        info = {
+            "run_id": self.cfg.run.run_id,
+            "trainer_url": trainer.url,
+            "redis_url": self.redis_url,
+            "children": {c.name: {"pid": c.proc.pid if c.proc else None, "url": c.url, "log": str(c.log_path)} for c in self.children},
+        }
+        (self.out / "run.json").write_text(json.dumps(info, indent=2))
+
+    def _watch(self, trainer: Child) -> int:
+        progress = Progress(trainer.url, self.cfg, enabled=self.show_progress)
+        with progress:
+            while trainer.alive():
+                for c in self.children:
+                    if c is not trainer and not c.alive() and c.proc.returncode not in (0, -15):
+                        raise JobFailed(f"{c.name} died (code {c.proc.returncode}) while the trainer ran:\n{c.tail()}")
+                progress.update()
+                time.sleep(1.0)
+            progress.update(final=True)
+        code = trainer.proc.returncode
+        if code != 0:
+            print(f"trainer exited with code {code}; last log lines:\n{trainer.tail(40)}", file=sys.stderr)
+        return code
+
+    def shutdown(self) -> None:
+        trainer = [c for c in self.children if c.name == "trainer"]
+        others = [c for c in self.children if c.name != "trainer"]
+        for c in trainer + list(reversed(others)):
+            c.stop(timeout_s=40.0)
+        if self.redis is not None:
+            self.redis.stop()

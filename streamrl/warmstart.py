@@ -1,0 +1,120 @@
+"""Warm start for the demo: a short supervised fine-tune of the tiny model on ``crossing``
+episodes, so async GRPO starts from a policy that speaks the tool-call format.
+
+In the demonstrations the robot looks at the light only half of the time and then picks its action
+at random, so the warm-started policy calls the ``look`` tool reliably *when* it calls it, but has
+no idea what the light means: its first reward is chance (about 1/3), inside (0.1, 0.6). Both
+looking first and acting on the observation have to be learned by GRPO from the rewards. Loss is
+on assistant tokens only (the turn terminator included), rendered with the same chat template and
+tool schema the environment sends.
+
+Called by ``streamrl demo`` (and the benchmark) before the run starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.gym_gateway.envs.crossing import ACTIONS, LOOK_TOOL, PROMPT, RULE, CrossingEnv, observation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmStartSpec:
+    steps: int = 60
+    batch_size: int = 16
+    lr: float = 2e-3
+    p_look: float = 0.3
+    p_right: float = 0.4
+    num_examples: int = 2000
+    seed: int = 1234
+
+
+def demonstration(instance: dict, rng: random.Random, p_look: float, p_right: float) -> list[dict]:
+    """One episode: with probability ``p_look`` the robot looks first; after looking it takes the
+    right action with probability ``p_right``; every other action is uniformly random."""
+    msgs: list[dict] = [{"role": "user", "content": PROMPT}]
+    action = rng.choice(ACTIONS)
+    if rng.random() < p_look:
+        call = {"id": "call_0", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+        msgs += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_0", "content": observation(instance["light"])}]
+        if rng.random() < p_right:
+            action = RULE[instance["light"]]
+    msgs.append({"role": "assistant", "content": action})
+    return msgs
+
+
+def encode_with_mask(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a 0/1 mask of assistant-generated tokens."""
+    render = lambda ms, gen: tok.apply_chat_template(ms, tools=[LOOK_TOOL], tokenize=False, add_generation_prompt=gen)  # noqa: E731
+    full = tok(render(messages, False), add_special_tokens=False)["input_ids"]
+    mask = [0] * len(full)
+    eos = tok.eos_token_id
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(tok(render(messages[:i], True), add_special_tokens=False)["input_ids"])
+        end = len(tok(render(messages[: i + 1], False), add_special_tokens=False)["input_ids"])
+        while end > start and full[end - 1] != eos:  # the "\n" after the terminator is template glue
+            end -= 1
+        for j in range(start, end):
+            mask[j] = 1
+    return full, mask
+
+
+def warm_start(model_dir: str | Path, out_dir: str | Path, spec: WarmStartSpec | None = None) -> dict:
+    """Fine-tune ``model_dir`` into ``out_dir``; returns a summary (loss, time)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = spec or WarmStartSpec()
+    t0 = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    rng = random.Random(spec.seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    instances = CrossingEnv().make_instances(spec.num_examples, seed=spec.seed + 1)
+    examples = [encode_with_mask(tok, demonstration(inst, rng, spec.p_look, spec.p_right)) for inst in instances]
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    pad = tok.pad_token_id
+    losses = []
+    for step in range(spec.steps):
+        batch = rng.sample(examples, spec.batch_size)
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width))
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (x, m) in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+            attn[i, : len(x)] = 1
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        m = mask[:, 1:].reshape(-1)
+        loss = (nll * m).sum() / m.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        if step % 25 == 0 or step == spec.steps - 1:
+            log.info("warm start step %d/%d loss %.3f", step + 1, spec.steps, float(loss))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    summary = {"steps": spec.steps, "final_loss": sum(losses[-10:]) / min(10, len(losses)),
+               "time_s": time.perf_counter() - t0}
+    (out / "warmstart.json").write_text(json.dumps(summary, indent=2))
+    return summary
