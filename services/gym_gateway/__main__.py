@@ -31,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
     port = cfg.gym_gateway.port if args.port is None else args.port
     app = build_app(cfg, worker_id=args.worker_id or default_worker_id("gateway"), port=port)
-    uvicorn.run(app, host=cfg.gym_gateway.host, port=port, log_level="warning", timeout_graceful_shutdown=35)
+    # Keep-alive well above the clients' idle expiry, so a pooled connection is never reused
+    # just as the server closes it (a ReadError on a healthy rollout).
+    uvicorn.run(app, host=cfg.gym_gateway.host, port=port, log_level="warning", timeout_graceful_shutdown=35,
+                timeout_keep_alive=120)
     return 0
 
 

@@ -48,8 +48,10 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         # 1. clients
         redis = connect(cfg.redis.url or "redis://127.0.0.1:6379/0")
         keys = K.RunKeys(cfg.run.run_id)
+        # Idle pooled connections expire well before the servers' keep-alive (120 s) closes them.
         http = httpx.AsyncClient(limits=httpx.Limits(max_connections=4 * gw.max_concurrent_rollouts,
-                                                     max_keepalive_connections=2 * gw.max_concurrent_rollouts))
+                                                     max_keepalive_connections=2 * gw.max_concurrent_rollouts,
+                                                     keepalive_expiry=30.0))
         streams = StreamClient(redis, keys, worker_id)
         # 2. proxy and worker
         proxy = SessionProxy(GeneratorPool(redis, keys), http, request_timeout_s=gw.request_timeout_s)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import httpx
 
@@ -71,8 +72,9 @@ class GatewayWorker:
     async def run(self) -> None:
         keys = self.streams.keys
         await self.streams.ensure_group(keys.tasks, K.GATEWAYS_GROUP)
-        for d in await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10_000, pending=True):
-            self._launch(d)  # our own tasks from before a restart
+        # Our own tasks from before a restart, then new ones. Tasks read while the gate closed
+        # wait in ``held`` (still pending in the group) and launch only once it reopens.
+        held = await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10_000, pending=True)
         next_reclaim = time.monotonic() + self.reclaim_idle_s / 4
         while not self.stopping:
             if await self.streams.redis.exists(keys.stop):
@@ -86,14 +88,17 @@ class GatewayWorker:
                 except asyncio.TimeoutError:
                     pass
                 continue
+            if held:
+                for d in held[:free]:
+                    self._launch(d)
+                held = held[free:]
+                continue
             if time.monotonic() > next_reclaim:
                 next_reclaim = time.monotonic() + self.reclaim_idle_s / 4
-                for d in await self.streams.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task,
-                                                    min_idle_ms=int(self.reclaim_idle_s * 1000), count=free):
-                    self._launch(d)
+                held = await self.streams.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task,
+                                                  min_idle_ms=int(self.reclaim_idle_s * 1000), count=free)
                 continue
-            for d in await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=free, block_ms=500):
-                self._launch(d)
+            held = await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=free, block_ms=500)
 
     def _launch(self, d: Delivery[Task]) -> None:
         if d.msg.task_id in self.active:
@@ -112,10 +117,12 @@ class GatewayWorker:
         outcome: Outcome | None = None
         failure: str | None = None
         session = None
+        # One session per attempt, URL-safe (task ids contain "/"); a reclaimed task gets a new one.
+        session_id = f"{task.group_id}.{task.index_in_group}.{uuid.uuid4().hex[:8]}"
         try:
-            session = await self.proxy.open(task.task_id, task.kind, task.sampling)
+            session = await self.proxy.open(session_id, task.kind, task.sampling)
             env = get_env(task.env)
-            client = ChatClient(f"{self.session_base_url}/sessions/{task.task_id}/v1", self.http,
+            client = ChatClient(f"{self.session_base_url}/sessions/{session_id}/v1", self.http,
                                 timeout_s=task.deadline_s)
             outcome = await asyncio.wait_for(env.rollout(task.instance, client, max_turns=self.max_turns), task.deadline_s)
         except asyncio.TimeoutError:
@@ -129,14 +136,14 @@ class GatewayWorker:
         except ModelRequestError as exc:
             failure = f"model_refused: {exc}"
         except asyncio.CancelledError:
-            self.proxy.close(task.task_id)
+            self.proxy.close(session_id)
             raise  # shutting down: leave the task pending for a reclaim
         except Exception as exc:  # an environment bug or sandbox error: still an infra failure
             log.exception("rollout %s: environment error", task.task_id)
             failure = f"env_error: {type(exc).__name__}: {exc}"
         if session is None:
-            session = Session(task.task_id, task.kind, task.sampling, "", "", -1)
-        self.proxy.close(task.task_id)
+            session = Session(session_id, task.kind, task.sampling, "", "", -1)
+        self.proxy.close(session_id)
         if failure:
             reason = failure.split(":")[0]
             self.failed[reason] = self.failed.get(reason, 0) + 1
