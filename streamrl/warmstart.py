@@ -27,11 +27,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WarmStartSpec:
-    steps: int = 60
+    steps: int = 100
     batch_size: int = 16
     lr: float = 2e-3
-    p_look: float = 0.3
-    p_right: float = 0.4
+    p_look: float = 0.5
+    p_right: float = 0.5
     num_examples: int = 2000
     seed: int = 1234
 

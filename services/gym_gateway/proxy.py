@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import msgspec
 
 from shared import keys as K
@@ -93,7 +93,7 @@ class GeneratorPool:
 
 
 class SessionProxy:
-    def __init__(self, pool: GeneratorPool, http: httpx.AsyncClient, *, request_timeout_s: float) -> None:
+    def __init__(self, pool: GeneratorPool, http: aiohttp.ClientSession, *, request_timeout_s: float) -> None:
         self.pool = pool
         self.http = http
         self.request_timeout_s = request_timeout_s
@@ -133,16 +133,17 @@ class SessionProxy:
         fwd = self._prepare(s, req)
         t0 = time.perf_counter()
         try:
-            resp = await self.http.post(
-                f"{s.generator_url}/v1/chat/completions", content=msgspec.json.encode(fwd),
-                headers={"content-type": "application/json"}, timeout=self.request_timeout_s,
-            )
-        except httpx.HTTPError as exc:
+            async with self.http.post(
+                f"{s.generator_url}/v1/chat/completions", data=msgspec.json.encode(fwd),
+                headers={"content-type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+            ) as resp:
+                status, body = resp.status, await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise HTTPError(502, f"generator {s.generator_id} unreachable: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
+        if status != 200:
             # Pass the generator's error through unchanged (4xx: the agent's request was refused).
-            raise HTTPError(resp.status_code, _error_message(resp), type_="upstream_error")
-        body = resp.content
+            raise HTTPError(status, _error_message(status, body), type_="upstream_error")
         self._record(s, self._decoder.decode(body), time.perf_counter() - t0)
         return body
 
@@ -169,8 +170,8 @@ class SessionProxy:
         self.calls_total += 1
 
 
-def _error_message(resp: httpx.Response) -> str:
+def _error_message(status: int, body: bytes) -> str:
     try:
-        return str(resp.json()["error"]["message"])
+        return str(msgspec.json.decode(body)["error"]["message"])
     except Exception:
-        return resp.text[:500] or f"generator answered {resp.status_code}"
+        return body[:500].decode(errors="replace") or f"generator answered {status}"

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 
-import httpx
+import aiohttp
 
 from shared import keys as K
 from shared.protocol import Task, Trajectory
@@ -49,7 +49,7 @@ def assemble(task: Task, session: Session, outcome: Outcome | None, failure: str
 
 
 class GatewayWorker:
-    def __init__(self, streams: StreamClient, proxy: SessionProxy, http: httpx.AsyncClient, *, session_base_url: str,
+    def __init__(self, streams: StreamClient, proxy: SessionProxy, http: aiohttp.ClientSession, *, session_base_url: str,
                  max_concurrent: int, reclaim_idle_s: float, max_turns: int, gateway_id: str) -> None:
         self.streams = streams
         self.proxy = proxy

@@ -8,10 +8,12 @@ environment: the session proxy records them. Environments are selected by name (
 
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-import httpx
+import aiohttp
 import msgspec
 
 from shared.openai_api import ChatCompletionResponse
@@ -36,7 +38,7 @@ class Outcome:
 class ChatClient:
     """Minimal async OpenAI chat client for a session URL (``.../sessions/<id>/v1``)."""
 
-    def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float) -> None:
+    def __init__(self, base_url: str, http: aiohttp.ClientSession, *, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.http = http
         self.timeout_s = timeout_s
@@ -47,15 +49,18 @@ class ChatClient:
         if tools:
             body["tools"] = tools
         try:
-            resp = await self.http.post(f"{self.base_url}/chat/completions", content=msgspec.json.encode(body),
-                                        headers={"content-type": "application/json"}, timeout=self.timeout_s)
-        except httpx.HTTPError as exc:
+            async with self.http.post(f"{self.base_url}/chat/completions", data=msgspec.json.encode(body),
+                                      headers={"content-type": "application/json"},
+                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                status, content = resp.status, await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise TransportError(f"model call failed: {type(exc).__name__}: {exc}") from exc
-        if 400 <= resp.status_code < 500:
-            raise ModelRequestError(f"model refused the request ({resp.status_code}): {resp.text[:500]}")
-        if resp.status_code >= 500:
-            raise TransportError(f"model endpoint error {resp.status_code}: {resp.text[:500]}")
-        return self._decoder.decode(resp.content)
+        text = content[:500].decode(errors="replace")
+        if 400 <= status < 500:
+            raise ModelRequestError(f"model refused the request ({status}): {text}")
+        if status >= 500:
+            raise TransportError(f"model endpoint error {status}: {text}")
+        return self._decoder.decode(content)
 
 
 class Environment(Protocol):
