@@ -40,7 +40,7 @@ class RedisServer:
         binary: str | None = None,
         appendonly: bool = False,
     ) -> None:
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()  # the server chdirs into it: relative paths would break
         self.port = port or free_port()
         self.binary = binary or valkey_binary()
         self.appendonly = appendonly
