@@ -116,6 +116,7 @@ class GrpoSection(_Section):
     use_leave_one_out_baseline: Annotated[bool, D("baseline = mean of the other rollouts of the group")] = True
     val_period: Annotated[int, D("validate every N steps; 0: never")] = 0
     val_at_start: Annotated[bool, D("validate before the first step")] = False
+    val_at_end: Annotated[bool, D("validate after the last step")] = False
     max_val_samples: Annotated[int | None, D("validation prompts per validation; null: all")] = None
     async_grpo: AsyncGrpoSection = msgspec.field(default_factory=AsyncGrpoSection)
 
@@ -233,9 +234,8 @@ class RunConfig(_Section):
             raise ConfigError("policy.model_name is required")
         if not self.data.train_path:
             raise ConfigError("data.train_path is required")
-        if g.val_period > 0 or g.val_at_start:
-            if not self.data.val_path:
-                raise ConfigError("data.val_path is required when grpo.val_period > 0 or grpo.val_at_start")
+        if (g.val_period > 0 or g.val_at_start or g.val_at_end) and not self.data.val_path:
+            raise ConfigError("data.val_path is required when grpo.val_period > 0, val_at_start or val_at_end")
 
 
 def explain(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:

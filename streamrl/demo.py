@@ -56,7 +56,9 @@ def prepare(out: Path) -> Path:
 def summarize(out: Path) -> dict:
     from services.trainer.metrics_log import read_metrics
 
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "train"]
+    records = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in records if r.get("kind") == "train"]
+    vals = [r for r in records if r.get("kind") == "validation"]
     if not steps:
         return {"steps": 0}
     first = [r["reward_mean"] for r in steps[:5]]
@@ -71,6 +73,7 @@ def summarize(out: Path) -> dict:
         "duplicate_ids": len(ids) - len(set(ids)),
         "mean_staleness": sum(r["staleness_mean"] for r in steps) / len(steps),
         "mean_step_s": sum(r["time_step_s"] for r in steps) / len(steps),
+        "validation_accuracy": [(v["step"], v["accuracy"]) for v in vals],
     }
 
 
@@ -99,5 +102,7 @@ def run_demo(out: Path, *, steps: int | None = None, progress: bool = True) -> i
               f"({s['improvement']:+.3f}); {s['trajectories_trained']} trajectories trained, "
               f"{s['duplicate_ids']} trained twice; mean staleness {s['mean_staleness']:.2f}; "
               f"total {s['total_time_s'] / 60:.1f} min")
+        if s["validation_accuracy"]:
+            print("validation accuracy (greedy): " + " -> ".join(f"step {st}: {a:.3f}" for st, a in s["validation_accuracy"]))
         print(f"metrics: {out / 'metrics.jsonl'}  plot: {out / 'reward_curve.png'}  logs: {out / 'logs'}")
     return code

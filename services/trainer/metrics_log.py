@@ -42,7 +42,12 @@ def plot_reward_curve(records: list[dict[str, Any]], out: Path, title: str = "")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], marker="o", ms=3, label="train reward")
+    xs, ys = [r["step"] for r in steps], [r["reward_mean"] for r in steps]
+    ax.plot(xs, ys, marker="o", ms=3, alpha=0.45, label="train reward")
+    window = 5
+    if len(ys) >= window:
+        smooth = [sum(ys[i - window + 1 : i + 1]) / window for i in range(window - 1, len(ys))]
+        ax.plot(xs[window - 1 :], smooth, lw=2.2, label=f"train reward ({window}-step mean)")
     vals = [r for r in records if r.get("kind") == "validation"]
     if vals:
         ax.plot([r["step"] for r in vals], [r["accuracy"] for r in vals], marker="s", label="validation accuracy")

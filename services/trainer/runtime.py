@@ -20,7 +20,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -138,11 +137,13 @@ class TrainerRuntime:
         try:
             self._tasks.append(asyncio.create_task(self._consume(), name="trajectory-consumer"))
             await self._refit(self.step, initial=True)
+            if self.cfg.grpo.val_at_start and self.validator and self.step == 0:
+                await self._validate("val-start")  # before any training task is issued
             await self._issue()
-            if self.cfg.grpo.val_at_start and self.validator:
-                await self._validate(f"val-start-{uuid.uuid4().hex[:6]}")
             while self.step < self.cfg.grpo.max_num_steps:
                 await self._step()
+            if self.cfg.grpo.val_at_end and self.validator:
+                await self._validate("val-end")
             self.state = "finished"
             await self.redis.set(self.keys.stop, b"finished")
             log.info("run finished after %d steps", self.step)
