@@ -48,6 +48,9 @@ class OptimizerSection(_Section):
     weight_decay: Annotated[float, D("decoupled weight decay")] = 0.0
     betas: Annotated[tuple[float, float], D("Adam betas")] = (0.9, 0.999)
     eps: Annotated[float, D("Adam epsilon")] = 1e-8
+    scheduler: Annotated[Literal["constant", "linear", "cosine"], D("learning-rate decay over the run's updates")] = "constant"
+    warmup_steps: Annotated[int, D("optimizer updates of linear warm-up from 0")] = 0
+    min_lr_ratio: Annotated[float, D("final learning rate as a fraction of lr (linear/cosine)")] = 0.0
 
 
 class VllmSection(_Section):

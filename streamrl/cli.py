@@ -58,10 +58,14 @@ def demo(
     out: Path = typer.Option(Path("runs/demo"), help="output folder"),
     steps: int = typer.Option(None, help="override grpo.max_num_steps"),
     no_progress: bool = typer.Option(False, help="no live display"),
+    prepare_only: bool = typer.Option(False, help="only build model, data and warm-started policy in OUT"),
 ) -> None:
     """Build the tiny model if missing, warm-start it, and run a short async GRPO job that learns."""
-    from streamrl.demo import run_demo
+    from streamrl.demo import prepare, run_demo
 
+    if prepare_only:
+        prepare(out)
+        raise typer.Exit(0)
     raise typer.Exit(run_demo(out, steps=steps, progress=not no_progress))
 
 

@@ -112,4 +112,10 @@ def build_step_batch(
             sum(all(abs(r.advantage) < 1e-9 for r in rows[i : i + group_size]) for i in range(0, len(rows), group_size or 1))
         ),
     }
+    # Environment metrics of the step's rollouts (turns, tool use, ...), averaged: env/<name>.
+    sums: dict[str, float] = {}
+    for t in trajs:
+        for k, v in t.metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    stats.update({f"env/{k}": v / len(trajs) for k, v in sorted(sums.items())})
     return StepBatch(rows, stats)

@@ -111,7 +111,11 @@ class TrainerRuntime:
     def _build_backend(self):
         from services.trainer.backends.torch_backend import TorchBackend
 
-        return TorchBackend(self.cfg.policy, self.cfg.loss_fn, seed=self.cfg.run.seed, threads=self.cfg.trainer.torch_threads)
+        cfg = self.cfg
+        rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+        updates_per_step = rows // (cfg.policy.train_global_batch_size or rows)
+        return TorchBackend(cfg.policy, cfg.loss_fn, seed=cfg.run.seed, threads=cfg.trainer.torch_threads,
+                            total_updates=cfg.grpo.max_num_steps * updates_per_step)
 
     def _restore(self) -> None:
         path = latest_checkpoint(self.ckpt_dir) if self.cfg.checkpointing.enabled else None

@@ -78,3 +78,15 @@ def test_token_level_normalisation_is_global_across_micro_batches():
     a, _, _ = run(curr[:1], curr[:1], curr[:1], adv[:1], cfg=cfg, norm=norm)
     b, _, _ = run(curr[1:], curr[1:], curr[1:], adv[1:], cfg=cfg, norm=norm)
     assert (a + b).item() == pytest.approx(full.item())
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    from services.trainer.backends.torch_backend import lr_schedule
+    from shared.run_config import OptimizerSection
+
+    f = lr_schedule(OptimizerSection(scheduler="cosine", warmup_steps=2, min_lr_ratio=0.1), total_updates=12)
+    assert [round(f(n), 3) for n in (0, 1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0) and f(7) == pytest.approx(0.55) and f(12) == pytest.approx(0.1)
+    lin = lr_schedule(OptimizerSection(scheduler="linear"), total_updates=10)
+    assert lin(5) == pytest.approx(0.5)
+    assert lr_schedule(OptimizerSection(), total_updates=10)(9) == 1.0

@@ -25,9 +25,25 @@ import torch.nn.functional as F
 
 from services.trainer.batch import Row, StepBatch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
-from shared.run_config import LossSection, PolicySection
+from shared.run_config import LossSection, OptimizerSection, PolicySection
 
 log = logging.getLogger(__name__)
+
+
+def lr_schedule(opt: OptimizerSection, total_updates: int):
+    """Multiplier of the base learning rate after ``n`` updates: warm-up, then constant/linear/cosine
+    decay to ``min_lr_ratio`` at ``total_updates``."""
+
+    def factor(n: int) -> float:
+        if opt.warmup_steps and n < opt.warmup_steps:
+            return (n + 1) / opt.warmup_steps
+        if opt.scheduler == "constant" or total_updates <= opt.warmup_steps:
+            return 1.0
+        progress = min(1.0, (n - opt.warmup_steps) / max(1, total_updates - opt.warmup_steps))
+        decay = 1.0 - progress if opt.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
+
+    return factor
 
 
 def _load_model(path: str, dtype: torch.dtype):
@@ -37,7 +53,9 @@ def _load_model(path: str, dtype: torch.dtype):
 
 
 class TorchBackend:
-    def __init__(self, policy: PolicySection, loss: LossSection, *, seed: int, threads: int | None = None) -> None:
+    def __init__(
+        self, policy: PolicySection, loss: LossSection, *, seed: int, threads: int | None = None, total_updates: int = 0
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -53,6 +71,7 @@ class TorchBackend:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
         )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(opt, total_updates))
         self.ref_model = None
         if loss.reference_policy_kl_penalty > 0:
             self.ref_model = _load_model(policy.model_name, self.dtype).to(self.device).eval()
@@ -137,6 +156,7 @@ class TorchBackend:
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {self.updates}")
             self.optimizer.step()
+            self.scheduler.step()
             self.updates += 1
             losses.append(loss_total)
             grad_norms.append(float(grad_norm))
@@ -152,6 +172,7 @@ class TorchBackend:
             "is_oob_ratio": sums.get("is_oob_sum", 0.0) / tokens,
             "clip_fraction": sums.get("clip_fraction_sum", 0.0) / tokens,
             "kl_penalty": sums.get("kl_penalty_sum", 0.0) / tokens,
+            "lr": self.scheduler.get_last_lr()[0],
             "train_time_s": time.perf_counter() - t0,
         }
 
@@ -180,6 +201,7 @@ class TorchBackend:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "updates": self.updates,
             "torch_rng": torch.get_rng_state(),
         }
@@ -187,5 +209,6 @@ class TorchBackend:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
         self.updates = int(state["updates"])
         torch.set_rng_state(state["torch_rng"])
