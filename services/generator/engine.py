@@ -1,0 +1,132 @@
+"""The engine interface every generation backend implements, and the factory that picks one.
+
+Callers: `services.generator.serving` (generate), `services.generator.weights` (pause, load,
+reset the prefix cache, resume) and the app's lifespan (start, aclose). Backends:
+`vllm_engine.VllmEngine` (the real one, ``policy.generation.backend: vllm``) and
+`hf_engine.HfEngine` (a light transformers fallback, ``backend: transformers``). Both serve the
+same HTTP surface; the contract test in tests/integration runs against either.
+
+Token-level contract: ``generate`` takes prompt token ids (never text) and returns, per choice,
+the generated ids *including* the terminating stop token when the model produced one, and the
+log-probability of each generated id under the processed distribution the token was sampled
+from (temperature-scaled, top-p-masked), so the trainer's importance weights are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from shared.run_config import RunConfig
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["drain", "keep"]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling parameters of one engine call (already checked by the sampling gate)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    # Alternatives reported per position besides the sampled token; 0: only the sampled token.
+    top_logprobs: int = 0
+
+
+@dataclass
+class ChoiceOutput:
+    """One sampled continuation."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    # Per position: (token id, logprob) of the most likely tokens, best first; None if not asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A point-in-time view of the engine's load."""
+
+    running: int
+    waiting: int
+    generated_tokens_total: int
+
+
+@dataclass
+class EngineInfo:
+    """Facts about a started engine."""
+
+    name: str
+    model: str
+    max_model_len: int
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A started engine generates concurrently; pause/load/resume are called by one refit at a time."""
+
+    @property
+    def info(self) -> EngineInfo:
+        """Name, model and context length; valid after ``start``."""
+        ...
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        """Whether prefix caching is effectively on (as the engine resolved it, not as configured)."""
+        ...
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine died and cannot generate any more."""
+        ...
+
+    async def start(self) -> None:
+        """Load the model; return when the engine can generate."""
+        ...
+
+    async def generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> list[ChoiceOutput]:
+        """Sample ``params.n`` continuations of ``prompt_ids``; choices are sorted by index."""
+        ...
+
+    async def load_weights(self, path: str) -> None:
+        """Replace the weights in place from a folder of safetensors files (engine paused)."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block; the engine's own answer (False: refused)."""
+        ...
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop scheduling. ``drain``: return once in-flight requests finished; ``keep``: freeze them."""
+        ...
+
+    async def resume(self) -> None:
+        """Undo ``pause``; frozen requests continue."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def aclose(self) -> None:
+        """Stop the engine and its processes."""
+        ...
+
+
+def build_engine(cfg: RunConfig) -> Engine:
+    """The engine ``policy.generation.backend`` names, not yet started (heavy imports happen here)."""
+    backend = cfg.policy.generation.backend
+    if backend == "vllm":
+        from services.generator.vllm_engine import VllmEngine
+
+        return VllmEngine(cfg)
+    if backend == "transformers":
+        from services.generator.hf_engine import HfEngine
+
+        return HfEngine(cfg)
+    raise ValueError(f"policy.generation.backend {backend!r} is not one of: vllm, transformers")

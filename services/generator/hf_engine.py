@@ -1,0 +1,244 @@
+"""The transformers fallback engine: a hand-written KV-cache sampling loop behind the `Engine`
+protocol, for machines or tests where vLLM is not wanted (``policy.generation.backend:
+transformers``).
+
+It serves one request at a time (the n choices of a request are one batch) and has no prefix
+cache, so it is only for small models. Sampling mirrors vLLM's: logits / temperature, top-p mask
+(vLLM's ascending-sort rule), sample; the reported logprob is under that processed distribution,
+or under the raw distribution for greedy (temperature 0) requests, as vLLM's
+``processed_logprobs`` mode reports them.
+
+Pause states (the sampling loop checks them between forward passes)::
+
+    open --pause(drain)--> closed: no new request starts; returns when no generation is active
+    open --pause(keep)---> closed + frozen: the active generation parks after its current step
+    closed/frozen --resume--> open
+
+Forward passes run in the engine's own worker thread so the event loop keeps serving HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from services.generator.engine import ChoiceOutput, EngineInfo, EngineStats, GenerationParams, PauseMode
+from shared.run_config import RunConfig
+from shared.weights_format import safetensors_files
+
+log = logging.getLogger(__name__)
+
+_GREEDY_EPS = 1e-5
+_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class HfEngine:
+    def __init__(self, cfg: RunConfig) -> None:
+        self._cfg = cfg
+        self._model: Any = None
+        self._eos_ids: set[int] = set()
+        self._info = EngineInfo(name="transformers", model=cfg.policy.model_name, max_model_len=0)
+        self._lock = asyncio.Lock()
+        self._open = asyncio.Event()
+        self._running = asyncio.Event()
+        self._quiet = asyncio.Event()
+        self._idle = asyncio.Event()
+        for ev in (self._open, self._running, self._quiet, self._idle):
+            ev.set()
+        # One thread owns every forward pass (torch's per-thread state stays warm, one pass at a time).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._waiting = 0
+        self._active = 0
+        self._generated_tokens_total = 0
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return False
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    async def start(self) -> None:
+        self._model = await asyncio.get_running_loop().run_in_executor(self._executor, self._load_model)
+        config = self._model.config
+        max_len = self._cfg.policy.generation.vllm_cfg.max_model_len or int(config.max_position_embeddings)
+        self._info = EngineInfo(name="transformers", model=self._cfg.policy.model_name, max_model_len=max_len)
+        log.info("transformers engine up: max_model_len=%d eos=%s", max_len, sorted(self._eos_ids))
+
+    def _load_model(self) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        dtype_name = _DTYPES.get(self._cfg.policy.generation.vllm_cfg.dtype)
+        if dtype_name is None:
+            raise ValueError(
+                f"policy.generation.vllm_cfg.dtype {self._cfg.policy.generation.vllm_cfg.dtype!r} is not supported"
+            )
+        model = AutoModelForCausalLM.from_pretrained(self._cfg.policy.model_name, dtype=getattr(torch, dtype_name))
+        model.eval()
+        eos = model.generation_config.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return model
+
+    async def generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> list[ChoiceOutput]:
+        self._waiting += 1
+        started = False
+        try:
+            async with self._lock:
+                await self._open.wait()
+                self._waiting -= 1
+                started = True
+                self._active += 1
+                self._idle.clear()
+                try:
+                    return await self._sample_loop(prompt_ids, params)
+                finally:
+                    self._active -= 1
+                    self._idle.set()
+        finally:
+            if not started:  # cancelled while queued
+                self._waiting -= 1
+
+    async def _sample_loop(self, prompt_ids: list[int], params: GenerationParams) -> list[ChoiceOutput]:
+        import torch
+
+        loop = asyncio.get_running_loop()
+        stop_ids = self._eos_ids | set(params.stop_token_ids)
+        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        rows = [_Row(i) for i in range(params.n)]
+        state: Any = None
+        next_input = torch.tensor([prompt_ids] * params.n, dtype=torch.long)
+        for _ in range(params.max_tokens):
+            await self._running.wait()
+            self._quiet.clear()
+            try:
+                logits, state = await loop.run_in_executor(self._executor, self._forward, next_input, state)
+            finally:
+                self._quiet.set()
+            tokens, logprobs = _sample(logits, params.temperature, params.top_p, gen)
+            top = torch.topk(logprobs, params.top_logprobs, dim=-1) if params.top_logprobs > 0 else None
+            for row in rows:
+                if row.finish_reason is None:
+                    row.add(int(tokens[row.index]), float(logprobs[row.index, tokens[row.index]]), top, stop_ids)
+                    self._generated_tokens_total += 1
+            if all(r.finish_reason is not None for r in rows):
+                break
+            next_input = tokens.unsqueeze(1)
+        return [r.to_choice(params.top_logprobs > 0) for r in rows]
+
+    def _forward(self, input_ids: Any, past: Any) -> tuple[Any, Any]:
+        import torch
+
+        with torch.inference_mode():
+            out = self._model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    async def load_weights(self, path: str) -> None:
+        if self._active and self._running.is_set():
+            raise RuntimeError("load_weights called while a generation is running; pause the engine first")
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._load_state, path)
+
+    def _load_state(self, path: str) -> None:
+        import torch
+        from safetensors.torch import load_file
+
+        state: dict[str, Any] = {}
+        for f in safetensors_files(Path(path)):
+            state.update(load_file(str(f)))
+        expected = set(self._model.state_dict())
+        unknown = sorted(set(state) - expected)
+        missing = sorted(expected - set(state))
+        if unknown or missing:
+            raise ValueError(f"weights in {path} do not fit the model: unknown {unknown[:5]}, missing {missing[:5]}")
+        with torch.no_grad():
+            self._model.load_state_dict(state, strict=True)
+
+    async def reset_prefix_cache(self) -> bool:
+        # No prefix cache: nothing to invalidate, and nothing was reset.
+        return False
+
+    async def pause(self, mode: PauseMode) -> None:
+        self._open.clear()
+        if mode == "keep":
+            self._running.clear()
+            await self._quiet.wait()
+        else:
+            await self._idle.wait()
+
+    async def resume(self) -> None:
+        self._running.set()
+        self._open.set()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=self._active, waiting=self._waiting, generated_tokens_total=self._generated_tokens_total
+        )
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._model = None
+
+
+class _Row:
+    """The tokens sampled so far for one choice."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+
+    def add(self, token: int, logprob: float, top: Any, stop_ids: set[int]) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        if top is not None:
+            vals, ids = top.values[self.index].tolist(), top.indices[self.index].tolist()
+            self.top.append(list(zip(ids, vals, strict=True)))
+        if token in stop_ids:
+            self.finish_reason = "stop"
+
+    def to_choice(self, with_top: bool) -> ChoiceOutput:
+        return ChoiceOutput(
+            index=self.index,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason or "length",  # type: ignore[arg-type]
+            top_logprobs=self.top if with_top else None,
+        )
+
+
+def _sample(logits: Any, temperature: float, top_p: float, gen: Any) -> tuple[Any, Any]:
+    """(sampled ids [n], logprobs [n, V] of the processed distribution)."""
+    import torch
+
+    if temperature < _GREEDY_EPS:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        return logits.argmax(dim=-1), logprobs
+    scaled = logits / temperature
+    if top_p < 1.0:
+        scaled = _top_p_mask(scaled, top_p)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.multinomial(logprobs.exp(), 1, generator=gen).squeeze(1)
+    return tokens, logprobs
+
+
+def _top_p_mask(logits: Any, top_p: float) -> Any:
+    """vLLM's rule: sort ascending, drop the tokens whose cumulative mass is <= 1 - top_p."""
+    import torch
+
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= 1 - top_p
+    drop[:, -1] = False
+    drop = torch.zeros_like(drop).scatter(-1, order, drop)
+    return logits.masked_fill(drop, float("-inf"))

@@ -1,0 +1,105 @@
+"""Operational and admin routes: /health, /ready, /metrics and /admin/*.
+
+* ``GET /health``: the process answers (200 always).
+* ``GET /ready``: 200 only while the engine is up and the generator is not failed or draining.
+* ``GET /metrics``: Prometheus text.
+* ``POST /admin/pause {mode}``, ``POST /admin/resume``: pause reason "admin" (a refit keeps its own).
+* ``POST /admin/load_weights {version, path, checksum, mode}``: the watcher's code path
+  (`WeightSync.apply`), acked on the weight_acks stream as well; 500 naming the error on failure.
+* ``POST /admin/reset_prefix_cache``: the engine's answer.
+* ``GET /admin/state``: `shared.openai_api.GeneratorState`.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from services.generator.runtime import Runtime
+from services.generator.weights import LoadOrder
+from shared.http import HTTPError, MsgspecJSON, read_body
+from shared.metrics import CONTENT_TYPE
+from shared.openai_api import GeneratorState, LoadWeightsRequest, PauseRequest
+
+router = APIRouter()
+
+
+def _runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+@router.get("/health")
+async def health() -> MsgspecJSON:
+    return MsgspecJSON({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> MsgspecJSON:
+    rt = _runtime(request)
+    body = {"status": rt.state, "weight_version": rt.weight_version, "error": rt.error}
+    return MsgspecJSON(body, status_code=200 if rt.ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/admin/state")
+async def state(request: Request) -> MsgspecJSON:
+    return MsgspecJSON(generator_state(request.app.state))
+
+
+@router.post("/admin/pause")
+async def pause(request: Request) -> MsgspecJSON:
+    body = await read_body(request, PauseRequest)
+    await _runtime(request).pause("admin", body.mode)
+    return MsgspecJSON(generator_state(request.app.state))
+
+
+@router.post("/admin/resume")
+async def resume(request: Request) -> MsgspecJSON:
+    await _runtime(request).resume("admin")
+    return MsgspecJSON(generator_state(request.app.state))
+
+
+@router.post("/admin/load_weights")
+async def load_weights(request: Request) -> MsgspecJSON:
+    body = await read_body(request, LoadWeightsRequest)
+    order = LoadOrder(version=body.version, path=body.path, checksum=body.checksum, mode=body.mode)
+    ack = await request.app.state.weights.apply(order)
+    if not ack.ok:
+        raise HTTPError(500, ack.error or "weight load failed", type_="weight_load_error")
+    return MsgspecJSON(ack)
+
+
+@router.post("/admin/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> MsgspecJSON:
+    rt = _runtime(request)
+    ok = await rt.engine.reset_prefix_cache()
+    if ok:
+        rt.prefix_cache_resets += 1
+        request.app.state.metrics.prefix_cache_resets.inc()
+    return MsgspecJSON({"success": ok, "prefix_caching_enabled": rt.engine.prefix_caching_enabled})
+
+
+def generator_state(state) -> GeneratorState:
+    """The /admin/state answer from the app's state objects."""
+    rt: Runtime = state.runtime
+    stats = rt.engine.stats()
+    info = rt.engine.info
+    return GeneratorState(
+        worker_id=rt.worker_id,
+        state=rt.state,
+        weight_version=rt.weight_version,
+        engine=info.name,
+        model=info.model,
+        in_flight=rt.in_flight,
+        waiting=rt.waiting + stats.waiting,
+        requests_total=rt.requests_total,
+        generated_tokens_total=stats.generated_tokens_total,
+        tokens_per_s=rt.tokens_per_s(),
+        prefix_cache_resets=rt.prefix_cache_resets,
+        last_refit_s=rt.last_refit_s,
+        error=rt.error,
+    )

@@ -1,0 +1,66 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models, /tokenize.
+
+Bodies are decoded by `shared.http.read_body` into the Structs of `shared.openai_api` (a 400 names
+the field); the work is done by `services.generator.serving.GenerationService` on
+``app.state.service``. Each generation request is counted by route and status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+
+from fastapi import APIRouter, Request
+
+from services.generator.serving import GenerationService
+from shared.http import HTTPError, MsgspecJSON, read_body
+from shared.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, TokenizeRequest
+
+router = APIRouter()
+
+
+async def _counted(request: Request, route: str, work: Awaitable) -> MsgspecJSON:
+    requests = request.app.state.metrics.requests
+    try:
+        result = await work
+    except HTTPError as exc:
+        requests.labels(route, str(exc.status)).inc()
+        raise
+    except Exception:
+        requests.labels(route, "500").inc()
+        raise
+    requests.labels(route, "200").inc()
+    return MsgspecJSON(result)
+
+
+def _service(request: Request) -> GenerationService:
+    return request.app.state.service
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> MsgspecJSON:
+    body = await read_body(request, ChatCompletionRequest)
+    return await _counted(request, "chat", _service(request).chat(body))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> MsgspecJSON:
+    body = await read_body(request, CompletionRequest)
+    return await _counted(request, "completions", _service(request).completion(body))
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> MsgspecJSON:
+    body = await read_body(request, TokenizeRequest)
+    return MsgspecJSON(_service(request).tokenize(body))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> MsgspecJSON:
+    svc = _service(request)
+    card = ModelCard(
+        id=svc.model_name,
+        created=int(request.app.state.started_at),
+        max_model_len=svc.max_model_len,
+        weight_version=svc.runtime.weight_version,
+    )
+    return MsgspecJSON(ModelList(data=[card]))

@@ -1,0 +1,181 @@
+"""The generator's live state: lifecycle, weight version, admission of requests, pauses, counters.
+
+One Runtime per process, on ``app.state.runtime``; routes admit requests through it, the refit
+(`services.generator.weights`) and the admin routes pause and resume through it, the heartbeat
+and /admin/state read it.
+
+Lifecycle (``state``)::
+
+    starting --engine up, initial weights loaded--> ready <--resume-- paused (admin pause)
+                                                    ready --refit--> loading --ok--> ready
+    any --failed load / failed cache reset / engine died--> failed      (503 for generation)
+    any --SIGTERM--> draining                                           (503 for new requests)
+
+Admission: a request waits while the gate is closed (a pause or a refit is under way), then for
+one of ``generator.max_concurrent_requests`` slots; the weight version is read when it is
+admitted. Pauses are kept per reason ("admin", "refit"), so ending one does not end the other;
+the engine resumes when no reason is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from services.generator.engine import Engine, PauseMode
+from shared.http import HTTPError
+
+log = logging.getLogger(__name__)
+
+_RATE_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted request: the weight version it started under."""
+
+    weight_version: int
+    admitted_at: float
+
+
+class Runtime:
+    def __init__(self, engine: Engine, worker_id: str, *, max_concurrent_requests: int, drain_timeout_s: float) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.drain_timeout_s = drain_timeout_s
+        self.weight_version = -1
+        self.error: str | None = None
+        self.started = False
+        self.draining = False
+        self.in_flight = 0
+        self.waiting = 0
+        self.requests_total = 0
+        self.prefix_cache_resets = 0
+        self.last_refit_s = 0.0
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._slots = asyncio.Semaphore(max_concurrent_requests)
+        self._pause_reasons: set[str] = set()
+        self._pause_lock = asyncio.Lock()
+        self._tokens: deque[tuple[float, int]] = deque()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        if self.error is not None or self.engine.errored:
+            return "failed"
+        if self.draining:
+            return "draining"
+        if not self.started:
+            return "starting"
+        if "refit" in self._pause_reasons:
+            return "loading"
+        if self._pause_reasons:
+            return "paused"
+        return "ready"
+
+    @property
+    def ready(self) -> bool:
+        return self.state in ("ready", "paused", "loading")
+
+    def fail(self, error: str) -> None:
+        """Mark the generator failed; generation answers 503 until a later load succeeds."""
+        log.error("generator failed: %s", error)
+        self.error = error
+
+    def check_not_failed(self) -> None:
+        if self.state == "failed":
+            err = self.error or "the engine died"
+            raise HTTPError(503, f"generator {self.worker_id} failed: {err}", type_="service_unavailable")
+
+    def check_serving(self) -> None:
+        """503 unless new requests may be admitted."""
+        self.check_not_failed()
+        state = self.state
+        if state in ("starting", "draining"):
+            raise HTTPError(503, f"generator {self.worker_id} is {state}", type_="service_unavailable")
+
+    # -- admission -----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def admission(self) -> AsyncIterator[Ticket]:
+        """Hold one request slot while the body runs; 503 when not serving."""
+        self.check_serving()
+        self.waiting += 1
+        try:
+            while True:
+                await self._gate.wait()
+                await self._slots.acquire()
+                if self._gate.is_set():
+                    break
+                self._slots.release()  # a pause began while we waited for the slot
+        finally:
+            self.waiting -= 1
+        self.in_flight += 1
+        self.requests_total += 1
+        try:
+            self.check_serving()
+            yield Ticket(weight_version=self.weight_version, admitted_at=time.monotonic())
+        finally:
+            self.in_flight -= 1
+            self._slots.release()
+
+    def record_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self._tokens.append((now, n))
+        self._trim(now)
+
+    def tokens_per_s(self) -> float:
+        now = time.monotonic()
+        self._trim(now)
+        return sum(n for _, n in self._tokens) / _RATE_WINDOW_S
+
+    def _trim(self, now: float) -> None:
+        while self._tokens and self._tokens[0][0] < now - _RATE_WINDOW_S:
+            self._tokens.popleft()
+
+    # -- pause / resume ------------------------------------------------------------------------
+
+    @property
+    def pause_reasons(self) -> frozenset[str]:
+        return frozenset(self._pause_reasons)
+
+    async def pause(self, reason: str, mode: PauseMode) -> None:
+        """Close the gate and pause the engine. ``drain`` waits up to drain_timeout_s for
+        in-flight requests, then freezes the rest (logged); ``keep`` freezes them at once."""
+        async with self._pause_lock:
+            self._pause_reasons.add(reason)
+            self._gate.clear()
+            if mode == "keep":
+                await self.engine.pause("keep")
+                return
+            t0 = time.monotonic()
+            try:
+                async with asyncio.timeout(self.drain_timeout_s):
+                    await self.engine.pause("drain")
+                log.info("drained for %s in %.2fs", reason, time.monotonic() - t0)
+            except TimeoutError:
+                log.warning(
+                    "drain for %s timed out after %.0fs (generator.drain_timeout_s) with %d request(s) in "
+                    "flight; freezing them instead",
+                    reason,
+                    self.drain_timeout_s,
+                    self.in_flight,
+                )
+                await self.engine.pause("keep")
+
+    async def resume(self, reason: str) -> bool:
+        """End the pause for ``reason``; True when nothing else holds the engine paused."""
+        async with self._pause_lock:
+            self._pause_reasons.discard(reason)
+            if self._pause_reasons:
+                return False
+            await self.engine.resume()
+            self._gate.set()
+            return True

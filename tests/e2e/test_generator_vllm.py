@@ -1,0 +1,189 @@
+"""The generator as a process with the real vLLM engine on the tiny model and a real Valkey:
+token-exact multi-turn prompts, logprobs equal to a transformers forward pass, and a weight
+version published on the stream, acked, and served (with the prefix cache reset)."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from shared.keys import RunKeys
+from shared.openai_api import ChatCompletionResponse
+from shared.protocol import WeightAck, WeightAnnouncement
+from shared.registry import live_workers
+from shared.streams import StreamClient, connect
+from shared.weights_format import checksum_dir, dir_num_bytes
+from streamrl.redis_server import free_port
+
+pytestmark = pytest.mark.e2e
+pytest_plugins = ["tests.generator_fixtures"]
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGPROB_TOLERANCE = 1e-3
+USER = {"role": "user", "content": "What is 2 + 3? Use the calculator."}
+# Long enough to fill whole KV blocks (128 tokens on CPU): only full blocks are prefix-cached, so
+# a missing cache reset after a refit would serve stale KV for this prefix and fail the test.
+SYSTEM = {
+    "role": "system",
+    "content": " ".join(["Answer briefly and use the calculator tool whenever numbers appear."] * 30),
+}
+
+
+def _start(config: Path, port: int, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.generator",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--worker-id",
+            "gen-e2e",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen) -> int | None:
+    """SIGTERM, then SIGKILL to the process group we started (vLLM's children included)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            return None
+    return proc.returncode
+
+
+async def _wait_ready(
+    client: httpx.AsyncClient, proc: subprocess.Popen, log_path: Path, timeout_s: float = 150.0
+) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"generator exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if (await client.get("/ready")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"generator not ready in {timeout_s}s:\n{log_path.read_text()[-3000:]}")
+
+
+async def _chat(client: httpx.AsyncClient, messages: list, **body) -> ChatCompletionResponse:
+    r = await client.post("/v1/chat/completions", json={"messages": messages, **body})
+    assert r.status_code == 200, r.text
+    return msgspec.json.decode(r.content, type=ChatCompletionResponse)
+
+
+async def _wait_ack(sc: StreamClient, version: int, timeout_s: float = 60.0) -> WeightAck:
+    cursor = "0-0"
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        for d in await sc.read_after(sc.keys.weight_acks, cursor, WeightAck, block_ms=500):
+            cursor = d.entry_id
+            if d.msg is not None and d.msg.version == version:
+                return d.msg
+    raise AssertionError(f"no ack for weight version {version}")
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+async def test_vllm_generator_end_to_end(
+    write_config, tiny_model_dir, redis_url, perturbed_model, logprob_reference, tmp_path
+):
+    config, cfg = write_config(tiny_model_dir, redis_url=redis_url, backend="vllm")
+    temperature = cfg.policy.generation.temperature
+    port = free_port()
+    log_path = tmp_path / "generator.log"
+    proc = _start(config, port, log_path)
+    redis = connect(redis_url)
+    sc = StreamClient(redis, RunKeys(cfg.run.run_id), "e2e-trainer")
+    try:
+        new_weights = perturbed_model(tiny_model_dir, tmp_path / "v1", scale=0.05, seed=3)  # while vLLM starts
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
+            await _wait_ready(client, proc, log_path)
+            [hb] = await live_workers(redis, sc.keys, "generator")
+            assert (hb.worker_id, hb.url, hb.weight_version) == ("gen-e2e", f"http://127.0.0.1:{port}", -1)
+
+            # Two turns: turn 2 carries turn 1's token ids and its prompt starts with them exactly.
+            first = await _chat(client, [SYSTEM, USER], max_tokens=12, seed=1)
+            assert len(first.prompt_token_ids) > 256
+            m1 = first.choices[0].message
+            history = [
+                SYSTEM,
+                USER,
+                {
+                    "role": "assistant",
+                    "content": m1.content,
+                    "prompt_token_ids": m1.prompt_token_ids,
+                    "generation_token_ids": m1.generation_token_ids,
+                },
+                {"role": "user", "content": "Now say it again."},
+            ]
+            second = await _chat(client, history, max_tokens=12, seed=2, logprobs=True, top_logprobs=2)
+            seen = m1.prompt_token_ids + m1.generation_token_ids
+            assert second.prompt_token_ids[: len(seen)] == seen
+            m2 = second.choices[0].message
+            assert m2.prompt_token_ids == second.prompt_token_ids
+            assert [e.token for e in second.choices[0].logprobs.content] == [
+                f"token_id:{t}" for t in m2.generation_token_ids
+            ]
+            old_ref = logprob_reference(tiny_model_dir, m2.prompt_token_ids, m2.generation_token_ids, temperature)
+            assert _max_diff(old_ref, m2.generation_log_probs) < LOGPROB_TOLERANCE
+
+            # Concurrent requests all go through (continuous batching, no global lock).
+            many = await asyncio.gather(*[_chat(client, [USER], max_tokens=8, seed=10 + i) for i in range(4)])
+            assert all(len(r.choices[0].message.generation_token_ids) >= 1 for r in many)
+
+            # A new weight version through the stream: acked with the cache reset, then served.
+            ann = WeightAnnouncement(
+                version=1,
+                path=str(new_weights),
+                checksum=checksum_dir(new_weights),
+                num_bytes=dir_num_bytes(new_weights),
+            )
+            await sc.publish(sc.keys.weights, ann)
+            ack = await _wait_ack(sc, 1)
+            assert ack.ok and ack.cache_reset and ack.worker_id == "gen-e2e", ack
+            assert (await client.get("/admin/state")).json()["weight_version"] == 1
+            # The same prompt again: its prefix blocks were cached under the old weights.
+            third = await _chat(client, history, max_tokens=12, seed=2)
+            m3 = third.choices[0].message
+            assert (third.weight_version, third.weight_version_end) == (1, 1)
+            assert m3.prompt_token_ids == m2.prompt_token_ids
+            new_ref = logprob_reference(new_weights, m3.prompt_token_ids, m3.generation_token_ids, temperature)
+            stale_ref = logprob_reference(tiny_model_dir, m3.prompt_token_ids, m3.generation_token_ids, temperature)
+            assert _max_diff(new_ref, m3.generation_log_probs) < LOGPROB_TOLERANCE
+            assert _max_diff(stale_ref, m3.generation_log_probs) > 10 * LOGPROB_TOLERANCE
+            metrics = (await client.get("/metrics")).text
+            assert "streamrl_generator_weight_version 1.0" in metrics
+            assert "streamrl_generator_prefix_cache_resets_total 1.0" in metrics
+
+        # SIGTERM: drains, stops vLLM, deregisters, exits (uvicorn re-raises the signal it caught
+        # once shutdown is complete, so a clean exit reads as -SIGTERM).
+        assert _stop(proc) in (0, -signal.SIGTERM)
+        log = log_path.read_text()
+        assert "vLLM engine stopped" in log and "Application shutdown complete" in log, log[-3000:]
+        assert await live_workers(redis, sc.keys, "generator") == []
+    finally:
+        _stop(proc)
+        await redis.aclose()

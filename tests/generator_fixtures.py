@@ -1,0 +1,189 @@
+"""Fixtures and helpers for the generator's tests (loaded with ``pytest_plugins`` by its modules).
+
+* ``tiny_tokenizer``: the tiny model's tokenizer (session).
+* ``write_config``: writes a run config YAML for the tiny model and returns (path, RunConfig);
+  ``generator_config_tree`` builds the same tree as a dict.
+* ``hf_generator``: the generator app with the transformers engine, served in-process through
+  httpx's ASGI transport with its lifespan running, on a fresh run id of the session's Valkey.
+* ``perturbed_model``: a factory for copies of a model folder with noise added to every weight.
+* ``logprob_reference``: per-token logprobs from a plain transformers forward pass.
+
+Helpers are handed out as fixtures so test modules never import this module directly (pytest
+must import it first to rewrite its asserts).
+
+Builds on ``tiny_model_dir`` and ``redis_url`` from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from shared.config import load
+from shared.run_config import RunConfig
+
+KV_CACHE_BYTES = 64 * 2**20
+
+
+def config_tree(model_dir: Path | str, *, run_id: str, redis_url: str | None, backend: str, **generation: Any) -> dict:
+    gen = {"backend": backend, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": 24, "val_temperature": 0.5}
+    gen.update(generation)
+    gen["vllm_cfg"] = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 1024,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+        "max_num_seqs": 16,
+        "enable_prefix_caching": True,
+    }
+    return {
+        "run": {"run_id": run_id, "seed": 0},
+        "redis": {"url": redis_url},
+        "data": {"train_path": "unused.jsonl"},
+        "policy": {"model_name": str(model_dir), "generation": gen},
+        "generator": {"host": "127.0.0.1", "drain_timeout_s": 5.0, "weight_load_timeout_s": 30.0},
+    }
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    def _write(model_dir, *, redis_url=None, backend="transformers", run_id=None, **generation):
+        tree = config_tree(
+            model_dir,
+            run_id=run_id or f"gen-{uuid.uuid4().hex[:8]}",
+            redis_url=redis_url,
+            backend=backend,
+            **generation,
+        )
+        path = tmp_path / f"run-{uuid.uuid4().hex[:6]}.yaml"
+        path.write_text(yaml.safe_dump(tree))
+        return path, load(RunConfig, path, env={})
+
+    return _write
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+class InProcessGenerator:
+    """An app with its lifespan running and an httpx client bound to it."""
+
+    def __init__(self, app, client, cfg: RunConfig) -> None:
+        self.app = app
+        self.client = client
+        self.cfg = cfg
+
+    @property
+    def runtime(self):
+        return self.app.state.runtime
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            r = await self.client.get("/ready")
+            if r.status_code == 200:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"generator not ready: {r.text}")
+            await asyncio.sleep(0.05)
+
+
+async def wait_generating(engine, task: asyncio.Task, min_tokens: int = 3, timeout_s: float = 60.0) -> None:
+    """Until ``engine`` produced ``min_tokens`` for the request ``task`` runs; raises its error."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while engine.stats().generated_tokens_total < min_tokens:
+        if task.done():
+            task.result()
+            raise AssertionError("the request finished before generating")
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("the request did not start generating")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(scope="session")
+def until_generating():
+    return wait_generating
+
+
+@pytest.fixture
+async def hf_generator(tiny_model_dir, redis_url, write_config):
+    """Factory: ``async with hf_generator(**generation) as gen``."""
+    import contextlib
+
+    import httpx
+
+    from services.generator.app import build_app
+
+    @contextlib.asynccontextmanager
+    async def _make(*, with_redis: bool = True, **generation):
+        _, cfg = write_config(tiny_model_dir, redis_url=redis_url if with_redis else None, **generation)
+        app = build_app(cfg, f"gen-test-{uuid.uuid4().hex[:6]}", 0)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://generator", timeout=60.0) as client:
+                gen = InProcessGenerator(app, client, cfg)
+                await gen.wait_ready()
+                yield gen
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def generator_config_tree():
+    return config_tree
+
+
+@pytest.fixture(scope="session")
+def perturbed_model():
+    return perturbed_copy
+
+
+@pytest.fixture(scope="session")
+def logprob_reference():
+    return reference_logprobs
+
+
+def perturbed_copy(src: Path | str, dst: Path | str, *, scale: float = 0.05, seed: int = 1) -> Path:
+    """``src`` with Gaussian noise (std ``scale``) added to every weight, saved as safetensors in ``dst``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    dst = Path(dst)
+    model.save_pretrained(dst, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, dst / name)
+    return dst
+
+
+def reference_logprobs(
+    model_dir: Path | str, prompt_ids: Sequence[int], generated_ids: Sequence[int], temperature: float
+) -> list[float]:
+    """log softmax(logits / temperature) of each generated token given everything before it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor([list(prompt_ids) + list(generated_ids)])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].float()
+    start = len(prompt_ids)
+    logp = torch.log_softmax(logits[start - 1 : -1] / temperature, dim=-1)
+    return [float(logp[i, t]) for i, t in enumerate(generated_ids)]

@@ -1,0 +1,110 @@
+"""The Engine contract, run against every backend: the transformers engine in-process
+(integration), the vLLM engine in a child pytest process of its own (e2e, ~30 s to start).
+
+Why a child process: once an in-process vLLM engine has shut down, the event loop it ran on keeps
+registrations of vLLM's ZMQ sockets, and later Redis reads on that loop stall until their socket
+timeout. The generator service is unaffected (it closes the engine last), but a test session that
+shares one event loop across tests is not.
+"""
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.generator.engine import Engine, GenerationParams, build_engine
+from shared.config import decode_tree
+from shared.run_config import RunConfig
+
+pytest_plugins = ["tests.generator_fixtures"]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD_ENV = "STREAMRL_VLLM_CONTRACT_CHILD"
+IN_CHILD = os.environ.get(CHILD_ENV) == "1"
+PROMPT = [1, 355, 207, 567, 291, 229, 26, 2, 207, 1, 367, 207]
+
+BACKENDS = ["vllm"] if IN_CHILD else [pytest.param("transformers", marks=pytest.mark.integration)]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(IN_CHILD, reason="this is the child run")
+def test_vllm_engine_passes_the_contract():
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not passes_the_contract"],
+        cwd=ROOT,
+        env={**os.environ, CHILD_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "5 passed" in out.stdout, out.stdout[-4000:]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+async def engine(request, tiny_model_dir, generator_config_tree):
+    tree = generator_config_tree(tiny_model_dir, run_id="contract", redis_url=None, backend=request.param)
+    eng = build_engine(decode_tree(tree, RunConfig))
+    await eng.start()
+    yield eng
+    await eng.aclose()
+
+
+def greedy(max_tokens: int, **kw) -> GenerationParams:
+    return GenerationParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, **kw)
+
+
+async def test_is_an_engine_with_a_context_length(engine):
+    assert isinstance(engine, Engine)
+    assert engine.info.max_model_len == 1024 and not engine.errored
+
+
+async def test_choices_tokens_and_logprobs(engine):
+    params = GenerationParams(temperature=0.8, top_p=1.0, max_tokens=6, n=3, seed=5, top_logprobs=2)
+    choices = await engine.generate(PROMPT, params, "c1")
+    assert [c.index for c in choices] == [0, 1, 2]
+    for c in choices:
+        assert 1 <= len(c.token_ids) == len(c.logprobs) <= 6
+        assert c.finish_reason in ("stop", "length")
+        assert len(c.top_logprobs) == len(c.token_ids)
+        for alts in c.top_logprobs:
+            assert len(alts) == 2 and alts[0][1] >= alts[1][1]
+    again = await engine.generate(PROMPT, params, "c2")
+    assert [c.token_ids for c in again] == [c.token_ids for c in choices]  # same seed, same samples
+
+
+async def test_stop_token_is_included_and_greedy_logprobs_are_raw(engine, tiny_model_dir, logprob_reference):
+    [free] = await engine.generate(PROMPT, greedy(4), "g1")
+    ref = logprob_reference(tiny_model_dir, PROMPT, free.token_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(ref, free.logprobs, strict=True)) < 1e-3
+    first = free.token_ids[0]
+    [stopped] = await engine.generate(PROMPT, greedy(4, stop_token_ids=(first,)), "g2")
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+
+
+async def test_pause_load_reset_resume(engine, tiny_model_dir, perturbed_model, logprob_reference, tmp_path_factory):
+    new = perturbed_model(tiny_model_dir, tmp_path_factory.mktemp("contract-v1"), scale=0.05, seed=9)
+    await engine.pause("drain")
+    await engine.load_weights(str(new))
+    assert await engine.reset_prefix_cache() is engine.prefix_caching_enabled
+    await engine.resume()
+    [c] = await engine.generate(PROMPT, greedy(4), "w1")
+    ref = logprob_reference(new, PROMPT, c.token_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(ref, c.logprobs, strict=True)) < 1e-3
+    await engine.pause("drain")
+    await engine.load_weights(str(tiny_model_dir))
+    await engine.reset_prefix_cache()
+    await engine.resume()
+
+
+async def test_keep_pause_holds_requests_until_resume(engine):
+    await engine.pause("keep")
+    task = asyncio.create_task(engine.generate(PROMPT, greedy(3), "k1"))
+    await asyncio.sleep(0.5)
+    assert not task.done()
+    await engine.resume()
+    [c] = await asyncio.wait_for(task, 60)
+    assert len(c.token_ids) == 3
