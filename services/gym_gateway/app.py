@@ -76,9 +76,9 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         try:
             yield
         finally:
-            await worker.drain(drain_timeout_s)
+            await worker.drain(drain_timeout_s)  # also ends the loop within one blocking read
             loop_task.cancel()
-            await asyncio.gather(loop_task, return_exceptions=True)
+            await asyncio.wait({loop_task}, timeout=5.0)
             await heartbeat.aclose(worker_id)
             await metrics.aclose()
             await http.close()

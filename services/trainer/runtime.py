@@ -69,6 +69,7 @@ class TrainerRuntime:
         self._group_ready = asyncio.Event()
         self._unacked: list[str] = []
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -279,7 +280,7 @@ class TrainerRuntime:
                 log.info("re-reading %d unacknowledged trajectories from before the restart", len(backlog))
             for d in backlog:
                 await self._accept(d.entry_id, d.msg)
-            while True:
+            while not self._stopping:
                 for d in await self.streams.read_group(
                     self.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=256, block_ms=1000
                 ):
@@ -388,9 +389,15 @@ class TrainerRuntime:
         }
 
     async def _finish(self) -> None:
+        # The flag ends the consumer loop within one blocking read even if a cancel is lost
+        # (redis-py can swallow one that lands while a connection returns to its pool).
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=5.0)
+            if stuck:
+                log.warning("%d background task(s) did not stop", len(stuck))
         if self._unacked and self.error is None:
             await self._safe(self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, self._unacked))
         self.metrics.close()
