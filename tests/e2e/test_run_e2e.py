@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,42 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
         "policy.generation.max_new_tokens=16", "policy.generation.vllm_cfg.max_model_len=4096",
         "checkpointing.save_period=2",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, capture_output=True, text=True,
-                          timeout=600)
-    return out, run_id, proc
+    log = open(out / "up.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        control = _drive_control_plane(out, run_id, redis_url)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    proc.stderr = (out / "up.log").read_text()
+    return out, run_id, proc, control
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamrl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
+    """While the run trains: `streamrl status`, `pause`, `resume` against the live trainer."""
+    deadline = time.monotonic() + 400
+    status = {}
+    while time.monotonic() < deadline:
+        if (out / "run.json").is_file():
+            r = _cli("status", "--json", "--run-dir", str(out))
+            if r.returncode == 0:
+                status = json.loads(r.stdout)
+                if status["step"] >= 1:
+                    break
+        time.sleep(1.0)
+    paused = json.loads(_cli("pause", "--run-dir", str(out)).stdout)
+    gate = {k.decode() for k in redis.Redis.from_url(redis_url).hkeys(K.RunKeys(run_id).pause)}
+    time.sleep(3.0)
+    during = json.loads(_cli("status", "--json", "--run-dir", str(out)).stdout)
+    resumed = json.loads(_cli("resume", "--epoch", str(paused["epoch"]), "--run-dir", str(out)).stdout)
+    return {"status": status, "paused": paused, "gate": gate, "during": during, "resumed": resumed}
 
 
 def _entries(r: redis.Redis, stream: str, cls):
@@ -53,7 +87,7 @@ def _entries(r: redis.Redis, stream: str, cls):
 
 
 def test_run_finishes_and_trains_every_step(finished_run):
-    out, _, proc = finished_run
+    out, _, proc, _ = finished_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s["kind"] == "train"]
@@ -64,15 +98,24 @@ def test_run_finishes_and_trains_every_step(finished_run):
     assert (out / "checkpoints" / f"step_{STEPS:06d}" / "meta.json").is_file()
 
 
+def test_cli_status_pause_and_resume_drive_the_live_run(finished_run):
+    _, run_id, _, c = finished_run
+    assert c["status"]["run_id"] == run_id and c["status"]["step"] >= 1
+    assert {w["kind"] for w in c["status"]["workers"]} >= {"generator", "gym_gateway", "trainer"}
+    assert c["paused"]["epoch"] > 0 and "user" in c["gate"]  # gateways see the launch gate closed
+    assert c["during"]["pause"].get("user") == c["paused"]["epoch"]
+    assert c["resumed"] == {"resumed": True, "epoch": c["paused"]["epoch"]}
+
+
 def test_no_trajectory_is_consumed_twice(finished_run):
-    out, _, _ = finished_run
+    out, _, _, _ = finished_run
     ids = [i for line in (out / "metrics.jsonl").read_text().splitlines() for i in json.loads(line).get("consumed_ids", [])]
     assert len(ids) == STEPS * PROMPTS * GENS
     assert len(ids) == len(set(ids))
 
 
 def test_generator_confirms_weight_versions_in_order_before_tasks(finished_run, redis_url):
-    _, run_id, _ = finished_run
+    _, run_id, _, _ = finished_run
     keys = K.RunKeys(run_id)
     r = redis.Redis.from_url(redis_url)
     announced = [a.version for a in _entries(r, keys.weights, WeightAnnouncement)]
@@ -87,7 +130,7 @@ def test_generator_confirms_weight_versions_in_order_before_tasks(finished_run, 
 
 
 def test_rollouts_come_from_weights_inside_the_staleness_window(finished_run, redis_url):
-    _, run_id, _ = finished_run
+    _, run_id, _, _ = finished_run
     keys = K.RunKeys(run_id)
     r = redis.Redis.from_url(redis_url)
     trajs = [t for t in _entries(r, keys.trajectories, Trajectory) if t.kind == "train"]
@@ -99,7 +142,7 @@ def test_rollouts_come_from_weights_inside_the_staleness_window(finished_run, re
 
 
 def test_acks_follow_durable_effects(finished_run, redis_url):
-    out, run_id, _ = finished_run
+    out, run_id, _, _ = finished_run
     keys = K.RunKeys(run_id)
     r = redis.Redis.from_url(redis_url)
     trained = {i for line in (out / "metrics.jsonl").read_text().splitlines() for i in json.loads(line).get("consumed_ids", [])}
@@ -109,9 +152,11 @@ def test_acks_follow_durable_effects(finished_run, redis_url):
     pending = {p["message_id"] for p in r.xpending_range(keys.trajectories, K.TRAINER_GROUP, "-", "+", 10_000)}
     assert not {entry_task[e] for e in pending} & trained
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evicted = records[-1]["evicted_total"] * GENS
+    evicted = [r for r in records if r["kind"] == "train"][-1]["evicted_total"] * GENS
+    validation = sum(decode(f[K.ENTRY_FIELD], Trajectory).kind == "validation" for _, f in r.xrange(keys.trajectories))
     delivered = r.xinfo_groups(keys.trajectories)[0]["entries-read"]
-    assert delivered - len(pending) == len(trained) + evicted
+    # validation rollouts are acked on receipt, evicted (stale) groups when evicted
+    assert delivered - len(pending) == len(trained) + evicted + validation
     # a gateway acks a task only after publishing its trajectory
     pending_tasks = {p["message_id"] for p in r.xpending_range(keys.tasks, K.GATEWAYS_GROUP, "-", "+", 10_000)}
     published = set(entry_task.values())
