@@ -77,6 +77,7 @@ class HeartbeatTask:
         self._snapshot = snapshot
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._closing = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="heartbeat")
@@ -86,7 +87,7 @@ class HeartbeatTask:
         self._wake.set()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await publish_heartbeat(self._redis, self._keys, self._snapshot())
             except Exception as exc:  # Redis briefly away: keep trying, the TTL covers the gap
@@ -101,12 +102,17 @@ class HeartbeatTask:
                 pass
 
     async def aclose(self, worker_id: str) -> None:
+        # The flag ends the loop even if the cancellation is lost: redis-py (8.1) can swallow a
+        # cancel that lands while a pipeline returns its connection to the pool.
+        self._closing = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait({self._task}, timeout=3 * K.HEARTBEAT_INTERVAL_S)
+            if not self._task.done():
+                log.warning("heartbeat task of %s did not stop", worker_id)
+            elif not self._task.cancelled() and self._task.exception() is not None:
+                log.warning("heartbeat task of %s ended with %r", worker_id, self._task.exception())
         try:
             await remove_worker(self._redis, self._keys, worker_id)
         except Exception as exc:
