@@ -160,6 +160,7 @@ class ChatRenderer:
                 raise ValueError(f"generator.turn_terminator {turn_terminator!r} is not a token of the tokenizer")
             self.terminator_id = int(tid)
         self.terminator_text = tokenizer.convert_ids_to_tokens(self.terminator_id)
+        self._terminator_is_added_token = self.terminator_text in tokenizer.get_added_vocab()
         self.eos_id = tokenizer.eos_token_id
         self.vocab_size = max(vocab_size, len(tokenizer))
 
@@ -168,6 +169,8 @@ class ChatRenderer:
 
     def encode_text(self, text: str) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not self._terminator_is_added_token:
+            return ids  # an ordinary vocabulary piece: its text form is not countable in the text
         expected = text.count(self.terminator_text)
         got = sum(1 for t in ids if t == self.terminator_id)
         if expected != got:

@@ -1,6 +1,7 @@
 """The generator as a process with the real vLLM engine on the tiny model and a real Valkey:
 token-exact multi-turn prompts, logprobs equal to a transformers forward pass, and a weight
-version published on the stream, acked, and served (with the prefix cache reset)."""
+version published on the stream, acked, and served (with the prefix cache reset). Also the
+engine contract (tests/integration/test_generator_engine_contract.py) run against vLLM."""
 
 import asyncio
 import os
@@ -100,6 +101,23 @@ async def _wait_ack(sc: StreamClient, version: int, timeout_s: float = 60.0) -> 
             if d.msg is not None and d.msg.version == version:
                 return d.msg
     raise AssertionError(f"no ack for weight version {version}")
+
+
+def test_vllm_engine_passes_the_engine_contract():
+    # A child process: once an in-process vLLM engine has shut down, the event loop it ran on
+    # keeps registrations of vLLM's ZMQ sockets and later Redis reads on that loop stall, so the
+    # vLLM contract run must not share a test session's loop with other async tests.
+    contract = ROOT / "tests" / "integration" / "test_generator_engine_contract.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", str(contract), "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env={**os.environ, "STREAMRL_VLLM_CONTRACT_CHILD": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "5 passed" in out.stdout, out.stdout[-4000:]
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:

@@ -125,3 +125,24 @@ def test_tool_turns_render(renderer):
 def test_unknown_terminator_is_refused(tiny_tokenizer):
     with pytest.raises(ValueError, match="turn_terminator"):
         ChatRenderer(tiny_tokenizer, "<|no_such_token|>", 0)
+
+
+def test_terminator_text_that_does_not_encode_to_its_id_is_refused(tiny_tokenizer):
+    # A tokenizer that splits the terminator into pieces would make the splice count wrong turns.
+    class SplittingTokenizer:
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+        def __len__(self):
+            return len(self._tok)
+
+        def encode(self, text, add_special_tokens=False):
+            return self._tok.encode(text.replace("<|im_end|>", "<|im_end"), add_special_tokens=False)
+
+    renderer = ChatRenderer(SplittingTokenizer(tiny_tokenizer), None, 0)
+    with pytest.raises(HTTPError) as err:
+        renderer.chat_prompt([ChatMessage(role="user", content="hi")])
+    assert err.value.status == 500 and "turn terminator" in err.value.message
