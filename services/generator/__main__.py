@@ -9,7 +9,6 @@ closes the engine and deregisters. Readiness: GET /ready answers 200.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import socket
@@ -27,15 +26,6 @@ ENV_DEFAULTS = {
 log = logging.getLogger("services.generator")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.generator", description="streamrl generator service")
-    p.add_argument("--config", required=True, help="run config YAML")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. policy.generation.backend=transformers")
-    p.add_argument("--port", type=int, default=None, help="port to bind (default generator.port; 0: any free port)")
-    p.add_argument("--worker-id", default=None, help="registry id (default generator-<host>-<pid>)")
-    return p.parse_intermixed_args(argv)
-
-
 def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -44,21 +34,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    from shared.service_cli import load_service_config, parse_service_args
+
+    args = parse_service_args("generator", "streamrl generator: vLLM behind an OpenAI-compatible API", argv)
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-
-    from shared.config import ConfigError, load
-    from shared.logs import setup_logging
-    from shared.registry import default_worker_id
-    from shared.run_config import RunConfig
-
-    setup_logging("generator")
-    try:
-        cfg = load(RunConfig, args.config, args.overrides)
-    except ConfigError as exc:
-        log.error("%s", exc)
+    cfg = load_service_config("generator", args)
+    if cfg is None:
         return 2
+    from shared.registry import default_worker_id
+
     host = cfg.generator.host
     sock = bind(host, cfg.generator.port if args.port is None else args.port)
     port = sock.getsockname()[1]

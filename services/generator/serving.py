@@ -118,15 +118,7 @@ class GenerationService:
         if prompt.model_prefix_len:
             self.metrics.splices.inc()
         budget = gate.output_budget(cap, len(prompt.prompt_ids), self.max_model_len)
-        params = GenerationParams(
-            temperature=resolved.temperature,
-            top_p=resolved.top_p,
-            max_tokens=budget,
-            n=req.n,
-            seed=req.seed,
-            stop_token_ids=tuple(sorted(stop_ids)),
-            top_logprobs=top_n,
-        )
+        params = _params(resolved, budget, req, stop_ids, top_n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         out = await self._generate(prompt.prompt_ids, params, request_id)
         choices = [
@@ -185,15 +177,7 @@ class GenerationService:
         if not prompt_ids:
             raise bad_request("prompt must not be empty", param="prompt")
         budget = gate.output_budget(cap, len(prompt_ids), self.max_model_len)
-        params = GenerationParams(
-            temperature=resolved.temperature,
-            top_p=resolved.top_p,
-            max_tokens=budget,
-            n=req.n,
-            seed=req.seed,
-            stop_token_ids=tuple(sorted(stop_ids)),
-            top_logprobs=top_n,
-        )
+        params = _params(resolved, budget, req, stop_ids, top_n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         out = await self._generate(prompt_ids, params, request_id)
         choices = [
@@ -301,3 +285,16 @@ def _chat_logprobs(c: ChoiceOutput) -> ChoiceLogprobs:
 def _completion_logprobs(c: ChoiceOutput) -> CompletionLogprobs:
     top = [{token_label(t): v for t, v in alts} for alts in c.top_logprobs] if c.top_logprobs else None
     return CompletionLogprobs(tokens=[token_label(t) for t in c.token_ids], token_logprobs=c.logprobs, top_logprobs=top)
+
+
+def _params(resolved, budget: int, req, stop_ids: set[int], top_n: int) -> GenerationParams:
+    """Engine parameters of a chat or completion request once gate and budget are resolved."""
+    return GenerationParams(
+        temperature=resolved.temperature,
+        top_p=resolved.top_p,
+        max_tokens=budget,
+        n=req.n,
+        seed=req.seed,
+        stop_token_ids=tuple(sorted(stop_ids)),
+        top_logprobs=top_n,
+    )

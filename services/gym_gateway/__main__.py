@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.gym_gateway", description=__doc__)
-    parser.add_argument("--config", required=True, help="run config YAML")
-    parser.add_argument("--port", type=int, default=None, help="port (default: gym_gateway.port)")
-    parser.add_argument("--worker-id", default=None, help="consumer name in the tasks group (stable across restarts)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides")
-    args = parser.parse_args(argv)
+    from shared.service_cli import load_service_config, parse_service_args
 
-    from shared.config import ConfigError, load
-    from shared.logs import setup_logging
-    from shared.run_config import RunConfig
-
-    setup_logging("gym_gateway")
-    try:
-        cfg = load(RunConfig, args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    args = parse_service_args("gym_gateway", "streamrl gym gateway: task workers and the session proxy", argv)
+    cfg = load_service_config("gym_gateway", args)
+    if cfg is None:
         return 2
     import uvicorn
 

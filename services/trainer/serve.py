@@ -21,10 +21,10 @@ from services.trainer.runtime import TrainerRuntime
 log = logging.getLogger(__name__)
 
 
-async def serve(cfg: RunConfig, port: int | None = None) -> int:
+async def serve(cfg: RunConfig, port: int | None = None, *, worker_id: str | None = None) -> int:
     port = cfg.trainer.port if port is None else port
     metrics = ServiceMetrics("trainer")
-    runtime = TrainerRuntime(cfg, worker_id=default_worker_id("trainer"), url=f"http://{cfg.trainer.host}:{port}")
+    runtime = TrainerRuntime(cfg, worker_id=worker_id or default_worker_id("trainer"), url=f"http://{cfg.trainer.host}:{port}")
     app = build_app(runtime, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.trainer.host, port=port, log_level="warning", lifespan="off"))
     server.install_signal_handlers = lambda: None  # we handle signals ourselves
