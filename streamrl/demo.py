@@ -26,9 +26,13 @@ NUM_TRAIN, NUM_VAL = 4000, 64
 
 def prepare(out: Path) -> Path:
     """Model, data and warm-started policy for a run in ``out``; returns the policy folder."""
+    import transformers
+
     from services.gym_gateway.envs.crossing import CrossingEnv
     from streamrl.cli import write_jsonl
     from streamrl.warmstart import warm_start
+
+    transformers.logging.disable_progress_bar()
 
     if not is_model_dir(MODEL_DIR):
         print(f"[1/4] building the tiny Qwen3 model and tokenizer in {MODEL_DIR}", flush=True)

@@ -107,7 +107,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, spec: WarmStartSpec |
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 25 == 0 or step == spec.steps - 1:
             log.info("warm start step %d/%d loss %.3f", step + 1, spec.steps, float(loss))
     out = Path(out_dir)
