@@ -53,7 +53,8 @@ async def wait_for_generators(streams: StreamClient, timeout_s: float) -> list[s
         if gens:
             return [g.worker_id for g in gens]
         if time.monotonic() > deadline:
-            raise RefitError(f"no generator registered within {timeout_s:.0f}s (trainer.startup_timeout_s)")
+            raise RefitError(f"no generator registered within {timeout_s:.0f}s (trainer.startup_timeout_s at start-up, "
+                             "trainer.refit_timeout_s later)")
         await asyncio.sleep(0.5)
 
 
@@ -75,7 +76,9 @@ class WeightPublisher:
         self.mode = "keep" if in_flight_updates else "drain"
         self.keep_versions = keep_versions
 
-    async def refit(self, version: int, save: Callable[[Path], None]) -> RefitReport:
+    async def refit(self, version: int, save: Callable[[Path], None], *, wait_for_generators_s: float | None = None) -> RefitReport:
+        """Publish ``version`` and wait for every live generator; ``wait_for_generators_s`` bounds
+        the wait for the first generator to register (start-up), default the refit deadline."""
         t0 = time.perf_counter()
         epoch = await self.pause.pause("refit")
         try:
@@ -83,6 +86,7 @@ class WeightPublisher:
             t_saved = time.perf_counter()
             checksum = await asyncio.to_thread(checksum_dir, path)
             generators = await self._announce_and_confirm(
+                wait_for_generators_s or self.timeout_s,
                 WeightAnnouncement(
                     version=version, path=str(path.resolve()), checksum=checksum,
                     num_bytes=dir_num_bytes(path), mode=self.mode,
@@ -107,8 +111,8 @@ class WeightPublisher:
         tmp.rename(final)
         return final
 
-    async def _announce_and_confirm(self, ann: WeightAnnouncement) -> list[str]:
-        expected = set(await wait_for_generators(self.streams, self.timeout_s))
+    async def _announce_and_confirm(self, registration_timeout_s: float, ann: WeightAnnouncement) -> list[str]:
+        expected = set(await wait_for_generators(self.streams, registration_timeout_s))
         last = await self.streams.redis.xrevrange(self.streams.keys.weight_acks, count=1)
         cursor = last[0][0].decode() if last else "0-0"
         await self.streams.publish(self.streams.keys.weights, ann, maxlen=K.WEIGHTS_MAXLEN)

@@ -250,7 +250,10 @@ class TrainerRuntime:
         self.state = "refit"
         if initial:
             log.info("initial refit: publishing v%d before any task is issued", version)
-        report = await self.publisher.refit(version, self.backend.save_weights)
+        report = await self.publisher.refit(
+            version, self.backend.save_weights,
+            wait_for_generators_s=self.cfg.trainer.startup_timeout_s if initial else None,
+        )
         self.weight_version = version
         self.last_refit = report
         return report

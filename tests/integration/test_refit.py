@@ -1,0 +1,92 @@
+"""Refit against a real Valkey: the trainer publishes a version and waits for every registered
+generator; a silent or failing generator fails the refit loudly, with its name, within the deadline.
+The generator side is played by the test (registry heartbeat + WeightAck), as a generator would."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from services.trainer.control import PauseControl
+from services.trainer.refit import RefitError, WeightPublisher
+from shared import keys as K
+from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
+from shared.registry import publish_heartbeat
+from shared.streams import StreamClient, connect
+from shared.weights_format import checksum_dir
+
+pytestmark = pytest.mark.integration
+
+
+def _save(path):
+    (path / "model.safetensors").write_bytes(b"\x00" * 64)
+
+
+@pytest.fixture
+async def publisher(redis_url, tmp_path):
+    redis = connect(redis_url)
+    keys = K.RunKeys(f"refit-{uuid.uuid4().hex[:6]}")
+    streams = StreamClient(redis, keys, "trainer")
+    pub = WeightPublisher(streams, PauseControl(redis, keys), tmp_path / "weights", timeout_s=1.5, in_flight_updates=False)
+    yield pub, streams
+    await redis.aclose()
+
+
+async def _register(streams: StreamClient, worker_id: str) -> None:
+    hb = Heartbeat(worker_id=worker_id, kind="generator", url="http://x", pid=1, host="h", state="ready")
+    await publish_heartbeat(streams.redis, streams.keys, hb)
+
+
+async def _answer(streams: StreamClient, worker_id: str, ok: bool = True, error: str | None = None) -> WeightAnnouncement:
+    """Play a generator: wait for the announcement, check it, ack it."""
+    while True:
+        latest = await streams.read_latest(streams.keys.weights, WeightAnnouncement)
+        if latest is not None:
+            break
+        await asyncio.sleep(0.02)
+    ann = latest.msg
+    await streams.publish(streams.keys.weight_acks, WeightAck(worker_id=worker_id, version=ann.version, ok=ok,
+                                                              error=error, cache_reset=ok))
+    return ann
+
+
+async def test_refit_completes_when_every_generator_confirms(publisher):
+    pub, streams = publisher
+    await _register(streams, "gen-a")
+    await _register(streams, "gen-b")
+    answers = asyncio.gather(_answer(streams, "gen-a"), _answer(streams, "gen-b"))
+    report = await pub.refit(3, _save)
+    ann, _ = await answers
+    assert report.generators == ["gen-a", "gen-b"] and report.version == 3
+    assert ann.mode == "drain" and ann.checksum == checksum_dir(ann.path)
+    assert await pub.pause.reasons() == {}  # the launch gate is open again
+
+
+async def test_a_silent_generator_fails_the_refit_by_name_within_the_deadline(publisher):
+    pub, streams = publisher
+    await _register(streams, "gen-a")
+    await _register(streams, "gen-silent")
+    asyncio.create_task(_answer(streams, "gen-a"))
+    t0 = time.monotonic()
+    with pytest.raises(RefitError, match="gen-silent") as err:
+        await pub.refit(1, _save)
+    assert "gen-a" not in str(err.value)
+    assert time.monotonic() - t0 < 5
+    assert await pub.pause.reasons() == {}
+
+
+async def test_a_failed_load_fails_the_refit_with_the_generators_error(publisher):
+    pub, streams = publisher
+    await _register(streams, "gen-a")
+    asyncio.create_task(_answer(streams, "gen-a", ok=False, error="checksum mismatch"))
+    with pytest.raises(RefitError, match="gen-a failed to load weight version 2: checksum mismatch"):
+        await pub.refit(2, _save)
+
+
+async def test_no_generator_at_all_is_a_clear_error(publisher):
+    pub, _ = publisher
+    with pytest.raises(RefitError, match="no generator registered"):
+        await pub.refit(0, _save, wait_for_generators_s=0.5)
