@@ -1,0 +1,106 @@
+"""Scheduler (staleness window, gap fill, no silently dropped prompts) and batch building
+(token-exact rows, prefix breaks masked, placeholders)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from services.trainer.batch import build_row, build_step_batch
+from services.trainer.buffer import Group
+from services.trainer.scheduler import PromptSource, Scheduler
+from shared.protocol import SamplingParams, Trajectory, make_turn
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def source(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"env": "echo", "instance": {"i": i}}) + "\n" for i in range(5)))
+    return PromptSource(p, seed=0, shuffle=True)
+
+
+def _sched(source, max_age=1):
+    return Scheduler(source, num_prompts_per_step=2, group_size=3, max_age=max_age, default_env="crossing",
+                     sampling=SamplingParams(), rollout_timeout_s=10)
+
+
+def test_tasks_are_issued_only_within_the_staleness_window(source):
+    s = _sched(source, max_age=1)
+    tasks = s.plan(step=0, max_steps=10, staged_usable={})
+    assert sorted({t.target_step for t in tasks}) == [0, 1]
+    assert len(tasks) == 2 * 2 * 3  # 2 targets x 2 groups x G=3
+    assert s.plan(step=0, max_steps=10, staged_usable={}) == []  # all in flight already
+    sync = _sched(source, max_age=0)
+    assert {t.target_step for t in sync.plan(step=4, max_steps=10, staged_usable={})} == {4}
+    assert _sched(source).plan(step=9, max_steps=10, staged_usable={}) and all(
+        t.target_step == 9 for t in _sched(source).plan(step=9, max_steps=10, staged_usable={}))
+
+
+def test_only_missing_groups_are_issued_and_groups_share_explicit_ids(source):
+    s = _sched(source)
+    tasks = s.plan(step=0, max_steps=10, staged_usable={0: 1, 1: 2})
+    assert {t.target_step for t in tasks} == {0} and len(tasks) == 3
+    assert len({t.group_id for t in tasks}) == 1 and [t.index_in_group for t in tasks] == [0, 1, 2]
+    assert all(t.task_id == f"{t.group_id}/{t.index_in_group}" for t in tasks)
+
+
+def test_unissued_prompts_come_back_first_and_none_is_skipped(source):
+    s = _sched(source)
+    tasks = s.plan(step=0, max_steps=10, staged_usable={1: 2})
+    given = {t.prompt_index for t in tasks}
+    assert len(given) == 2
+    s.unissue(tasks)
+    assert s.in_flight_count() == 0
+    again = {source.take()[0], source.take()[0]}
+    assert again == given
+    rest = {source.take()[0] for _ in range(3)}
+    assert given | rest == {0, 1, 2, 3, 4}  # the epoch still covers every prompt once
+
+
+def test_epoch_order_is_a_permutation(source):
+    order = [source.take()[0] for _ in range(10)]
+    assert sorted(order[:5]) == [0, 1, 2, 3, 4] and sorted(order[5:]) == [0, 1, 2, 3, 4]
+
+
+def _traj(task_id, turns, reward=1.0, status="ok", group="g"):
+    return Trajectory(task_id=task_id, group_id=group, index_in_group=int(task_id[-1]), group_size=2, prompt_index=0,
+                      env="e", kind="train", target_step=0, launch_version=0, reward=reward, status=status, turns=turns)
+
+
+def test_row_concatenates_turns_and_masks_only_generated_tokens():
+    t1 = make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[4, 5], generated_logprobs=[-0.1, -0.2], weight_version=0)
+    t2 = make_turn(prompt_ids=[6, 7], context_len=5, generated_ids=[8], generated_logprobs=[-0.3], weight_version=0)
+    row = build_row(_traj("g/0", [t1, t2]), max_len=100)
+    assert row.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert row.token_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
+    np.testing.assert_allclose(row.gen_logprobs, [0, 0, 0, -0.1, -0.2, 0, 0, -0.3], rtol=1e-6)
+    assert row.sample_mask == 1.0 and not row.prefix_break
+
+
+def test_prefix_break_row_is_masked_but_kept_in_the_group():
+    t1 = make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[4], generated_logprobs=[-0.1], weight_version=0)
+    t2 = make_turn(prompt_ids=[9], context_len=2, generated_ids=[8], generated_logprobs=[-0.3], weight_version=0)
+    ok = make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[5], generated_logprobs=[-0.2], weight_version=0)
+    g = Group("g", 0, 2, 0, rows={0: _traj("g/0", [t1, t2], reward=1.0), 1: _traj("g/1", [ok], reward=0.0)})
+    batch = build_step_batch([g], max_len=100, leave_one_out=True, normalize=False)
+    broken, fine = batch.rows
+    assert broken.prefix_break and broken.sample_mask == 0.0
+    assert fine.advantage == pytest.approx(-1.0)  # the broken row still counts in the baseline
+    assert batch.stats["num_prefix_breaks"] == 1 and [r.task_id for r in batch.trainable] == ["g/1"]
+
+
+def test_failed_rollout_is_a_placeholder_without_loss():
+    ok = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[5], generated_logprobs=[-0.2], weight_version=0)
+    g = Group("g", 0, 2, 0, rows={0: _traj("g/0", [], reward=0.0, status="failed"), 1: _traj("g/1", [ok], reward=1.0)})
+    batch = build_step_batch([g], max_len=100, leave_one_out=True, normalize=True)
+    assert batch.rows[0].placeholder and batch.rows[0].advantage == 0.0
+    assert batch.stats["num_placeholders"] == 1
+
+
+def test_long_rows_are_truncated_to_the_configured_length():
+    t = make_turn(prompt_ids=list(range(10)), context_len=0, generated_ids=[1] * 5, generated_logprobs=[-0.1] * 5,
+                  weight_version=0)
+    row = build_row(_traj("g/0", [t]), max_len=12)
+    assert len(row.input_ids) == 12 and row.truncated and row.token_mask.sum() == 2
