@@ -232,9 +232,13 @@ class TrainerRuntime:
             sample = self.buffer.sample(step, n)
             if sample.evicted:
                 await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [e for g in sample.evicted for e in g.entry_ids])
-                await self._issue()
             if sample.groups:
                 return sample
+            if sample.evicted:
+                # Still short after evictions: top the window up. (Never after a successful sample:
+                # the groups just taken no longer count for this step, and re-issuing them would
+                # produce a full batch that arrives too late for any step.)
+                await self._issue()
             if time.monotonic() > deadline:
                 raise RunFailed(
                     f"step {step}: no {n} usable groups within {self.cfg.trainer.data_timeout_s:.0f}s "

@@ -90,3 +90,25 @@ async def test_gateway_gate_reasons_follow_pause_reasons(redis_url):
     assert "refit" in {x.decode() for x in await redis.hkeys(keys.pause)}
     assert await pc.resume("refit", r) and await pc.resume("validation", e)
     await redis.aclose()
+
+
+def _group_rows(group: str, target: int, version: int, size: int = 2):
+    from shared.protocol import Trajectory, make_turn
+
+    turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=version)
+    return [Trajectory(task_id=f"{group}/{i}", group_id=group, index_in_group=i, group_size=size, prompt_index=0,
+                       env="crossing", kind="train", target_step=target, launch_version=version, reward=float(i),
+                       status="ok", turns=[turn]) for i in range(size)]
+
+
+async def test_a_step_that_evicts_and_then_samples_issues_no_tasks_for_itself(api):
+    rt, _ = api
+    rt.step = 2
+    for n, (gid, target, version) in enumerate((("stale", 1, 0), ("cur-a", 2, 1), ("cur-b", 2, 1))):
+        for k, t in enumerate(_group_rows(gid, target, version)):
+            rt.buffer.add(t, f"{n + 1}-{k}")
+    sample = await rt._wait_for_batch(2)
+    assert sorted(g.group_id for g in sample.groups) == ["cur-a", "cur-b"]
+    assert [g.group_id for g in sample.evicted] == ["stale"]
+    # the step is served: re-issuing its target now would only make a batch no step can use
+    assert await rt.redis.xlen(rt.keys.tasks) == 0
