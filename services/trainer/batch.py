@@ -103,6 +103,7 @@ def build_step_batch(
         "num_rows": float(len(rows)),
         "num_placeholders": float(len(rows) - len(real)),
         "num_prefix_breaks": float(sum(r.prefix_break for r in rows)),
+        "num_mixed_version_rows": float(sum(len(t.versions) > 1 for t in trajs)),
         "num_truncated": float(sum(r.truncated for r in rows)),
         "num_masked_samples": float(sum(r.sample_mask == 0 for r in real)),
         "mean_seq_len": float(np.mean([len(r.input_ids) for r in real])) if real else 0.0,

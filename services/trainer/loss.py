@@ -104,5 +104,6 @@ def clipped_pg_loss(
             "is_oob_sum": float((oob.float() * mask).sum()),
             "clip_fraction_sum": float((((ratio - clipped).abs() > 1e-9).float() * mask).sum()),
             "kl_penalty_sum": kl_sum,
+            "max_abs_logprob_diff": float(diff.abs().max()) if mask.any() else 0.0,
         }
     return loss, metrics

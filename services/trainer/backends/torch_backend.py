@@ -151,7 +151,7 @@ class TorchBackend:
                 loss.backward()
                 loss_total += float(loss.detach())
                 for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                    sums[k] = max(sums.get(k, 0.0), v) if k.startswith("max_") else sums.get(k, 0.0) + v
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {self.updates}")
@@ -173,6 +173,7 @@ class TorchBackend:
             "clip_fraction": sums.get("clip_fraction_sum", 0.0) / tokens,
             "kl_penalty": sums.get("kl_penalty_sum", 0.0) / tokens,
             "lr": self.scheduler.get_last_lr()[0],
+            "max_abs_logprob_diff": sums.get("max_abs_logprob_diff", 0.0),
             "train_time_s": time.perf_counter() - t0,
         }
 
