@@ -109,7 +109,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, spec: WarmStartSpec |
         sched.step()
         losses.append(float(loss.detach()))
         if step % 25 == 0 or step == spec.steps - 1:
-            log.info("warm start step %d/%d loss %.3f", step + 1, spec.steps, float(loss))
+            log.info("warm start step %d/%d loss %.3f", step + 1, spec.steps, losses[-1])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
