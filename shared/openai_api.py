@@ -22,12 +22,12 @@ class _Lenient(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Unknown fields are accepted and dropped (clients send many)."""
 
 
-class FunctionCall(_Lenient, kw_only=True, omit_defaults=True):
+class FunctionCall(_Lenient, kw_only=True, omit_defaults=False):  # also in responses: every field out
     name: str
     arguments: str = "{}"
 
 
-class ToolCall(_Lenient, kw_only=True, omit_defaults=True):
+class ToolCall(_Lenient, kw_only=True, omit_defaults=False):  # also in responses: every field out
     id: str = ""
     type: str = "function"
     function: FunctionCall
@@ -121,7 +121,7 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
     content: list[TokenLogprob]
 
 
-class ResponseMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ResponseMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None

@@ -7,6 +7,8 @@
   httpx's ASGI transport with its lifespan running, on a fresh run id of the session's Valkey.
 * ``perturbed_model``: a factory for copies of a model folder with noise added to every weight.
 * ``logprob_reference``: per-token logprobs from a plain transformers forward pass.
+* ``scripted_model``: a factory for copies of a model fine-tuned until greedy decoding of a
+  given prompt reproduces a given answer (real model output with tool calls and reasoning).
 
 Helpers are handed out as fixtures so test modules never import this module directly (pytest
 must import it first to rewrite its asserts).
@@ -126,8 +128,10 @@ async def hf_generator(tiny_model_dir, redis_url, write_config):
     from services.generator.app import build_app
 
     @contextlib.asynccontextmanager
-    async def _make(*, with_redis: bool = True, **generation):
-        _, cfg = write_config(tiny_model_dir, redis_url=redis_url if with_redis else None, **generation)
+    async def _make(*, with_redis: bool = True, model_dir=None, **generation):
+        _, cfg = write_config(
+            model_dir or tiny_model_dir, redis_url=redis_url if with_redis else None, **generation
+        )
         app = build_app(cfg, f"gen-test-{uuid.uuid4().hex[:6]}", 0)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
@@ -147,6 +151,11 @@ def generator_config_tree():
 @pytest.fixture(scope="session")
 def perturbed_model():
     return perturbed_copy
+
+
+@pytest.fixture(scope="session")
+def scripted_model():
+    return fine_tune_to_answer
 
 
 @pytest.fixture(scope="session")
@@ -187,3 +196,37 @@ def reference_logprobs(
     start = len(prompt_ids)
     logp = torch.log_softmax(logits[start - 1 : -1] / temperature, dim=-1)
     return [float(logp[i, t]) for i, t in enumerate(generated_ids)]
+
+
+def fine_tune_to_answer(
+    src: Path | str, dst: Path | str, prompt_ids: Sequence[int], answer_ids: Sequence[int], *, max_steps: int = 300
+) -> Path:
+    """``src`` trained on one (prompt, answer) pair until greedy decoding reproduces the answer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    ids = torch.tensor([list(prompt_ids) + list(answer_ids)])
+    start = len(prompt_ids)
+    targets = ids[0, start:]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(max_steps):
+        logits = model(input_ids=ids).logits[0, start - 1 : -1]
+        with torch.no_grad():
+            top = torch.log_softmax(logits, -1).max(-1)
+            done = bool((top.indices == targets).all()) and float(top.values.min()) > -0.01
+        if done:
+            break
+        loss = torch.nn.functional.cross_entropy(logits, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    else:
+        raise AssertionError(f"the model did not learn the answer in {max_steps} steps")
+    dst = Path(dst)
+    model.save_pretrained(dst, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, dst / name)
+    return dst

@@ -7,7 +7,8 @@ reset the prefix cache, resume) and the app's lifespan (start, aclose). Backends
 same HTTP surface; the contract test in tests/integration runs against either.
 
 Token-level contract: ``generate`` takes prompt token ids (never text) and returns, per choice,
-the generated ids *including* the terminating stop token when the model produced one, and the
+the generated ids *including* the terminating stop token when the model produced one (or the token
+that completed a stop string), and the
 log-probability of each generated id under the processed distribution the token was sampled
 from (temperature-scaled, top-p-masked), so the trainer's importance weights are exact.
 """
@@ -33,6 +34,9 @@ class GenerationParams:
     n: int = 1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Text stops: generation ends with the token that completes one of these in the decoded
+    # output (the token is kept: it was sampled); the response text is cut before the stop.
+    stop_strings: tuple[str, ...] = ()
     # Alternatives reported per position besides the sampled token; 0: only the sampled token.
     top_logprobs: int = 0
 

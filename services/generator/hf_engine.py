@@ -40,6 +40,7 @@ class HfEngine:
     def __init__(self, cfg: RunConfig) -> None:
         self._cfg = cfg
         self._model: Any = None
+        self._tokenizer: Any = None
         self._eos_ids: set[int] = set()
         self._info = EngineInfo(name="transformers", model=cfg.policy.model_name, max_model_len=0)
         self._lock = asyncio.Lock()
@@ -76,8 +77,9 @@ class HfEngine:
 
     def _load_model(self) -> Any:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self._tokenizer = AutoTokenizer.from_pretrained(self._cfg.policy.tokenizer_path)
         dtype_name = _DTYPES.get(self._cfg.policy.generation.vllm_cfg.dtype)
         if dtype_name is None:
             raise ValueError(
@@ -114,7 +116,7 @@ class HfEngine:
         loop = asyncio.get_running_loop()
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        rows = [_Row(i) for i in range(params.n)]
+        rows = [_Row(i, params.stop_strings, self._tokenizer) for i in range(params.n)]
         state: Any = None
         next_input = torch.tensor([prompt_ids] * params.n, dtype=torch.long)
         for _ in range(params.max_tokens):
@@ -191,8 +193,13 @@ class HfEngine:
 class _Row:
     """The tokens sampled so far for one choice."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, stop_strings: tuple[str, ...] = (), tokenizer: Any = None) -> None:
         self.index = index
+        self.stop_strings = stop_strings
+        self.tokenizer = tokenizer
+        # A stop string of c characters is completed within the last c tokens (each decodes to at
+        # least part of one character); a few more cover multi-byte characters split over tokens.
+        self._window = max((len(s) for s in stop_strings), default=0) + 4
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
@@ -204,8 +211,12 @@ class _Row:
         if top is not None:
             vals, ids = top.values[self.index].tolist(), top.indices[self.index].tolist()
             self.top.append(list(zip(ids, vals, strict=True)))
-        if token in stop_ids:
+        if token in stop_ids or (self.stop_strings and self._completes_stop_string()):
             self.finish_reason = "stop"
+
+    def _completes_stop_string(self) -> bool:
+        text = self.tokenizer.decode(self.token_ids[-self._window :], skip_special_tokens=False)
+        return any(s in text for s in self.stop_strings)
 
     def to_choice(self, with_top: bool) -> ChoiceOutput:
         return ChoiceOutput(

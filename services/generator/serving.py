@@ -105,7 +105,8 @@ class GenerationService:
         cap = gate.requested_max_tokens(
             self.generation, req.max_tokens if req.max_tokens is not None else req.max_completion_tokens, cap_param
         )
-        stop_ids = self._stop_ids(req.stop) | {self.renderer.terminator_id}
+        stop_ids, stop_texts = self._stops(req.stop)
+        stop_ids |= {self.renderer.terminator_id}
         if self.renderer.eos_id is not None:
             stop_ids.add(int(self.renderer.eos_id))
         self.runtime.check_serving()
@@ -118,11 +119,12 @@ class GenerationService:
         if prompt.model_prefix_len:
             self.metrics.splices.inc()
         budget = gate.output_budget(cap, len(prompt.prompt_ids), self.max_model_len)
-        params = _params(resolved, budget, req, stop_ids, top_n)
+        params = _params(resolved, budget, req, stop_ids, stop_texts, top_n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         out = await self._generate(prompt.prompt_ids, params, request_id)
         choices = [
-            self._chat_choice(c, prompt.prompt_ids, stop_ids, bool(req.tools), req.logprobs) for c in out.choices
+            self._chat_choice(c, prompt.prompt_ids, stop_ids, stop_texts, bool(req.tools), req.logprobs)
+            for c in out.choices
         ]
         return ChatCompletionResponse(
             id=request_id,
@@ -136,10 +138,16 @@ class GenerationService:
         )
 
     def _chat_choice(
-        self, c: ChoiceOutput, prompt_ids: list[int], stop_ids: set[int], parse_tools: bool, logprobs: bool
+        self,
+        c: ChoiceOutput,
+        prompt_ids: list[int],
+        stop_ids: set[int],
+        stop_texts: tuple[str, ...],
+        parse_tools: bool,
+        logprobs: bool,
     ) -> ChatChoice:
         ended_on_stop = c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stop_ids
-        text = self.renderer.decode(c.token_ids[:-1] if ended_on_stop else c.token_ids)
+        text = _cut_at_stop(self.renderer.decode(c.token_ids[:-1] if ended_on_stop else c.token_ids), stop_texts)
         parsed = parse_turn(text, tool_calls=parse_tools)
         finish = c.finish_reason
         if parsed.tool_calls and finish == "stop":
@@ -167,7 +175,7 @@ class GenerationService:
         )
         top_n = gate.check_choices(req.n, req.logprobs)
         cap = gate.requested_max_tokens(self.generation, req.max_tokens)
-        stop_ids = self._stop_ids(req.stop)
+        stop_ids, stop_texts = self._stops(req.stop)
         self.runtime.check_serving()
         if isinstance(req.prompt, str):
             prompt_ids = list(self.renderer.tokenizer.encode(req.prompt))
@@ -177,13 +185,13 @@ class GenerationService:
         if not prompt_ids:
             raise bad_request("prompt must not be empty", param="prompt")
         budget = gate.output_budget(cap, len(prompt_ids), self.max_model_len)
-        params = _params(resolved, budget, req, stop_ids, top_n)
+        params = _params(resolved, budget, req, stop_ids, stop_texts, top_n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         out = await self._generate(prompt_ids, params, request_id)
         choices = [
             CompletionChoice(
                 index=c.index,
-                text=self.renderer.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                text=_cut_at_stop(self.renderer.tokenizer.decode(c.token_ids, skip_special_tokens=True), stop_texts),
                 finish_reason=c.finish_reason,
                 logprobs=_completion_logprobs(c) if req.logprobs is not None else None,
                 generation_token_ids=c.token_ids,
@@ -222,25 +230,24 @@ class GenerationService:
 
     # -- shared --------------------------------------------------------------------------------
 
-    def _stop_ids(self, stop: str | list[str] | None) -> set[int]:
-        """Stop strings that are single tokens become stop ids; other stop strings are refused
-        (the engines stop on token ids only, so a text stop would cost a re-tokenisation)."""
+    def _stops(self, stop: str | list[str] | None) -> tuple[set[int], tuple[str, ...]]:
+        """Stop strings as (token ids, texts): a string that is one token of the vocabulary (e.g. a
+        special token) stops on that id; any other string stops on the decoded text."""
         if stop is None:
-            return set()
+            return set(), ()
+        many = not isinstance(stop, str)
         ids: set[int] = set()
-        for i, s in enumerate([stop] if isinstance(stop, str) else stop):
-            tid = self.renderer.tokenizer.convert_tokens_to_ids(s)
-            if (
-                tid is None
-                or tid == self.renderer.tokenizer.unk_token_id
-                or self.renderer.tokenizer.convert_ids_to_tokens(tid) != s
-            ):
-                raise bad_request(
-                    f"stop[{i}] {s!r} is not a single token; only single-token stop strings are supported",
-                    param=f"stop[{i}]" if not isinstance(stop, str) else "stop",
-                )
-            ids.add(int(tid))
-        return ids
+        texts: list[str] = []
+        tok = self.renderer.tokenizer
+        for i, s in enumerate(stop if many else [stop]):
+            if not s:
+                raise bad_request("stop strings must not be empty", param=f"stop[{i}]" if many else "stop")
+            tid = tok.convert_tokens_to_ids(s)
+            if tid is not None and tid != tok.unk_token_id and tok.convert_ids_to_tokens(tid) == s:
+                ids.add(int(tid))
+            else:
+                texts.append(s)
+        return ids, tuple(texts)
 
     async def _generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> Generated:
         rt = self.runtime
@@ -261,6 +268,12 @@ class GenerationService:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         self.metrics.generated_tokens.inc(n_generated)
         return Generated(choices=choices, ticket=ticket, weight_version_end=version_end)
+
+
+def _cut_at_stop(text: str, stop_texts: tuple[str, ...]) -> str:
+    """``text`` up to the earliest stop string (OpenAI semantics: the stop is not returned)."""
+    cuts = [i for i in (text.find(s) for s in stop_texts) if i >= 0]
+    return text[: min(cuts)] if cuts else text
 
 
 def _usage(prompt_ids: list[int], choices: list[ChoiceOutput]) -> Usage:
@@ -287,7 +300,9 @@ def _completion_logprobs(c: ChoiceOutput) -> CompletionLogprobs:
     return CompletionLogprobs(tokens=[token_label(t) for t in c.token_ids], token_logprobs=c.logprobs, top_logprobs=top)
 
 
-def _params(resolved, budget: int, req, stop_ids: set[int], top_n: int) -> GenerationParams:
+def _params(
+    resolved, budget: int, req, stop_ids: set[int], stop_texts: tuple[str, ...], top_n: int
+) -> GenerationParams:
     """Engine parameters of a chat or completion request once gate and budget are resolved."""
     return GenerationParams(
         temperature=resolved.temperature,
@@ -296,5 +311,6 @@ def _params(resolved, budget: int, req, stop_ids: set[int], top_n: int) -> Gener
         n=req.n,
         seed=req.seed,
         stop_token_ids=tuple(sorted(stop_ids)),
+        stop_strings=stop_texts,
         top_logprobs=top_n,
     )

@@ -98,8 +98,10 @@ class VllmEngine:
             max_tokens=params.max_tokens,
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
+            stop=list(params.stop_strings) or None,
             logprobs=params.top_logprobs,
-            detokenize=False,
+            # Text stops need the engine's incremental detokenizer; otherwise nothing is decoded.
+            detokenize=bool(params.stop_strings),
             skip_special_tokens=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

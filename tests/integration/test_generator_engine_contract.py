@@ -66,6 +66,19 @@ async def test_stop_token_is_included_and_greedy_logprobs_are_raw(engine, tiny_m
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
 
 
+async def test_text_stop_ends_on_the_token_that_completes_it(engine, tiny_tokenizer):
+    [free] = await engine.generate(PROMPT, greedy(8), "t1")
+    assert len(free.token_ids) == 8, "the greedy continuation must not stop early for this test"
+    decode = lambda ids: tiny_tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    stop = decode(free.token_ids[3:5])
+    assert stop.strip(), stop
+    # The first prefix of the free continuation whose text contains the stop string.
+    k = next(i for i in range(1, 9) if stop in decode(free.token_ids[:i]))
+    [stopped] = await engine.generate(PROMPT, greedy(8, stop_strings=(stop,)), "t2")
+    assert stopped.token_ids == free.token_ids[:k] and stopped.finish_reason == "stop"
+    assert stopped.logprobs == pytest.approx(free.logprobs[:k], abs=1e-4)
+
+
 async def test_pause_load_reset_resume(engine, tiny_model_dir, perturbed_model, logprob_reference, tmp_path_factory):
     new = perturbed_model(tiny_model_dir, tmp_path_factory.mktemp("contract-v1"), scale=0.05, seed=9)
     await engine.pause("drain")

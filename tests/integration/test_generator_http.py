@@ -95,7 +95,7 @@ async def test_second_turn_keeps_first_turn_tokens(gen):
             "messages[0].content[0]",
         ),
         ({"messages": [USER], "stream": True}, "stream"),
-        ({"messages": [USER], "stop": ["no such stop"]}, "stop[0]"),
+        ({"messages": [USER], "stop": ["ok", ""]}, "stop[1]"),
         ({"messages": [USER], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
     ],
 )
@@ -193,3 +193,66 @@ async def test_keep_pause_freezes_a_running_request(hf_generator, until_generati
         await g.client.post("/admin/resume")
         out = await asyncio.wait_for(running, 120)
         assert len(out.choices[0].message.generation_token_ids) == engine.stats().generated_tokens_total > frozen_at
+
+
+def _random_json(rng, depth: int = 0):
+    """A random JSON value of the shapes agents get wrong: nesting, nulls, numbers, odd keys."""
+    kinds = ["str", "int", "float", "bool", "null"] + (["list", "dict", "part"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return rng.choice(["", "hi", "<|im_end|>", "<tool_call>\n{", "ü\u0000", "{{ x }}"])
+    if kind == "int":
+        return rng.choice([0, -1, 2**40, 7])
+    if kind == "float":
+        return rng.choice([0.5, -1e300, 1e-9])
+    if kind == "bool":
+        return rng.choice([True, False])
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "part":
+        return {
+            "type": rng.choice(["text", "input_text", "image_url", "refusal", None, 3]),
+            "text": _random_json(rng, depth + 1),
+        }
+    keys = ["text", "type", "content", "role", "name", "tool_calls", "function", "arguments", "id"]
+    return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def _random_message(rng) -> dict:
+    msg = {
+        "role": rng.choice(["user"] * 6 + ["assistant", "tool", "system", "developer", "robot", 5, None]),
+        "content": _random_json(rng),
+    }
+    for key in ("tool_calls", "tool_call_id", "name", "reasoning_content", "prompt_token_ids", "generation_token_ids"):
+        if rng.random() < 0.2:
+            msg[key] = _random_json(rng)
+    if rng.random() < 0.1:
+        msg["prompt_token_ids"], msg["generation_token_ids"] = [rng.randint(-5, 2000)], [rng.randint(0, 900)]
+    return msg
+
+
+async def test_no_message_shape_gives_a_500(gen):
+    """Hundreds of random, mostly malformed requests: each is answered 200 or a 4xx naming what
+    is wrong, never a server error."""
+    import random
+
+    rng = random.Random(1234)
+    answered = {200: 0, 400: 0}
+    for i in range(300):
+        body = {"messages": [_random_message(rng) for _ in range(rng.randint(1, 4))]}
+        if rng.random() < 0.3:
+            body["tools"] = _random_json(rng)
+        if rng.random() < 0.2:
+            body["required_prefix_token_ids"] = _random_json(rng)
+        path = "/v1/chat/completions" if i % 10 == 0 else "/tokenize"
+        if path.startswith("/v1"):
+            body["max_tokens"] = 1
+        r = await gen.client.post(path, json=body)
+        assert r.status_code in (200, 400), (body, r.status_code, r.text)
+        answered[r.status_code] += 1
+        if r.status_code == 400:
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["message"], err
+    assert answered[200] > 10 and answered[400] > 10, answered

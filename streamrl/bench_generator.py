@@ -1,0 +1,499 @@
+"""The generator section of ``streamrl bench``: what the serving layer costs on top of vLLM.
+
+1. Throughput, side by side: tokens/s of POST /v1/chat/completions on the real generator (a
+   ``python -m services.generator`` process, vLLM backend, requests sent with aiohttp as the
+   gateway sends them) against the raw vLLM ``AsyncLLM`` in this process, built from the engine
+   args and sampling parameters `services.generator.vllm_engine` builds and fed the same prompt
+   ids (``TokensPrompt``), seeds and max_tokens. Both engines stay up and the rounds alternate
+   (raw, HTTP, raw, HTTP, ...) at 1, 16 and 64 concurrent requests, so drift of the machine hits
+   both sides; the ratio is the median of the per-round ratios. Generated tokens are counted
+   from the responses on both sides.
+2. Splice: ``ChatRenderer.chat_prompt`` for a conversation whose last assistant turn carries its
+   token ids (two template renders + the splice) against the same conversation without ids (one
+   render), for a short and a long conversation.
+3. Refit: a ``WeightAnnouncement`` published on the run's weights stream until the generator's
+   ``WeightAck`` arrives (checksum, drain, in-place reload, prefix-cache reset, ack), against a
+   plain ``safetensors`` save + load of the same state dict in one process. The perturbed weight
+   versions are written before anything is timed.
+
+`render_section` turns the results into the BENCHMARKS.md section; `replace_section` swaps it
+into an existing file so ``streamrl bench --only generator`` leaves the other sections as they are.
+Called by `streamrl.bench`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADING = "## Generator"
+CONCURRENCY = (1, 16, 64)
+ROUNDS = 3
+MAX_TOKENS = 64
+PROMPT_WORDS = 16
+REQUESTS_PER_WORKER = 4
+TARGET_RATIO = 0.95
+REFITS = 5
+_WORDS = "the answer number tool call value sum river city apple red blue one two three please use compute".split()
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One chat request, identical on both sides: the HTTP body's messages and seed, and the
+    prompt ids the generator renders them to (what the raw engine is fed)."""
+
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    seed: int
+
+
+# -- setup -------------------------------------------------------------------------------------
+
+
+def config_tree(model_dir: Path, redis_url: str, run_id: str) -> dict:
+    """A run config for one vLLM generator on ``model_dir`` with the demo's engine settings."""
+    demo = yaml.safe_load((ROOT / "deploy" / "configs" / "demo.yaml").read_text())
+    return {
+        "run": {"run_id": run_id, "seed": 0},
+        "redis": {"url": redis_url},
+        "data": {"train_path": "unused.jsonl"},
+        "policy": {
+            "model_name": str(model_dir.resolve()),
+            "generation": {
+                "backend": "vllm",
+                "temperature": 0.8,
+                "top_p": 1.0,
+                "max_new_tokens": MAX_TOKENS,
+                "vllm_cfg": demo["policy"]["generation"]["vllm_cfg"],
+            },
+        },
+        "generator": {"host": "127.0.0.1", "drain_timeout_s": 30.0, "weight_load_timeout_s": 60.0},
+    }
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def make_requests(renderer: Any, n: int, seed: int) -> list[BenchRequest]:
+    """``n`` one-message conversations of PROMPT_WORDS random words (24 tokens with the tiny
+    tokenizer: shorter than one KV block, so no prefix-cache hits, and short enough that 64 new
+    prompts fit one scheduler step, see `check_no_chunked_prefill`)."""
+    import msgspec
+
+    from shared.openai_api import ChatMessage
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        messages = [{"role": "user", "content": _words(rng, PROMPT_WORDS)}]
+        prompt = renderer.chat_prompt(msgspec.convert(messages, list[ChatMessage]))
+        out.append(BenchRequest(messages, prompt.prompt_ids, seed * 1000 + i))
+    return out
+
+
+def check_no_chunked_prefill(requests: list[BenchRequest], concurrency: int, max_batched_tokens: int) -> None:
+    """Refuse prompts that could be prefilled in chunks: vLLM on CPU rewinds a seeded request's
+    torch generator after a partial prefill, which CPU generators do not support, and the engine
+    dies ("CPU Generator does not use offset"). The bench sends seeds, so every step must fit."""
+    worst = concurrency * (max(len(r.prompt_ids) for r in requests) + 1)
+    if worst > max_batched_tokens:
+        raise ValueError(f"{concurrency} prompts of up to {worst // concurrency - 1} tokens may exceed the "
+                         f"engine's {max_batched_tokens} tokens per step and be prefilled in chunks")
+
+
+def perturbed_versions(model_dir: Path, out: Path, n: int) -> list[tuple[Path, dict]]:
+    """``n`` copies of the model's weights with noise added, as safetensors folders; with their state dicts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base: dict = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        base.update(load_file(f))
+    versions = []
+    for v in range(1, n + 1):
+        gen = torch.Generator().manual_seed(v)
+        sd = {k: t + 0.01 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for k, t in base.items()}
+        folder = out / f"v{v:06d}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(model_dir / "config.json", folder / "config.json")
+        versions.append((folder, sd))
+    return versions
+
+
+class GeneratorProcess:
+    """``python -m services.generator`` as a child process in its own session."""
+
+    def __init__(self, config: Path, port: int, log_path: Path) -> None:
+        self.port = port
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "services.generator", "--config", str(config), "--port", str(port),
+               "--worker-id", "gen-bench"]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def wait_ready(self, session: Any, timeout_s: float = 300.0) -> None:
+        import aiohttp
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"generator exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                async with session.get(f"{self.url}/ready") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.25)
+        raise RuntimeError(f"generator not ready within {timeout_s:.0f}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL to the process group (vLLM's engine process included)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+# -- 1. throughput -----------------------------------------------------------------------------
+
+
+async def closed_loop(requests: list[BenchRequest], concurrency: int,
+                      one: Callable[[BenchRequest], Awaitable[int]]) -> tuple[int, float]:
+    """``concurrency`` workers send ``requests`` back to back; (generated tokens, seconds)."""
+    it: Iterator[BenchRequest] = iter(requests)
+    total = 0
+
+    async def worker() -> None:
+        nonlocal total
+        for req in it:
+            total += await one(req)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return total, time.perf_counter() - t0
+
+
+class RawEngine:
+    """vLLM's AsyncLLM with the served engine's args and sampling parameters, called directly."""
+
+    def __init__(self, cfg: Any, stop_ids: tuple[int, ...]) -> None:
+        from services.generator.vllm_engine import VllmEngine
+
+        # The served engine's own builders, so the baseline cannot drift from what is served.
+        self._served = VllmEngine(cfg)
+        self._cfg = cfg
+        self._stop_ids = stop_ids
+        self.llm: Any = None
+
+    async def start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._served._engine_args())
+
+    async def one(self, req: BenchRequest) -> int:
+        from services.generator.engine import GenerationParams
+        from vllm.inputs import TokensPrompt
+
+        gen = self._cfg.policy.generation
+        params = GenerationParams(temperature=gen.temperature, top_p=gen.top_p, max_tokens=MAX_TOKENS, n=1,
+                                  seed=req.seed, stop_token_ids=self._stop_ids, top_logprobs=0)
+        sp = self._served._sampling_params(params)
+        tokens = 0
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_ids), sp,
+                                           request_id=f"raw-{uuid.uuid4().hex}"):
+            tokens = sum(len(c.token_ids) for c in out.outputs)
+        return tokens
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.llm.shutdown)
+
+
+async def http_one(session: Any, url: str, req: BenchRequest, *, check_prompt: bool = False) -> int:
+    """One POST /v1/chat/completions; the generated tokens of its response."""
+    import msgspec
+
+    from shared.openai_api import ChatCompletionResponse
+
+    body = msgspec.json.encode({"messages": req.messages, "max_tokens": MAX_TOKENS, "seed": req.seed})
+    async with session.post(f"{url}/v1/chat/completions", data=body,
+                            headers={"content-type": "application/json"}) as r:
+        raw = await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"generator answered {r.status}: {raw[:500]!r}")
+    resp = msgspec.json.decode(raw, type=ChatCompletionResponse)
+    if check_prompt and resp.prompt_token_ids != req.prompt_ids:
+        raise RuntimeError("the generator rendered a different prompt than the raw engine is fed")
+    return sum(len(c.message.generation_token_ids) for c in resp.choices)
+
+
+async def throughput(cfg: Any, renderer: Any, gen: GeneratorProcess) -> dict[str, dict[str, Any]]:
+    """Alternating raw/HTTP rounds at each concurrency; medians per concurrency."""
+    import aiohttp
+
+    stop_ids = tuple(sorted({renderer.terminator_id} | ({int(renderer.eos_id)} if renderer.eos_id is not None else set())))
+    raw = RawEngine(cfg, stop_ids)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(raw.start(), gen.wait_ready(session))
+        try:
+            budget = int(raw.llm.vllm_config.scheduler_config.max_num_batched_tokens)
+            warm = make_requests(renderer, 2 * max(CONCURRENCY), seed=1)
+            check_no_chunked_prefill(warm, max(CONCURRENCY), budget)
+            await closed_loop(warm, max(CONCURRENCY), raw.one)
+            await closed_loop(warm, max(CONCURRENCY), lambda r: http_one(session, gen.url, r, check_prompt=True))
+            rows: dict[int, list[dict[str, float]]] = {c: [] for c in CONCURRENCY}
+            for rnd in range(ROUNDS):
+                for c in CONCURRENCY:
+                    reqs = make_requests(renderer, c * REQUESTS_PER_WORKER, seed=100 * (rnd + 1) + c)
+                    check_no_chunked_prefill(reqs, c, budget)
+                    raw_tok, raw_s = await closed_loop(reqs, c, raw.one)
+                    http_tok, http_s = await closed_loop(reqs, c, lambda r: http_one(session, gen.url, r))
+                    rows[c].append({"raw_tokens": raw_tok, "raw_s": raw_s, "http_tokens": http_tok, "http_s": http_s})
+        finally:
+            await raw.aclose()
+    return {str(c): summarize_rounds(rs) for c, rs in rows.items()}
+
+
+def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """Median tokens/s of each side and the median of the per-round HTTP/raw ratios."""
+    raw = [r["raw_tokens"] / r["raw_s"] for r in rounds]
+    http = [r["http_tokens"] / r["http_s"] for r in rounds]
+    return {
+        "raw_tok_s": statistics.median(raw),
+        "http_tok_s": statistics.median(http),
+        "ratio": statistics.median(h / r for h, r in zip(http, raw, strict=True)),
+        "raw_tokens": sum(r["raw_tokens"] for r in rounds),
+        "http_tokens": sum(r["http_tokens"] for r in rounds),
+        "rounds": rounds,
+    }
+
+
+# -- 2. splice ---------------------------------------------------------------------------------
+
+
+def conversation(renderer: Any, turns: int, words: int) -> tuple[list, list]:
+    """(messages with the last assistant turn's token ids, the same messages without ids)."""
+    import msgspec
+
+    from shared.openai_api import ChatMessage
+
+    rng = random.Random(turns)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant. " + _words(rng, words)}]
+    for _ in range(turns):
+        msgs += [{"role": "user", "content": _words(rng, words)}, {"role": "assistant", "content": _words(rng, words)}]
+    msgs.append({"role": "user", "content": _words(rng, words)})
+    plain = msgspec.convert(msgs, list[ChatMessage])
+    last = len(plain) - 2
+    prompt_ids = renderer.chat_prompt(plain[:last]).prompt_ids
+    generated = renderer.encode_text(msgs[last]["content"]) + [renderer.terminator_id]
+    spliced = list(plain)
+    spliced[last] = msgspec.structs.replace(plain[last], prompt_token_ids=prompt_ids, generation_token_ids=generated)
+    return spliced, plain
+
+
+def _median_us(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def splice_benchmark(renderer: Any) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, turns, repeats in (("short", 3, 300), ("long", 30, 60)):
+        spliced, plain = conversation(renderer, turns, words=50)
+        prompt = renderer.chat_prompt(spliced)
+        if not prompt.model_prefix_len:
+            raise RuntimeError("the conversation carries token ids but was not spliced")
+        out[name] = {
+            "turns": turns,
+            "prompt_tokens": len(prompt.prompt_ids),
+            "spliced_us": _median_us(lambda: renderer.chat_prompt(spliced), repeats),
+            "plain_us": _median_us(lambda: renderer.chat_prompt(plain), repeats),
+        }
+    return out
+
+
+# -- 3. refit ----------------------------------------------------------------------------------
+
+
+async def refit_rounds(redis_url: str, run_id: str, versions: list[Path]) -> list[dict[str, float]]:
+    """Publish versions 1..N one after another; seconds from publish to the generator's ack."""
+    from shared import keys as K
+    from shared.protocol import WeightAck, WeightAnnouncement
+    from shared.streams import StreamClient, connect
+    from shared.weights_format import checksum_dir, dir_num_bytes
+
+    redis = connect(redis_url)
+    sc = StreamClient(redis, K.RunKeys(run_id), "bench")
+    out = []
+    try:
+        for version, path in enumerate(versions, start=1):
+            ann = WeightAnnouncement(version=version, path=str(path.resolve()), checksum=checksum_dir(path),
+                                     num_bytes=dir_num_bytes(path))
+            last = await redis.xrevrange(sc.keys.weight_acks, count=1)
+            cursor = last[0][0].decode() if last else "0-0"
+            t0 = time.perf_counter()
+            await sc.publish(sc.keys.weights, ann, maxlen=K.WEIGHTS_MAXLEN)
+            ack = None
+            while ack is None:
+                if time.perf_counter() - t0 > 120:
+                    raise RuntimeError(f"no ack for weight version {version}")
+                for d in await sc.read_after(sc.keys.weight_acks, cursor, WeightAck, block_ms=1000):
+                    cursor = d.entry_id
+                    if d.msg is not None and d.msg.version == version:
+                        ack = d.msg
+            elapsed = time.perf_counter() - t0
+            if not ack.ok:
+                raise RuntimeError(f"weight version {version} failed: {ack.error}")
+            out.append({"refit_s": elapsed, "load_s": ack.load_s})
+    finally:
+        await redis.aclose()
+    return out
+
+
+def save_load_baseline(state_dicts: list[dict], folder: Path) -> list[float]:
+    """Seconds to save each state dict as safetensors into ``folder`` and load it back."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.safetensors"
+    out = []
+    for sd in state_dicts:
+        t0 = time.perf_counter()
+        save_file(sd, path, metadata={"format": "pt"})
+        load_file(path)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# -- the section -------------------------------------------------------------------------------
+
+
+def generator_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any]:
+    """All three measurements against one generator process; a JSON-able dict for `render_section`."""
+    from services.generator.__main__ import ENV_DEFAULTS
+
+    for key, value in ENV_DEFAULTS.items():  # before anything imports vLLM
+        os.environ.setdefault(key, value)
+    from services.generator.app import build_renderer
+    from shared.config import load
+    from shared.run_config import RunConfig
+    from streamrl.demo import MODEL_DIR
+    from streamrl.model_builder import build_tiny_model, is_model_dir
+    from streamrl.redis_server import free_port
+
+    if not is_model_dir(MODEL_DIR):
+        build_tiny_model(MODEL_DIR)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    run_id = f"bench-gen-{uuid.uuid4().hex[:6]}"
+    config = work / "run.yaml"
+    config.write_text(yaml.safe_dump(config_tree(MODEL_DIR, redis_url, run_id)))
+    cfg = load(RunConfig, config, env={})
+    renderer = build_renderer(cfg)
+    versions = perturbed_versions(MODEL_DIR, work / "weights", REFITS)
+    splice = splice_benchmark(renderer)
+    baseline = save_load_baseline([sd for _, sd in versions], work / "baseline")
+    gen = GeneratorProcess(config, free_port(), work / "generator.log")
+    try:
+        tput = asyncio.run(throughput(cfg, renderer, gen))
+        # A fresh event loop: the raw engine's loop keeps vLLM's socket registrations after shutdown.
+        refits = asyncio.run(refit_rounds(redis_url, run_id, [p for p, _ in versions]))
+    finally:
+        gen.stop()
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine,
+        "max_tokens": MAX_TOKENS,
+        "throughput": tput,
+        "splice": splice,
+        "refit": {
+            "refit_s": statistics.median(r["refit_s"] for r in refits),
+            "load_s": statistics.median(r["load_s"] for r in refits),
+            "baseline_s": statistics.median(baseline),
+            "num_bytes": sum(f.stat().st_size for f in (versions[0][0]).glob("*.safetensors")),
+            "n": len(refits),
+        },
+    }
+
+
+def render_section(g: dict[str, Any]) -> str:
+    tp = g["throughput"]
+    lines = [
+        f"{HEADING} (tiny Qwen3, vLLM on CPU; `streamrl bench --only generator` refreshes this section alone)",
+        "",
+        f"Measured on {g['date']} ({g['machine']}). HTTP: POST /v1/chat/completions on a `python -m services.generator` "
+        "process, sent with aiohttp. Raw: vLLM `AsyncLLM` in the bench process with the same engine args, "
+        f"prompt ids, seeds, sampling parameters and max_tokens ({g['max_tokens']}). Rounds alternate raw, HTTP, "
+        "raw, HTTP; tokens/s are medians of the rounds, HTTP / raw is the median of the per-round ratios.",
+        "",
+        "| concurrent requests | raw AsyncLLM tokens/s | HTTP tokens/s | HTTP / raw | tokens generated, raw / HTTP (all rounds) |",
+        "|---|---|---|---|---|",
+    ]
+    for c, v in tp.items():
+        lines.append(f"| {c} | {v['raw_tok_s']:.0f} | {v['http_tok_s']:.0f} | {v['ratio']:.3f} | "
+                     f"{v['raw_tokens']} / {v['http_tokens']} |")
+    checked = [c for c in tp if int(c) >= 16]
+    met = all(tp[c]["ratio"] >= TARGET_RATIO for c in checked)
+    lines += ["", f"Target HTTP / raw >= {TARGET_RATIO} at {' and '.join(checked)} concurrent requests: "
+                  f"{'met' if met else 'not met'}.", ""]
+    lines += [
+        "| splice (`ChatRenderer.chat_prompt`) | prompt tokens | with earlier ids, spliced (us) | "
+        "without ids, plain render (us) | overhead (us) | spliced / plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, v in g["splice"].items():
+        lines.append(f"| {name}: {v['turns']} turns | {v['prompt_tokens']} | {v['spliced_us']:.0f} | {v['plain_us']:.0f} | "
+                     f"{v['spliced_us'] - v['plain_us']:.0f} | {v['spliced_us'] / v['plain_us']:.2f} |")
+    r = g["refit"]
+    lines += [
+        "",
+        f"| refit ({r['num_bytes'] / 2**20:.1f} MiB of safetensors, median of {r['n']}) | ms |",
+        "|---|---|",
+        f"| publish WeightAnnouncement -> WeightAck received (checksum, drain, reload, cache reset, ack) | {r['refit_s'] * 1e3:.0f} |",
+        f"| of which the generator's load_s (from the ack) | {r['load_s'] * 1e3:.0f} |",
+        f"| baseline: safetensors save + load_file of the same state dict, one process | {r['baseline_s'] * 1e3:.0f} |",
+        "",
+        f"Refit over baseline: {r['refit_s'] / r['baseline_s']:.1f}x.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def replace_section(text: str, section: str) -> str:
+    """``text`` with its generator section (heading to the next ``## `` heading) replaced by ``section``,
+    or ``section`` appended when there is none."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(HEADING)), None)
+    if start is None:
+        return text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    rest = lines[end:]
+    return "\n".join(lines[:start] + section.rstrip("\n").splitlines() + ([""] + rest if rest else [])) + "\n"
