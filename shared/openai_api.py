@@ -24,7 +24,9 @@ class _Lenient(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class FunctionCall(_Lenient, kw_only=True, omit_defaults=False):  # also in responses: every field out
     name: str
-    arguments: str = "{}"
+    # A JSON string per the OpenAI spec; some agents send the object itself (kept as is: chat
+    # templates serialise either).
+    arguments: str | dict[str, Any] = "{}"
 
 
 class ToolCall(_Lenient, kw_only=True, omit_defaults=False):  # also in responses: every field out

@@ -189,7 +189,8 @@ async def closed_loop(requests: list[BenchRequest], concurrency: int,
     async def worker() -> None:
         nonlocal total
         for req in it:
-            total += await one(req)
+            tokens = await one(req)  # not ``total += await ...``: that reads total before awaiting
+            total += tokens
 
     t0 = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -228,7 +229,8 @@ class RawEngine:
         return tokens
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self.llm.shutdown)
+        llm, self.llm = self.llm, None
+        await asyncio.to_thread(llm.shutdown)
 
 
 async def http_one(session: Any, url: str, req: BenchRequest, *, check_prompt: bool = False) -> int:
@@ -250,8 +252,19 @@ async def http_one(session: Any, url: str, req: BenchRequest, *, check_prompt: b
 
 
 async def throughput(cfg: Any, renderer: Any, gen: GeneratorProcess) -> dict[str, dict[str, Any]]:
-    """Alternating raw/HTTP rounds at each concurrency; medians per concurrency."""
+    """Alternating raw/HTTP rounds at each concurrency; medians per concurrency.
+
+    Also the CPU time outside the engine processes: this process (the raw AsyncLLM front end in
+    raw rounds, the HTTP client in HTTP rounds) and the generator's API process (HTTP rounds).
+    """
     import aiohttp
+    import psutil  # a dependency of vLLM
+
+    server = psutil.Process(gen.proc.pid)
+
+    def cpu() -> tuple[float, float]:
+        t = server.cpu_times()
+        return time.process_time(), t.user + t.system
 
     stop_ids = tuple(sorted({renderer.terminator_id} | ({int(renderer.eos_id)} if renderer.eos_id is not None else set())))
     raw = RawEngine(cfg, stop_ids)
@@ -269,9 +282,16 @@ async def throughput(cfg: Any, renderer: Any, gen: GeneratorProcess) -> dict[str
                 for c in CONCURRENCY:
                     reqs = make_requests(renderer, c * REQUESTS_PER_WORKER, seed=100 * (rnd + 1) + c)
                     check_no_chunked_prefill(reqs, c, budget)
+                    cpu0 = cpu()
                     raw_tok, raw_s = await closed_loop(reqs, c, raw.one)
+                    cpu1 = cpu()
                     http_tok, http_s = await closed_loop(reqs, c, lambda r: http_one(session, gen.url, r))
-                    rows[c].append({"raw_tokens": raw_tok, "raw_s": raw_s, "http_tokens": http_tok, "http_s": http_s})
+                    cpu2 = cpu()
+                    rows[c].append({
+                        "requests": len(reqs), "raw_tokens": raw_tok, "raw_s": raw_s, "http_tokens": http_tok,
+                        "http_s": http_s, "raw_frontend_cpu_s": cpu1[0] - cpu0[0],
+                        "http_client_cpu_s": cpu2[0] - cpu1[0], "http_server_cpu_s": cpu2[1] - cpu1[1],
+                    })
         finally:
             await raw.aclose()
     return {str(c): summarize_rounds(rs) for c, rs in rows.items()}
@@ -287,6 +307,8 @@ def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
         "ratio": statistics.median(h / r for h, r in zip(http, raw, strict=True)),
         "raw_tokens": sum(r["raw_tokens"] for r in rounds),
         "http_tokens": sum(r["http_tokens"] for r in rounds),
+        **{f"{k[:-2]}_ms_per_request": statistics.median(1e3 * r[k] / r["requests"] for r in rounds)
+           for k in ("raw_frontend_cpu_s", "http_server_cpu_s", "http_client_cpu_s")},
         "rounds": rounds,
     }
 
@@ -454,12 +476,14 @@ def render_section(g: dict[str, Any]) -> str:
         f"prompt ids, seeds, sampling parameters and max_tokens ({g['max_tokens']}). Rounds alternate raw, HTTP, "
         "raw, HTTP; tokens/s are medians of the rounds, HTTP / raw is the median of the per-round ratios.",
         "",
-        "| concurrent requests | raw AsyncLLM tokens/s | HTTP tokens/s | HTTP / raw | tokens generated, raw / HTTP (all rounds) |",
-        "|---|---|---|---|---|",
+        "| concurrent requests | raw AsyncLLM tokens/s | HTTP tokens/s | HTTP / raw | tokens generated, raw / HTTP "
+        "(all rounds) | CPU ms per request outside the engine: raw front end / HTTP server + client |",
+        "|---|---|---|---|---|---|",
     ]
     for c, v in tp.items():
         lines.append(f"| {c} | {v['raw_tok_s']:.0f} | {v['http_tok_s']:.0f} | {v['ratio']:.3f} | "
-                     f"{v['raw_tokens']} / {v['http_tokens']} |")
+                     f"{v['raw_tokens']} / {v['http_tokens']} | {v['raw_frontend_cpu_ms_per_request']:.1f} / "
+                     f"{v['http_server_cpu_ms_per_request']:.1f} + {v['http_client_cpu_ms_per_request']:.1f} |")
     checked = [c for c in tp if int(c) >= 16]
     met = all(tp[c]["ratio"] >= TARGET_RATIO for c in checked)
     lines += ["", f"Target HTTP / raw >= {TARGET_RATIO} at {' and '.join(checked)} concurrent requests: "

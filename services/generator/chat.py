@@ -19,7 +19,7 @@ Called by `services.generator.serving`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.generator.splice import SpliceError, splice_prefix
@@ -141,8 +141,11 @@ class ChatPrompt:
     """The ids fed to the engine and how they were made."""
 
     prompt_ids: list[int]
-    template_ids: list[int]
+    template_ids: list[int]  # T: the template's rendering of the whole request
     model_prefix_len: int
+    # P: the template's rendering of the history up to the last assistant turn, from the same
+    # normalised messages as T (empty when there was no model prefix).
+    history_ids: list[int] = field(default_factory=list)
 
 
 class ChatRenderer:
@@ -231,4 +234,4 @@ class ChatRenderer:
             ids = splice_prefix(prefix, history, full, self.terminator_id, self.decode)
         except SpliceError as exc:
             raise bad_request(str(exc), param="messages") from exc
-        return ChatPrompt(prompt_ids=ids, template_ids=full, model_prefix_len=len(prefix))
+        return ChatPrompt(prompt_ids=ids, template_ids=full, model_prefix_len=len(prefix), history_ids=history)

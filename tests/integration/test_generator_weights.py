@@ -4,6 +4,7 @@ transformers engine in-process and a real Valkey. Failures mark the generator fa
 import asyncio
 import uuid
 
+import httpx
 import msgspec
 import pytest
 
@@ -171,6 +172,22 @@ async def test_keep_mode_refit_lets_a_running_request_finish_on_the_new_version(
         assert (out.weight_version, out.weight_version_end) == (-1, 1)
 
 
+async def test_drain_mode_refit_waits_for_the_running_request(hf_generator, streams, new_weights, until_generating):
+    async with hf_generator(max_new_tokens=200) as gen:
+        sc = streams(gen.cfg.run.run_id)
+        engine = gen.runtime.engine
+        running = asyncio.create_task(chat(gen, max_tokens=200))
+        await until_generating(engine, running)
+        await sc.publish(sc.keys.weights, announcement(new_weights, 1, mode="drain"))
+        ack = await wait_ack(sc, 1)
+        # The load waited for the running request, which finished wholly on the old weights.
+        assert ack.ok and running.done()
+        out = await running
+        assert (out.weight_version, out.weight_version_end) == (-1, -1)
+        after = await chat(gen, max_tokens=2)
+        assert (after.weight_version, after.weight_version_end) == (1, 1)
+
+
 class _RefusingCacheEngine(HfEngine):
     """An engine whose prefix cache is on but refuses to reset (e.g. blocks still held)."""
 
@@ -194,3 +211,10 @@ async def test_refused_prefix_cache_reset_fails_the_refit(
         ack = await wait_ack(sc, 1)
         assert not ack.ok and "prefix cache" in ack.error
         assert app.state.runtime.state == "failed" and app.state.runtime.weight_version == -1
+        # Out of service until a later load succeeds: generation is refused, /ready says why.
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://generator") as client:
+            r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 503 and "prefix cache" in r.json()["error"]["message"]
+            ready = await client.get("/ready")
+            assert ready.status_code == 503 and ready.json()["status"] == "failed"

@@ -6,7 +6,7 @@ import pytest
 from services.generator.chat import ChatRenderer, model_prefix
 from services.generator.splice import SpliceError, splice_prefix
 from shared.http import HTTPError
-from shared.openai_api import ChatMessage
+from shared.openai_api import ChatMessage, FunctionCall, ToolCall
 
 pytestmark = pytest.mark.unit
 pytest_plugins = ["tests.generator_fixtures"]
@@ -170,3 +170,70 @@ def test_model_prefix_comes_from_the_last_assistant_carrying_ids():
     with pytest.raises(HTTPError) as err:
         model_prefix([user, ChatMessage(role="assistant", content="z", prompt_token_ids=[1])], None)
     assert err.value.param == "messages[1].generation_token_ids"
+
+
+# A Qwen3.5-style template: every assistant turn is re-rendered from the *normalised*
+# ``reasoning_content`` (never stripped), so the history render P must see the same normalised
+# messages as the full render T (spec 8.5).
+QWEN35_STYLE = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' ~ m.role ~ '\\n' -}}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{- '<think>\\n' ~ (m.reasoning_content or '') ~ '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- m.content ~ '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def test_history_is_rendered_from_the_normalised_messages(tiny_tokenizer):
+    import copy
+
+    tok = copy.copy(tiny_tokenizer)
+    tok.chat_template = QWEN35_STYLE
+    r = ChatRenderer(tok, None, 0)
+    msgs, prompt, generated = _turn1(r, "<think>\nadd them\n</think>\n\nfive")
+    history = msgs + [
+        # "reasoning" (the newer OpenAI field name) and list-of-parts content: both normalised.
+        ChatMessage(
+            role="assistant",
+            content=[{"type": "text", "text": "five"}],
+            reasoning="add them",
+            prompt_token_ids=prompt,
+            generation_token_ids=generated,
+        ),
+        ChatMessage(role="user", content="ok"),
+    ]
+    out = r.chat_prompt(history)
+    assert "<think>\nadd them\n</think>" in r.decode(out.history_ids)
+    assert out.template_ids[: len(out.history_ids)] == out.history_ids  # P is T's view of the history
+    m = prompt + generated
+    assert out.prompt_ids[: len(m)] == m
+    assert r.decode(out.prompt_ids[len(m) - 1 :]) == "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tool_call_json_that_reserialises_differently_keeps_the_model_tokens(renderer):
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    msgs = [ChatMessage(role="user", content="What is 2 + 3?")]
+    prompt = renderer.chat_prompt(msgs, tools=tools).prompt_ids
+    said = '<tool_call>\n{"name": "calculator", "arguments": {"a": 2,  "b": 3}}\n</tool_call>'
+    generated = renderer.tokenizer.encode(said, add_special_tokens=False) + [renderer.terminator_id]
+    for arguments in ('{"a":2,"b":3}', {"a": 2, "b": 3}):  # compact string, or the object itself
+        call = ToolCall(id="call_1", function=FunctionCall(name="calculator", arguments=arguments))
+        history = msgs + [
+            ChatMessage(
+                role="assistant",
+                content=None,
+                tool_calls=[call],
+                prompt_token_ids=prompt,
+                generation_token_ids=generated,
+            ),
+            ChatMessage(role="tool", tool_call_id="call_1", content="5"),
+        ]
+        out = renderer.chat_prompt(history, tools=tools)
+        assert out.template_ids[: len(prompt) + len(generated)] != prompt + generated  # the render differs
+        m = prompt + generated
+        assert out.prompt_ids[: len(m)] == m
+        tail = renderer.decode(out.prompt_ids[len(m) - 1 :])
+        assert tail == "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"

@@ -75,11 +75,11 @@ def final_answer(text: str | None) -> int | None:
     return int(found[-1]) if found else None
 
 
-def run_tool_call(name: str, arguments: str) -> str:
+def run_tool_call(name: str, arguments: str | dict) -> str:
     if name != "calculator":
         return f"error: unknown tool {name!r}"
     try:
-        args = json.loads(arguments) if arguments else {}
+        args = arguments if isinstance(arguments, dict) else json.loads(arguments) if arguments else {}
         return str(evaluate(str(args["expression"])))
     except (ValueError, KeyError, TypeError) as exc:
         return f"error: {exc}"
