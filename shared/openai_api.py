@@ -220,8 +220,9 @@ class GeneratorState(msgspec.Struct, kw_only=True):
     weight_version: int
     engine: str
     model: str
-    in_flight: int
-    waiting: int
+    in_flight: int  # admitted HTTP requests not finished
+    running: int  # requests inside the engine (batched together)
+    waiting: int  # requests at the gate or queued in the engine
     requests_total: int
     generated_tokens_total: int
     tokens_per_s: float

@@ -95,6 +95,7 @@ def generator_state(state) -> GeneratorState:
         engine=info.name,
         model=info.model,
         in_flight=rt.in_flight,
+        running=stats.running,
         waiting=rt.waiting + stats.waiting,
         requests_total=rt.requests_total,
         generated_tokens_total=stats.generated_tokens_total,

@@ -168,9 +168,16 @@ async def test_vllm_generator_end_to_end(
             old_ref = logprob_reference(tiny_model_dir, m2.prompt_token_ids, m2.generation_token_ids, temperature)
             assert _max_diff(old_ref, m2.generation_log_probs) < LOGPROB_TOLERANCE
 
-            # Concurrent requests all go through (continuous batching, no global lock).
-            many = await asyncio.gather(*[_chat(client, [USER], max_tokens=8, seed=10 + i) for i in range(4)])
-            assert all(len(r.choices[0].message.generation_token_ids) >= 1 for r in many)
+            # Concurrent requests are in the engine together (continuous batching, no global lock).
+            many = asyncio.gather(*[_chat(client, [USER], max_tokens=64, seed=10 + i) for i in range(8)])
+            most_running = 0
+            while not many.done():
+                most_running = max(most_running, (await client.get("/admin/state")).json()["running"])
+                await asyncio.sleep(0.02)
+            assert all(len(r.choices[0].message.generation_token_ids) >= 1 for r in await many)
+            assert most_running >= 2
+            state = (await client.get("/admin/state")).json()
+            assert state["tokens_per_s"] > 0 and state["running"] == 0 and state["weight_version"] == -1
 
             # A new weight version through the stream: acked with the cache reset, then served.
             ann = WeightAnnouncement(
