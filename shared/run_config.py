@@ -121,6 +121,13 @@ class GrpoSection(_Section):
     val_at_start: Annotated[bool, D("validate before the first step")] = False
     val_at_end: Annotated[bool, D("validate after the last step")] = False
     max_val_samples: Annotated[int | None, D("validation prompts per validation; null: all")] = None
+    seq_logprob_error_threshold: Annotated[
+        float | None,
+        D(
+            "mask rows whose mean exp|logp_gen - logp_train| exceeds this (equal is kept) out of the loss; "
+            "null: only measure"
+        ),
+    ] = None
     async_grpo: AsyncGrpoSection = msgspec.field(default_factory=AsyncGrpoSection)
 
 
@@ -133,9 +140,15 @@ class LossSection(_Section):
     ] = True
     truncated_importance_sampling_ratio: Annotated[float | None, D("upper bound of the IS weight; null: none")] = 5.0
     truncated_importance_sampling_type: Annotated[
-        Literal["tis", "icepop"], D("tis: clamp the weight; icepop: drop tokens outside the bounds")
+        Literal["tis", "icepop", "seq-mask-tis"],
+        D(
+            "tis: clamp the weight; icepop: drop tokens outside the bounds; seq-mask-tis: drop sequences "
+            "whose geometric-mean weight is outside the bounds"
+        ),
     ] = "tis"
-    truncated_importance_sampling_ratio_min: Annotated[float | None, D("lower IS bound (icepop needs it)")] = None
+    truncated_importance_sampling_ratio_min: Annotated[
+        float | None, D("lower IS bound (icepop and seq-mask-tis need it)")
+    ] = None
     reference_policy_kl_penalty: Annotated[float, D("beta of the k3 KL to the initial policy; 0: off")] = 0.0
     token_level_loss: Annotated[bool, D("mean over all valid tokens of the step (else per sequence)")] = True
 
@@ -218,8 +231,15 @@ class RunConfig(_Section):
                 "loss_fn.use_importance_sampling_correction must be true with grpo.async_grpo.enabled "
                 "(asynchronous samples are off-policy)"
             )
-        if lf.truncated_importance_sampling_type == "icepop" and lf.truncated_importance_sampling_ratio_min is None:
-            raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min is required for icepop")
+        if (
+            lf.truncated_importance_sampling_type in ("icepop", "seq-mask-tis")
+            and lf.truncated_importance_sampling_ratio_min is None
+        ):
+            raise ConfigError(
+                f"loss_fn.truncated_importance_sampling_ratio_min is required for {lf.truncated_importance_sampling_type}"
+            )
+        if g.seq_logprob_error_threshold is not None and g.seq_logprob_error_threshold < 1.0:
+            raise ConfigError("grpo.seq_logprob_error_threshold must be >= 1.0 (1.0 means the engines agree exactly)")
         if lf.ratio_clip_c is not None and lf.ratio_clip_c <= 1:
             raise ConfigError("loss_fn.ratio_clip_c must be > 1 (or null)")
         if self.policy.generation.top_k not in (None, -1):

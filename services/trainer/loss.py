@@ -6,7 +6,9 @@ Per token t (m_t = token mask x sample mask):
   pg_t = max(-A r_t, -A clip(r_t, 1-eps_lo, 1+eps_hi))        (dual clip: min(pg_t, -A c) if A<0)
   w_t  = exp(logp_old - logp_gen)              detached; corrects both the engine/trainer numeric
                                                mismatch and the staleness of async samples.
-                                               tis: clamp(w, min or 0, max); icepop: w=0 outside
+                                               tis: clamp(w, min or 0, max); icepop: w=0 outside;
+                                               seq-mask-tis: a sequence whose geometric-mean w is
+                                               outside [min, max] gets w=0, kept ones raw w
   loss = sum_t m_t w_t pg_t [+ beta k3(ref || theta)] / (valid tokens of the whole step)
 Token-level normalisation divides by the step's global valid-token count, so micro-batch losses
 are summed, not averaged. With ``token_level_loss=False`` each sequence is averaged over its own
@@ -35,15 +37,25 @@ class LossNormalizer:
     valid_sequences: float
 
 
-def importance_weights(prev_lp: torch.Tensor, gen_lp: torch.Tensor, cfg: LossSection) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, out-of-bounds mask); detached."""
+def importance_weights(
+    prev_lp: torch.Tensor, gen_lp: torch.Tensor, cfg: LossSection, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, out-of-bounds mask); detached. ``mask`` ([B, T], the loss mask) is needed by
+    seq-mask-tis, whose out-of-bounds mask marks every token of an out-of-bounds sequence."""
     with torch.no_grad():
-        w = torch.exp(prev_lp - gen_lp)
-        w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+        log_w = prev_lp - gen_lp
+        w = torch.nan_to_num(torch.exp(log_w), nan=0.0, posinf=0.0, neginf=0.0)
         hi = cfg.truncated_importance_sampling_ratio
         lo = cfg.truncated_importance_sampling_ratio_min
         oob = torch.zeros_like(w, dtype=torch.bool)
-        if hi is not None:
+        if hi is not None and cfg.truncated_importance_sampling_type == "seq-mask-tis":
+            m = torch.ones_like(w) if mask is None else mask
+            n = m.sum(dim=1)
+            seq_w = torch.exp((torch.nan_to_num(log_w) * m).sum(dim=1) / n.clamp(min=1.0))
+            bad = (n > 0) & ((seq_w > hi) | (seq_w < (lo if lo is not None else 0.0)))
+            oob = bad[:, None].expand_as(w).clone()
+            w = torch.where(oob, torch.zeros_like(w), w)
+        elif hi is not None:
             oob = w > hi
             if lo is not None:
                 oob = oob | (w < lo)
@@ -75,7 +87,7 @@ def clipped_pg_loss(
     if cfg.ratio_clip_c is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.ratio_clip_c), pg)
     if cfg.use_importance_sampling_correction:
-        w, oob = importance_weights(prev_lp, gen_lp, cfg)
+        w, oob = importance_weights(prev_lp, gen_lp, cfg, mask)
         pg = pg * w
     else:
         w = torch.ones_like(pg)

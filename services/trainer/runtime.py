@@ -116,7 +116,8 @@ class TrainerRuntime:
         rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
         updates_per_step = rows // (cfg.policy.train_global_batch_size or rows)
         return TorchBackend(cfg.policy, cfg.loss_fn, seed=cfg.run.seed, threads=cfg.trainer.torch_threads,
-                            total_updates=cfg.grpo.max_num_steps * updates_per_step)
+                            total_updates=cfg.grpo.max_num_steps * updates_per_step,
+                            seq_logprob_error_threshold=cfg.grpo.seq_logprob_error_threshold)
 
     def _restore(self) -> None:
         path = latest_checkpoint(self.ckpt_dir) if self.cfg.checkpointing.enabled else None

@@ -90,3 +90,31 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     lin = lr_schedule(OptimizerSection(scheduler="linear"), total_updates=10)
     assert lin(5) == pytest.approx(0.5)
     assert lr_schedule(OptimizerSection(), total_updates=10)(9) == 1.0
+
+
+def test_seq_mask_tis_drops_whole_sequences_by_their_geometric_mean_weight():
+    cfg = LossSection(
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=2.0,
+        truncated_importance_sampling_ratio_min=0.5,
+    )
+    # Row 0: log w = (+0.1, -0.1) -> geometric mean 1, kept with its raw token weights.
+    # Row 1: log w = (+2, +0.2) -> geometric mean e^1.1 = 3.0 > 2: the whole row is dropped, even
+    # its in-bounds token. Row 2: one token at e^2 but a masked second token: mean over valid only.
+    curr = prev = [[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]]
+    gen = [[-1.1, -0.9], [-3.0, -1.2], [-3.0, -9.0]]
+    mask = [[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]
+    loss, grad, m = run(curr, prev, gen, [1.0, 1.0, 1.0], mask=mask, cfg=cfg)
+    assert loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.1)) / 5, rel=1e-5)
+    assert grad[1].abs().sum() == 0 and grad[2].abs().sum() == 0 and (grad[0] != 0).all()
+    assert m["is_oob_sum"] == 3.0  # the tokens of the two dropped sequences
+
+
+def test_seq_mask_tis_needs_a_lower_bound():
+    from shared.config import ConfigError, load
+    from shared.run_config import RunConfig
+
+    base = ["policy.model_name=m", "data.train_path=t.jsonl", "loss_fn.truncated_importance_sampling_type=seq-mask-tis"]
+    with pytest.raises(ConfigError, match="truncated_importance_sampling_ratio_min"):
+        load(RunConfig, None, base, env={})
+    assert load(RunConfig, None, base + ["loss_fn.truncated_importance_sampling_ratio_min=0.5"], env={})

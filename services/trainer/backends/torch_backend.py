@@ -5,7 +5,13 @@ model and a real checkpoint), computes per-token logprobs under the sampling tem
 the generator's processed logprobs), and runs ``len(rows) / train_global_batch_size`` optimizer
 updates per step, each accumulated over micro-batches. With one update per step the pre-update
 ("old") logprobs equal the current ones in value, so they are taken from the same forward pass
-instead of a second one. Weights are exported with ``save_pretrained`` as safetensors, which the
+instead of a second one.
+
+Normalisation is applied after the micro-batches of an update: each micro-batch's loss is a sum,
+and the gradients are divided by the update's valid-token (or valid-sequence) count once it is
+known. That count is only known after the sequence-level logprob-error mask
+(`services.trainer.mismatch`), which needs each row's pre-update logprobs, computed in the same
+forward pass. Weights are exported with ``save_pretrained`` as safetensors, which the
 generators load in place.
 
 Called by the trainer loop (in a worker thread, so the event loop keeps serving REST and streams).
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from services.trainer.batch import Row, StepBatch
+from services.trainer import mismatch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from shared.run_config import LossSection, OptimizerSection, PolicySection
 
@@ -54,13 +61,21 @@ def _load_model(path: str, dtype: torch.dtype):
 
 class TorchBackend:
     def __init__(
-        self, policy: PolicySection, loss: LossSection, *, seed: int, threads: int | None = None, total_updates: int = 0
+        self,
+        policy: PolicySection,
+        loss: LossSection,
+        *,
+        seed: int,
+        threads: int | None = None,
+        total_updates: int = 0,
+        seq_logprob_error_threshold: float | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.policy = policy
         self.loss_cfg = loss
+        self.seq_error_threshold = seq_logprob_error_threshold
         self.dtype = torch.float32 if policy.precision == "float32" else torch.bfloat16
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = _load_model(policy.model_name, self.dtype).to(self.device)
@@ -100,6 +115,7 @@ class TorchBackend:
             "gen_lp": t(glp),
             "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=self.device),
             "sample_mask": torch.tensor([r.sample_mask for r in rows], dtype=torch.float32, device=self.device),
+            "rewards": [r.reward for r in rows],
         }
 
     def _token_logprobs(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -124,42 +140,58 @@ class TorchBackend:
         prev = self._prev_logprobs(rows, micro) if num_updates > 1 else None
         sums: dict[str, float] = {}
         losses, grad_norms = [], []
+        records: list[mismatch.SeqRecord] = []
+        unit = LossNormalizer(valid_tokens=1.0, valid_sequences=1.0)  # sums; divided after the update
         for u in range(num_updates):
             upd = rows[u * rows_per_update : (u + 1) * rows_per_update]
             if not upd:
                 continue
-            norm = LossNormalizer(
-                valid_tokens=float(sum((r.token_mask * r.sample_mask).sum() for r in upd)),
-                valid_sequences=float(sum(r.sample_mask > 0 for r in upd)),
-            )
             self.optimizer.zero_grad(set_to_none=True)
-            loss_total = 0.0
+            loss_sum = valid_tokens = valid_sequences = 0.0
             for s in range(0, len(upd), micro):
                 mb_rows = upd[s : s + micro]
                 mb = self._pad(mb_rows)
                 curr = self._token_logprobs(self.model, mb)
                 prev_lp = curr.detach() if prev is None else self._stack(prev, mb_rows, curr.shape)
+                sample_mask = self._mask_by_seq_error(prev_lp, mb, records)
                 ref_lp = None
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref_lp = self._token_logprobs(self.ref_model, mb)
                 loss, m = clipped_pg_loss(
                     curr_lp=curr, prev_lp=prev_lp, gen_lp=mb["gen_lp"], advantages=mb["advantages"],
-                    token_mask=mb["token_mask"], sample_mask=mb["sample_mask"], cfg=self.loss_cfg, norm=norm,
+                    token_mask=mb["token_mask"], sample_mask=sample_mask, cfg=self.loss_cfg, norm=unit,
                     ref_lp=ref_lp,
                 )
                 loss.backward()
-                loss_total += float(loss.detach())
+                loss_sum += float(loss.detach())
+                row_tokens = (mb["token_mask"] * sample_mask[:, None]).sum(dim=1)
+                valid_tokens += float(row_tokens.sum())
+                valid_sequences += float((row_tokens > 0).sum())
                 for k, v in m.items():
                     sums[k] = max(sums.get(k, 0.0), v) if k.startswith("max_") else sums.get(k, 0.0) + v
+            denom = valid_tokens if self.loss_cfg.token_level_loss else valid_sequences
+            if denom == 0:
+                log.warning("update %d has no valid token after masking; skipped", self.updates)
+                losses.append(0.0)
+                grad_norms.append(0.0)
+                continue
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(denom)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {self.updates}")
             self.optimizer.step()
             self.scheduler.step()
             self.updates += 1
-            losses.append(loss_total)
+            losses.append(loss_sum / denom)
             grad_norms.append(float(grad_norm))
+        seq_metrics = mismatch.summarize(records, self.seq_error_threshold)
+        if mismatch.debug_enabled():
+            line = mismatch.debug_line(records, self.seq_error_threshold)
+            if line is not None:
+                print(line, flush=True)
         tokens = max(sums.get("tokens", 0.0), 1.0)
         return {
             "loss": float(np.mean(losses)),
@@ -174,8 +206,20 @@ class TorchBackend:
             "kl_penalty": sums.get("kl_penalty_sum", 0.0) / tokens,
             "lr": self.scheduler.get_last_lr()[0],
             "max_abs_logprob_diff": sums.get("max_abs_logprob_diff", 0.0),
+            **seq_metrics,
             "train_time_s": time.perf_counter() - t0,
         }
+
+    def _mask_by_seq_error(
+        self, prev_lp: torch.Tensor, mb: dict, records: list[mismatch.SeqRecord]
+    ) -> torch.Tensor:
+        """The micro-batch's sample mask after the sequence-level logprob-error threshold."""
+        err, n = mismatch.seq_errors(prev_lp, mb["gen_lp"], mb["token_mask"], mb["sample_mask"])
+        new = mismatch.apply_threshold(err, mb["sample_mask"], self.seq_error_threshold)
+        for i in range(len(err)):
+            masked = bool(mb["sample_mask"][i] > 0 and new[i] == 0)
+            records.append(mismatch.SeqRecord(float(n[i]), float(err[i]), float(mb["rewards"][i]), masked))
+        return new
 
     @torch.no_grad()
     def _prev_logprobs(self, rows: list[Row], micro: int) -> dict[str, torch.Tensor]:
