@@ -111,7 +111,10 @@ class Trajectory(_Message, tag="trajectory"):
     status: RolloutStatus
     turns: list[Turn]
     fallback_reason: str | None = None
-    mask_sample: bool | None = None
+    # The environment's "do not train on this" flag (e.g. an iteration cap was hit). Carried as
+    # True/False on every rollout when env.should_mask_flagged_samples is on; left out of the
+    # record entirely (UNSET, not False) when it is off.
+    mask_sample: bool | msgspec.UnsetType = msgspec.UNSET
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     gateway_id: str = ""
     started_at: float = 0.0

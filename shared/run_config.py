@@ -159,6 +159,13 @@ class EnvSection(_Section):
         Literal["fail_fast", "backfill"], D("failed rollout: stop the run, or train a zero-reward placeholder")
     ] = "fail_fast"
     max_turns: Annotated[int, D("cap on model calls per rollout")] = 8
+    should_mask_flagged_samples: Annotated[
+        bool,
+        D(
+            "rollouts the environment flags (mask_sample) are kept out of the loss but count in baselines; "
+            "false: the flag is not carried at all"
+        ),
+    ] = True
 
 
 class CheckpointSection(_Section):

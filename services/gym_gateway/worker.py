@@ -21,6 +21,7 @@ import time
 import uuid
 
 import aiohttp
+import msgspec
 
 from shared import keys as K
 from shared.protocol import Task, Trajectory
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 
 
 def assemble(task: Task, session: Session, outcome: Outcome | None, failure: str | None, gateway_id: str,
-             started_at: float) -> Trajectory:
+             started_at: float, *, carry_mask_flag: bool = True) -> Trajectory:
+    """The trajectory record of a finished rollout. ``carry_mask_flag`` (env.should_mask_flagged_samples)
+    off leaves ``mask_sample`` out of the record altogether."""
     versions = [t.weight_version for t in session.turns]
     return Trajectory(
         task_id=task.task_id, group_id=task.group_id, index_in_group=task.index_in_group,
@@ -41,7 +44,8 @@ def assemble(task: Task, session: Session, outcome: Outcome | None, failure: str
         target_step=task.target_step, launch_version=min(versions) if versions else session.open_version,
         reward=0.0 if outcome is None else float(outcome.reward),
         status="failed" if failure else outcome.status, fallback_reason=failure,
-        turns=session.turns, mask_sample=None if outcome is None else outcome.mask_sample,
+        turns=session.turns,
+        mask_sample=bool(outcome is not None and outcome.mask_sample) if carry_mask_flag else msgspec.UNSET,
         metrics={**(outcome.metrics if outcome else {}), "model_calls": float(session.calls),
                  "prefix_breaks": float(session.prefix_breaks)},
         gateway_id=gateway_id, started_at=started_at, finished_at=time.time(),
@@ -50,7 +54,8 @@ def assemble(task: Task, session: Session, outcome: Outcome | None, failure: str
 
 class GatewayWorker:
     def __init__(self, streams: StreamClient, proxy: SessionProxy, http: aiohttp.ClientSession, *, session_base_url: str,
-                 max_concurrent: int, reclaim_idle_s: float, max_turns: int, gateway_id: str) -> None:
+                 max_concurrent: int, reclaim_idle_s: float, max_turns: int, gateway_id: str,
+                 carry_mask_flag: bool = True) -> None:
         self.streams = streams
         self.proxy = proxy
         self.http = http
@@ -59,6 +64,7 @@ class GatewayWorker:
         self.reclaim_idle_s = reclaim_idle_s
         self.max_turns = max_turns
         self.gateway_id = gateway_id
+        self.carry_mask_flag = carry_mask_flag
         self.active: dict[str, asyncio.Task] = {}
         self.completed = 0
         self.failed: dict[str, int] = {}
@@ -148,7 +154,7 @@ class GatewayWorker:
             reason = failure.split(":")[0]
             self.failed[reason] = self.failed.get(reason, 0) + 1
             log.warning("rollout %s failed: %s", task.task_id, failure)
-        traj = assemble(task, session, outcome, failure, self.gateway_id, started)
+        traj = assemble(task, session, outcome, failure, self.gateway_id, started, carry_mask_flag=self.carry_mask_flag)
         try:
             await self.streams.publish(self.streams.keys.trajectories, traj)
             await self.streams.ack(self.streams.keys.tasks, K.GATEWAYS_GROUP, [d.entry_id])

@@ -5,7 +5,13 @@ A rollout's sequence is rebuilt from its turns: turn k's prompt continues the co
 ``context_len``. When every turn continues the full context (token-exact multi-turn), the row is
 one sequence whose generated spans carry the loss. A turn that continues only part of the context
 (the agent rewrote history: a prefix break) cannot be trained as one sequence; such rows keep their
-place in the group baseline but are masked out of the loss and counted.
+place in the group baseline but are masked out of the loss and counted. So are rollouts the
+environment flagged (``mask_sample``, e.g. an iteration cap was hit) while
+``env.should_mask_flagged_samples`` is on (``num_mask_sample_filtered``).
+
+What a masked row contributes: its reward counts in its group's baseline and std (the other rows'
+advantages), but none of its tokens enter the loss or the normalising token count. Backfilled
+placeholders (failed rollouts) contribute nothing at all: no loss, and no part in the baselines.
 
 Called by the trainer loop; pure numpy.
 """
@@ -34,6 +40,7 @@ class Row:
     placeholder: bool = False
     prefix_break: bool = False
     truncated: bool = False
+    env_flagged: bool = False
 
 
 @dataclass
@@ -46,7 +53,7 @@ class StepBatch:
         return [r for r in self.rows if r.sample_mask > 0 and r.token_mask.sum() > 0]
 
 
-def build_row(traj: Trajectory, max_len: int) -> Row:
+def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True) -> Row:
     """Rebuild one rollout's token sequence from its turns."""
     if not traj.turns or traj.status == "failed":
         # A backfilled failure: kept for the batch shape, no loss, no part in the baselines.
@@ -73,17 +80,18 @@ def build_row(traj: Trajectory, max_len: int) -> Row:
     if truncated:
         seq, tmask, glp = seq[:max_len], tmask[:max_len], glp[:max_len]
     tmask[0] = 0.0  # the first token has no logprob
-    row = Row(traj.task_id, traj.group_id, seq, tmask, glp, traj.reward, prefix_break=prefix_break, truncated=truncated)
-    if prefix_break or traj.mask_sample:
+    row = Row(traj.task_id, traj.group_id, seq, tmask, glp, traj.reward, prefix_break=prefix_break, truncated=truncated,
+              env_flagged=mask_flagged and traj.mask_sample is True)
+    if prefix_break or row.env_flagged:
         row.sample_mask = 0.0
     return row
 
 
 def build_step_batch(
-    groups: list[Group], *, max_len: int, leave_one_out: bool, normalize: bool
+    groups: list[Group], *, max_len: int, leave_one_out: bool, normalize: bool, mask_flagged: bool = True
 ) -> StepBatch:
     trajs = [t for g in groups for t in g.ordered()]
-    rows = [build_row(t, max_len) for t in trajs]
+    rows = [build_row(t, max_len, mask_flagged) for t in trajs]
     group_size = groups[0].group_size if groups else 0
     adv = batch_advantages(
         [r.group_id for r in rows],
@@ -106,6 +114,7 @@ def build_step_batch(
         "num_mixed_version_rows": float(sum(len(t.versions) > 1 for t in trajs)),
         "num_truncated": float(sum(r.truncated for r in rows)),
         "num_masked_samples": float(sum(r.sample_mask == 0 for r in real)),
+        "num_mask_sample_filtered": float(sum(r.env_flagged for r in real)),
         "mean_seq_len": float(np.mean([len(r.input_ids) for r in real])) if real else 0.0,
         "gen_tokens": float(sum(r.token_mask.sum() for r in rows)),
         "advantages_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,

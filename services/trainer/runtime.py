@@ -175,6 +175,7 @@ class TrainerRuntime:
         batch = build_step_batch(
             sample.groups, max_len=self.cfg.policy.max_total_sequence_length,
             leave_one_out=self.cfg.grpo.use_leave_one_out_baseline, normalize=self.cfg.grpo.normalize_rewards,
+            mask_flagged=self.cfg.env.should_mask_flagged_samples,
         )
         train_metrics = await asyncio.to_thread(self.backend.train_step, batch)
         t_train = time.perf_counter()

@@ -104,3 +104,36 @@ def test_long_rows_are_truncated_to_the_configured_length():
                   weight_version=0)
     row = build_row(_traj("g/0", [t]), max_len=12)
     assert len(row.input_ids) == 12 and row.truncated and row.token_mask.sum() == 2
+
+
+def test_env_flagged_rows_are_masked_but_count_in_the_baseline_unless_disabled():
+    turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[5], generated_logprobs=[-0.2], weight_version=0)
+    flagged = _traj("g/0", [turn], reward=1.0)
+    flagged.mask_sample = True
+    g = Group("g", 0, 2, 0, rows={0: flagged, 1: _traj("g/1", [turn], reward=0.0)})
+    on = build_step_batch([g], max_len=100, leave_one_out=True, normalize=False, mask_flagged=True)
+    assert on.rows[0].env_flagged and on.rows[0].sample_mask == 0.0
+    assert on.rows[1].advantage == pytest.approx(-1.0)  # the flagged row's reward is its baseline
+    assert on.stats["num_mask_sample_filtered"] == 1 and [r.task_id for r in on.trainable] == ["g/1"]
+    off = build_step_batch([g], max_len=100, leave_one_out=True, normalize=False, mask_flagged=False)
+    assert not off.rows[0].env_flagged and off.stats["num_mask_sample_filtered"] == 0
+    assert len(off.trainable) == 2
+
+
+def test_mask_flag_is_left_out_of_the_record_when_not_carried():
+    import msgspec
+
+    from services.gym_gateway.envs.base import Outcome
+    from services.gym_gateway.proxy import Session
+    from services.gym_gateway.worker import assemble
+    from shared.protocol import SamplingParams, Task, decode, encode
+
+    task = Task(task_id="g/0", group_id="g", index_in_group=0, group_size=2, prompt_index=0, env="echo",
+                instance={}, kind="train", target_step=0, sampling=SamplingParams(), deadline_s=60.0)
+    session = Session("s", "train", SamplingParams(), "", "", 0)
+    carried = assemble(task, session, Outcome(reward=1.0), None, "gw", 0.0, carry_mask_flag=True)
+    stripped = assemble(task, session, Outcome(reward=1.0, mask_sample=True), None, "gw", 0.0, carry_mask_flag=False)
+    assert b'"mask_sample":false' in msgspec.json.encode(carried)  # a boolean on every rollout
+    assert b"mask_sample" not in msgspec.json.encode(stripped)  # absent, not all-false
+    assert decode(encode(stripped), Trajectory).mask_sample is msgspec.UNSET
+    assert decode(encode(carried), Trajectory).mask_sample is False

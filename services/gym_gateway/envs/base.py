@@ -32,7 +32,7 @@ class Outcome:
     reward: float
     status: Literal["ok", "truncated", "env_flagged"] = "ok"
     metrics: dict[str, float] = field(default_factory=dict)
-    mask_sample: bool | None = None
+    mask_sample: bool = False  # "do not train on this rollout" (e.g. an iteration cap was hit)
 
 
 class ChatClient:
