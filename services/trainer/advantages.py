@@ -12,6 +12,11 @@ out of their siblings' baselines and get A = 0, so an infrastructure failure nei
 punishes the healthy rows. Rows masked out of the loss for other reasons (env-flagged, logprob
 mismatch) still count in the baseline: they are real samples of the policy.
 
+Positional grouping (row i is in group i // G) is only a fallback for ordered external batches
+whose rows carry no group id (``""``): it needs contiguous blocks of exactly G rows, and a batch
+that is not a whole number of groups is an error, never a silent per-row grouping (which would give
+every row a zero advantage). Mixing rows with and without ids is an error too.
+
 Called by the batch builder; pure (numpy in, numpy out).
 """
 
@@ -63,6 +68,7 @@ def batch_advantages(
     Every group must hold exactly ``group_size`` rows: a wrong size means rows were lost or mixed
     up upstream, and silently computing baselines over it would corrupt the update.
     """
+    group_ids = resolve_group_ids(group_ids, group_size)
     rewards = np.asarray(rewards, dtype=np.float64)
     placeholder = np.asarray(is_placeholder if is_placeholder is not None else [False] * len(rewards), dtype=bool)
     out = np.zeros(len(rewards), dtype=np.float32)
@@ -76,3 +82,19 @@ def batch_advantages(
             rewards[idx], leave_one_out=leave_one_out, normalize=normalize, is_placeholder=placeholder[idx]
         )
     return out
+
+
+def resolve_group_ids(group_ids: Sequence[str], group_size: int) -> list[str]:
+    """The explicit ids; positional ids (``pos:<i // G>``) when no row carries one."""
+    missing = [i for i, g in enumerate(group_ids) if not g]
+    if not missing:
+        return list(group_ids)
+    if len(missing) != len(group_ids):
+        raise ValueError(f"rows {missing[:5]} carry no group id while others do; cannot group the batch")
+    n = len(group_ids)
+    if group_size < 1 or n % group_size:
+        raise ValueError(
+            f"{n} rows without group ids are not whole groups of {group_size}; positional grouping needs "
+            "contiguous blocks of num_generations_per_prompt rows"
+        )
+    return [f"pos:{i // group_size}" for i in range(n)]

@@ -54,3 +54,21 @@ def test_identical_prompts_in_two_groups_stay_two_groups():
 def test_group_size_is_checked_where_advantages_are_computed():
     with pytest.raises(ValueError, match="group 'g1' has 3 rows"):
         batch_advantages(["g1", "g1", "g1"], [1.0, 0.0, 1.0], group_size=2)
+
+
+def test_positional_grouping_is_only_a_fallback_for_rows_without_ids():
+    from services.trainer.advantages import resolve_group_ids
+
+    assert resolve_group_ids(["", "", "", ""], 2) == ["pos:0", "pos:0", "pos:1", "pos:1"]
+    assert resolve_group_ids(["a", "b", "a", "b"], 2) == ["a", "b", "a", "b"]  # explicit ids win
+    adv = batch_advantages(["", "", "", ""], [1.0, 0.0, 0.0, 0.0], group_size=2, normalize=False)
+    assert adv.tolist() == [1.0, -1.0, 0.0, 0.0]
+
+
+def test_incomplete_or_mixed_positional_batches_are_errors():
+    from services.trainer.advantages import resolve_group_ids
+
+    with pytest.raises(ValueError, match="not whole groups"):
+        resolve_group_ids(["", "", ""], 2)
+    with pytest.raises(ValueError, match="carry no group id"):
+        resolve_group_ids(["a", "", "a", ""], 2)
