@@ -88,6 +88,12 @@ class GenerationSection(_Section):
         )
 
 
+class SequencePackingSection(_Section):
+    enabled: Annotated[bool, D("pack rows into micro-batches up to train_mb_tokens (else pad per micro-batch)")] = False
+    train_mb_tokens: Annotated[int, D("token budget of one packed micro-batch")] = 4096
+    algorithm: Annotated[Literal["first_fit_decreasing"], D("how rows are assigned to packs")] = "first_fit_decreasing"
+
+
 class PolicySection(_Section):
     model_name: Annotated[str, D("HF model folder (or hub id where reachable) of the policy")] = ""
     tokenizer_name: Annotated[str | None, D("tokenizer folder; null: model_name")] = None
@@ -97,6 +103,7 @@ class PolicySection(_Section):
     max_grad_norm: Annotated[float, D("gradient clipping norm")] = 1.0
     precision: Annotated[Literal["float32", "bfloat16"], D("training precision")] = "float32"
     optimizer: OptimizerSection = msgspec.field(default_factory=OptimizerSection)
+    sequence_packing: SequencePackingSection = msgspec.field(default_factory=SequencePackingSection)
     generation: GenerationSection = msgspec.field(default_factory=GenerationSection)
 
     @property
@@ -251,6 +258,8 @@ class RunConfig(_Section):
             raise ConfigError("loss_fn.ratio_clip_c must be > 1 (or null)")
         if self.policy.generation.top_k not in (None, -1):
             raise ConfigError("policy.generation.top_k must be null: training samples must stay on-policy")
+        if self.policy.sequence_packing.enabled and self.policy.sequence_packing.train_mb_tokens < 1:
+            raise ConfigError("policy.sequence_packing.train_mb_tokens must be >= 1")
         if self.policy.train_micro_batch_size < 1:
             raise ConfigError("policy.train_micro_batch_size must be >= 1")
         if (

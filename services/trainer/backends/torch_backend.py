@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from services.trainer.batch import Row, StepBatch
-from services.trainer import mismatch
+from services.trainer import mismatch, packing
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from shared.run_config import LossSection, OptimizerSection, PolicySection
 
@@ -119,12 +119,35 @@ class TorchBackend:
         }
 
     def _token_logprobs(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        """logprob of token t given tokens < t, at position t (position 0 gets 0)."""
+        """logprob of token t given tokens < t, at position t (position 0 gets 0), as [rows, T].
+        A packed micro-batch (``mb["pack"]``) runs as one sequence and is cut back into rows."""
+        if "pack" in mb:
+            ids, pos, starts = mb["pack"]
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1].float()
+            lp = F.pad(self._gather(logits, ids)[0], (1, 0))
+            return packing.unpack_logprobs(lp, starts, mb["lengths"], mb["input_ids"].shape[1])
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
+        return F.pad(self._gather(logits, mb["input_ids"]), (1, 0))
+
+    def _gather(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        lp = torch.gather(F.log_softmax(logits, dim=-1), 2, mb["input_ids"][:, 1:, None]).squeeze(-1)
-        return F.pad(lp, (1, 0))
+        return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1)
+
+    def _micro_batches(self, rows: list[Row], micro: int) -> list[list[Row]]:
+        """Consecutive rows ``micro`` at a time, or packs up to the token budget."""
+        sp = self.policy.sequence_packing
+        if not sp.enabled:
+            return [rows[s : s + micro] for s in range(0, len(rows), micro)]
+        packs = packing.first_fit_decreasing([len(r.input_ids) for r in rows], sp.train_mb_tokens)
+        return [[rows[i] for i in p] for p in packs]
+
+    def _inputs(self, rows: list[Row]) -> dict:
+        mb = self._pad(rows)
+        if self.policy.sequence_packing.enabled:
+            mb["pack"] = packing.packed_inputs([torch.from_numpy(r.input_ids).to(self.device) for r in rows])
+            mb["lengths"] = [len(r.input_ids) for r in rows]
+        return mb
 
     # ---- training -----------------------------------------------------------------------------
 
@@ -141,6 +164,7 @@ class TorchBackend:
         sums: dict[str, float] = {}
         losses, grad_norms = [], []
         records: list[mismatch.SeqRecord] = []
+        shapes: list[list[int]] = []  # row lengths of each micro-batch run
         unit = LossNormalizer(valid_tokens=1.0, valid_sequences=1.0)  # sums; divided after the update
         for u in range(num_updates):
             upd = rows[u * rows_per_update : (u + 1) * rows_per_update]
@@ -148,9 +172,9 @@ class TorchBackend:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             loss_sum = valid_tokens = valid_sequences = 0.0
-            for s in range(0, len(upd), micro):
-                mb_rows = upd[s : s + micro]
-                mb = self._pad(mb_rows)
+            for mb_rows in self._micro_batches(upd, micro):
+                shapes.append([len(r.input_ids) for r in mb_rows])
+                mb = self._inputs(mb_rows)
                 curr = self._token_logprobs(self.model, mb)
                 prev_lp = curr.detach() if prev is None else self._stack(prev, mb_rows, curr.shape)
                 sample_mask = self._mask_by_seq_error(prev_lp, mb, records)
@@ -207,8 +231,19 @@ class TorchBackend:
             "lr": self.scheduler.get_last_lr()[0],
             "max_abs_logprob_diff": sums.get("max_abs_logprob_diff", 0.0),
             **seq_metrics,
+            "micro_batch_token_efficiency": self._token_efficiency(shapes),
             "train_time_s": time.perf_counter() - t0,
         }
+
+    def _token_efficiency(self, shapes: list[list[int]]) -> float:
+        """Real tokens / tokens computed: packs against their budget, or padding to the longest row."""
+        real = sum(sum(s) for s in shapes)
+        sp = self.policy.sequence_packing
+        if sp.enabled:
+            computed = sum(max(sp.train_mb_tokens, sum(s)) for s in shapes)
+        else:
+            computed = sum(len(s) * max(s) for s in shapes)
+        return real / computed if computed else 1.0
 
     def _mask_by_seq_error(
         self, prev_lp: torch.Tensor, mb: dict, records: list[mismatch.SeqRecord]
@@ -224,9 +259,8 @@ class TorchBackend:
     @torch.no_grad()
     def _prev_logprobs(self, rows: list[Row], micro: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for s in range(0, len(rows), micro):
-            mb_rows = rows[s : s + micro]
-            lp = self._token_logprobs(self.model, self._pad(mb_rows))
+        for mb_rows in self._micro_batches(rows, micro):
+            lp = self._token_logprobs(self.model, self._inputs(mb_rows))
             for r, row_lp in zip(mb_rows, lp):
                 out[r.task_id] = row_lp[: len(r.input_ids)].clone()
         return out
