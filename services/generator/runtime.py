@@ -49,6 +49,7 @@ class Runtime:
         self.worker_id = worker_id
         self.drain_timeout_s = drain_timeout_s
         self.weight_version = -1
+        self.weight_checksum: str | None = None  # of the folder the served version came from
         self.error: str | None = None
         self.started = False
         self.draining = False

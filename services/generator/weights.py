@@ -9,8 +9,11 @@ One code path for every load (the watcher and ``POST /admin/load_weights`` both 
 
 Checksum, load and reset share the ``generator.weight_load_timeout_s`` deadline. Any failure
 marks the generator failed (503 for generation, heartbeat state "failed") and is acked with
-ok=False and the error; a later successful load clears it. An announcement that is not newer
-is acked ok without reloading.
+ok=False and the error; a later successful load clears it. Re-announcing the version being served
+with the same checksum is acked ok without reloading. An *older* version is loaded: only a
+trainer that resumed from an earlier checkpoint announces one, and the versions this generator
+served after it belong to the abandoned run (a rollback, logged). So is the same version with
+other weights.
 
 At startup the newest announcement (if any) is loaded before the generator reports ready; the
 watcher then reads entries after it with blocking reads, so nothing published in between is
@@ -88,11 +91,16 @@ class WeightSync:
     async def _apply(self, order: LoadOrder) -> WeightAck:
         rt = self.runtime
         async with self._lock:
-            if order.version <= rt.weight_version and rt.error is None:
-                log.info(
-                    "weight version %d is not newer than %d: acked without reloading", order.version, rt.weight_version
-                )
+            same_weights = order.checksum is None or order.checksum == rt.weight_checksum
+            if order.version == rt.weight_version and same_weights and rt.error is None:
+                log.info("weight version %d is already served: acked without reloading", order.version)
                 return WeightAck(worker_id=rt.worker_id, version=order.version, ok=True)
+            if order.version < rt.weight_version:
+                log.warning(
+                    "rolling back from weight version %d to %d (the trainer resumed from an earlier checkpoint)",
+                    rt.weight_version,
+                    order.version,
+                )
             t0 = time.monotonic()
             try:
                 cache_reset = await self._load(order)
@@ -131,6 +139,7 @@ class WeightSync:
                     rt.prefix_cache_resets += 1
                     self.metrics.prefix_cache_resets.inc()
             rt.weight_version = order.version
+            rt.weight_checksum = order.checksum
             rt.error = None
             return cache_reset
         finally:

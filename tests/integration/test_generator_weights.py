@@ -112,14 +112,31 @@ async def test_announcement_is_loaded_acked_and_served(
         old = logprob_reference(tiny_model_dir, out.prompt_token_ids, m.generation_token_ids, temperature)
         assert max(abs(a - b) for a, b in zip(new, m.generation_log_probs, strict=True)) < 1e-4
         assert max(abs(a - b) for a, b in zip(old, m.generation_log_probs, strict=True)) > 1e-3
-        # Not newer: acked ok, nothing reloaded (the old weights in that folder are not served).
-        await sc.publish(sc.keys.weights, announcement(tiny_model_dir, 1))
+        # The served version again with the same checksum: acked ok, nothing reloaded.
+        await sc.publish(sc.keys.weights, announcement(new_weights, 1))
         acks = await wait_acks(sc, 2)
         assert acks[1].version == 1 and acks[1].ok and acks[1].load_s == 0.0
         out2 = await chat(gen)
         m2 = out2.choices[0].message
         new2 = logprob_reference(new_weights, out2.prompt_token_ids, m2.generation_token_ids, temperature)
         assert max(abs(a - b) for a, b in zip(new2, m2.generation_log_probs, strict=True)) < 1e-4
+
+
+async def test_an_older_version_rolls_back(hf_generator, streams, new_weights, tiny_model_dir, logprob_reference):
+    """A trainer that resumed from an earlier checkpoint re-announces an older version: generators
+    that went further in the abandoned run load it, so no sample comes from discarded weights."""
+    async with hf_generator() as gen:
+        sc = streams(gen.cfg.run.run_id)
+        await sc.publish(sc.keys.weights, announcement(new_weights, 3))
+        assert (await wait_ack(sc, 3)).ok
+        await sc.publish(sc.keys.weights, announcement(tiny_model_dir, 2))
+        ack = await wait_ack(sc, 2)
+        assert ack.ok and ack.load_s > 0
+        out = await chat(gen)
+        assert out.weight_version == 2
+        m = out.choices[0].message
+        ref = logprob_reference(tiny_model_dir, out.prompt_token_ids, m.generation_token_ids, 0.8)
+        assert max(abs(a - b) for a, b in zip(ref, m.generation_log_probs, strict=True)) < 1e-4
 
 
 async def test_latest_announcement_is_loaded_at_startup(streams, new_weights, write_config, tiny_model_dir, redis_url):

@@ -72,10 +72,12 @@ def test_stale_groups_are_evicted_and_counted():
     assert buf.evicted_total == 1
 
 
-def test_group_generated_by_newer_weights_than_step_is_not_used():
+def test_group_generated_by_newer_weights_than_step_is_evicted():
+    # Only after a resume from an earlier checkpoint: version 2 belonged to the abandoned run.
     buf = ReplayBuffer(max_age=1)
-    add_group(buf, "g", target=1, version=2)  # cannot happen in a sane run; never train on it early
-    assert buf.sample(step=1, n=1).groups == []
+    add_group(buf, "g", target=1, version=2)
+    res = buf.sample(step=1, n=1)
+    assert res.groups == [] and [g.group_id for g in res.evicted] == ["g"] and buf.evicted_total == 1
 
 
 def test_insufficient_groups_returns_nothing_and_keeps_them():
