@@ -128,6 +128,14 @@ class GrpoSection(_Section):
     val_at_start: Annotated[bool, D("validate before the first step")] = False
     val_at_end: Annotated[bool, D("validate after the last step")] = False
     max_val_samples: Annotated[int | None, D("validation prompts per validation; null: all")] = None
+    val_start_at: Annotated[
+        int, D("periodic validation only once this many steps are done (cadence stays on multiples of val_period); -1: no delay")
+    ] = -1
+    val_num_generations_per_prompt: Annotated[int, D("rollouts per validation prompt (k of pass@k)")] = 1
+    stop_at_validation_metric: Annotated[
+        str | None, D("stop training once this validation metric reaches the threshold (e.g. accuracy, pass_k); null: never")
+    ] = None
+    stop_at_validation_threshold: Annotated[float | None, D("threshold for stop_at_validation_metric (inclusive)")] = None
     seq_logprob_error_threshold: Annotated[
         float | None,
         D(
@@ -214,6 +222,16 @@ class TrainerSection(_Section):
     startup_timeout_s: Annotated[float, D("deadline for the first generator to register")] = 600.0
     data_timeout_s: Annotated[float, D("longest wait for a step's data before failing loudly")] = 3600.0
     torch_threads: Annotated[int | None, D("torch intra-op threads; null: torch's default")] = None
+    validation_drain_timeout_s: Annotated[
+        float | None, D("deadline for in-flight training rollouts to finish before a validation; null: the rollout timeout")
+    ] = None
+    on_drain_timeout: Annotated[
+        Literal["proceed", "cancel"],
+        D(
+            "at the drain deadline: validate while they run, or cancel them (their prompts go back, their results "
+            "are dropped when they arrive)"
+        ),
+    ] = "proceed"
     backend: Annotated[Literal["torch"], D("training backend")] = "torch"
 
 
@@ -273,6 +291,13 @@ class RunConfig(_Section):
             raise ConfigError("policy.model_name is required")
         if not self.data.train_path:
             raise ConfigError("data.train_path is required")
+        if g.val_num_generations_per_prompt < 1:
+            raise ConfigError("grpo.val_num_generations_per_prompt must be >= 1")
+        if g.stop_at_validation_metric is not None:
+            if g.stop_at_validation_threshold is None:
+                raise ConfigError("grpo.stop_at_validation_threshold is required with grpo.stop_at_validation_metric")
+            if g.stop_at_validation_metric == "pass_k" and g.val_num_generations_per_prompt < 2:
+                raise ConfigError("grpo.stop_at_validation_metric pass_k needs grpo.val_num_generations_per_prompt > 1")
         if (g.val_period > 0 or g.val_at_start or g.val_at_end) and not self.data.val_path:
             raise ConfigError("data.val_path is required when grpo.val_period > 0, val_at_start or val_at_end")
 

@@ -6,7 +6,7 @@
     streamrl model init DIR                build the tiny Qwen3 model + tokenizer
     streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
     streamrl config check|explain          validate a config / list every key with its description
-    streamrl bench                         run the benchmarks and rewrite BENCHMARKS.md
+    streamrl bench [--only generator]      run the benchmarks and rewrite BENCHMARKS.md (or one section)
 
 Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant.
 """
@@ -135,9 +135,25 @@ def resume(epoch: Optional[int] = typer.Option(None, help="the pause epoch to en
 
 
 @app.command()
-def validate(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR) -> None:
-    """Run a validation at the next step boundary."""
-    typer.echo(json.dumps(_call("POST", "/validate", url, run_dir)))
+def validate(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR,
+             wait: bool = typer.Option(False, "--wait", help="wait for the result and print it"),
+             timeout: float = typer.Option(3600.0, help="seconds to wait with --wait")) -> None:
+    """Run a validation at the next step boundary (its result: GET /validations/<id>)."""
+    queued = _call("POST", "/validate", url, run_dir)
+    if not wait:
+        typer.echo(json.dumps(queued))
+        return
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        entry = _call("GET", f"/validations/{queued['validation_id']}", url, run_dir)
+        if entry["status"] in ("done", "failed"):
+            typer.echo(json.dumps(entry))
+            raise typer.Exit(0 if entry["status"] == "done" else 1)
+        if time.monotonic() > deadline:
+            _fail(f"validation {queued['validation_id']} still {entry['status']} after {timeout:.0f}s", 1)
+        time.sleep(1.0)
 
 
 @model_app.command("init")
@@ -190,11 +206,16 @@ def config_explain() -> None:
 
 
 @app.command()
-def bench(out: Path = typer.Option(Path("BENCHMARKS.md"), help="file to (re)write")) -> None:
+def bench(
+    out: Path = typer.Option(Path("BENCHMARKS.md"), help="file to (re)write"),
+    only: Optional[str] = typer.Option(None, help="run one section and rewrite only it in OUT: generator"),
+) -> None:
     """Run the benchmarks and write their tables to BENCHMARKS.md."""
-    from streamrl.bench import run_benchmarks
+    from streamrl.bench import SECTIONS, run_benchmarks
 
-    raise typer.Exit(run_benchmarks(out))
+    if only is not None and only not in SECTIONS:
+        _fail(f"--only must be one of: {', '.join(SECTIONS)}")
+    raise typer.Exit(run_benchmarks(out, only=only))
 
 
 def main() -> None:

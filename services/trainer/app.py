@@ -13,7 +13,6 @@ Built by `build_app` around a TrainerRuntime (which owns all state); started by 
 
 from __future__ import annotations
 
-import uuid
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -105,9 +104,15 @@ def build_app(runtime: TrainerRuntime, metrics: ServiceMetrics) -> FastAPI:
         rt = ready_runtime()
         if rt.validator is None:
             raise HTTPError(400, "no validation data: set data.val_path", param="data.val_path")
-        vid = f"val-{uuid.uuid4().hex[:8]}"
-        rt.validation_requests.append(vid)
-        return {"validation_id": vid, "at_step": rt.step}
+        vid = rt.request_validation()
+        return {"validation_id": vid, "at_step": rt.step, "status": "queued", "result_url": f"/validations/{vid}"}
+
+    @app.get("/validations/{validation_id}")
+    async def validation(validation_id: str) -> dict:
+        entry = runtime.validations.get(validation_id)
+        if entry is None:
+            raise HTTPError(404, f"no validation {validation_id!r}", param="validation_id")
+        return entry
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -98,6 +98,13 @@ class ReplayBuffer:
         self._staged[group.target_step].append(group)
         return group
 
+    def drop_pending(self, group_ids: set[str]) -> list[str]:
+        """Forget incomplete groups (cancelled rollouts); the stream entries of their rows, to ack."""
+        entries: list[str] = []
+        for gid in group_ids & set(self._pending):
+            entries += self._pending.pop(gid).entry_ids
+        return entries
+
     # ---- queries ------------------------------------------------------------------------------
 
     def usable_at(self, group: Group, step: int) -> bool:

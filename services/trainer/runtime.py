@@ -1,10 +1,17 @@
 """The trainer runtime: wires scheduler, replay buffer, learner, refit, validation, checkpoints
 and metrics, and runs the asynchronous GRPO loop.
 
-    start: load policy -> publish v0 -> every generator confirms -> issue tasks (collection starts
-           only after the initial refit)
+    start: load policy -> publish v0 -> every generator confirms -> [initial validation] -> issue
+           tasks (collection starts only after the initial refit) -> lookahead barrier: wait for
+           complete batches of targets s0 and s0+1
     step s: wait for N usable groups (buffer) -> advantages + loss + optimizer (thread) ->
-            refit to v=s+1 -> checkpoint / ack -> log -> top up tasks for [s+1, s+1+L]
+            refit to v=s+1 -> checkpoint / ack -> log -> validations due at this boundary
+            (periodic, or requested through POST /validate) -> top up tasks for [s+1, s+1+L]
+
+Validation pauses task issue, drains in-flight training rollouts up to a deadline (then proceeds,
+or cancels them: their prompts go back and their results are dropped), runs on the new weights,
+and may stop the run early (grpo.stop_at_validation_metric; a final checkpoint is forced; a hit at
+the initial validation returns before any training).
 
 A background consumer moves trajectories from the stream into the buffer (or to a running
 validation). Trajectory entries are acked once the step that used them is checkpointed (or when
@@ -20,6 +27,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +43,7 @@ from services.trainer.control import PauseControl
 from services.trainer.metrics_log import MetricsLog, plot_reward_curve, read_metrics
 from services.trainer.refit import WeightPublisher
 from services.trainer.scheduler import PromptSource, Scheduler, _read_jsonl
-from services.trainer.validation import ValidationRunner
+from services.trainer.validation import ValidationRunner, periodic_due
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,10 @@ class TrainerRuntime:
         self.last_metrics: dict[str, Any] = {}
         self.last_validation: dict[str, Any] | None = None
         self.validation_requests: list[str] = []
+        self.validations: dict[str, dict[str, Any]] = {}  # id -> status and result (GET /validations/<id>)
+        self.cancelled_groups: set[str] = set()
+        self.cancelled_total = 0
+        self.early_stopped = False
         self.started_at = time.time()
         self.trajectories_received = 0
         self._fatal: BaseException | None = None
@@ -97,6 +109,7 @@ class TrainerRuntime:
             self.validator = ValidationRunner(
                 self.streams, _read_jsonl(cfg.data.val_path), sampling=cfg.policy.generation.sampling("validation"),
                 default_env=cfg.env.name, max_samples=g.max_val_samples, rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
+                generations_per_prompt=g.val_num_generations_per_prompt,
             )
         self.publisher = WeightPublisher(
             self.streams, self.pause, self.weights_dir, timeout_s=cfg.trainer.refit_timeout_s,
@@ -144,15 +157,24 @@ class TrainerRuntime:
             self._tasks.append(asyncio.create_task(self._consume(), name="trajectory-consumer"))
             await self._refit(self.step, initial=True)
             if self.cfg.grpo.val_at_start and self.validator and self.step == 0:
-                await self._validate("val-start")  # before any training task is issued
+                # Before any training task is issued; a hit of the stop metric ends the run here.
+                if self._stop_hit(await self._validate("val-start")):
+                    self.state = "finished"
+                    await self.redis.set(self.keys.stop, b"finished")
+                    return
             await self._issue()
-            while self.step < self.cfg.grpo.max_num_steps:
+            await self._lookahead_barrier()
+            while self.step < self.cfg.grpo.max_num_steps and not self.early_stopped:
                 await self._step()
-            if self.cfg.grpo.val_at_end and self.validator:
+            last = self.last_validation
+            if (
+                self.cfg.grpo.val_at_end and self.validator and not self.early_stopped
+                and not (last and last["step"] == self.step)
+            ):
                 await self._validate("val-end")
             self.state = "finished"
             await self.redis.set(self.keys.stop, b"finished")
-            log.info("run finished after %d steps", self.step)
+            log.info("run finished after %d steps%s", self.step, " (early stop)" if self.early_stopped else "")
         except Exception as exc:
             self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
             log.error("run failed: %s", self.error)
@@ -164,9 +186,6 @@ class TrainerRuntime:
     async def _step(self) -> None:
         step = self.step
         await self._wait_while_paused()
-        if self.validation_requests or self._periodic_validation_due(step):
-            vid = self.validation_requests.pop(0) if self.validation_requests else f"val-{step}"
-            await self._validate(vid)
         t0 = time.perf_counter()
         self.state = "collecting"
         sample = await self._wait_for_batch(step)
@@ -184,16 +203,32 @@ class TrainerRuntime:
         self.step = step + 1
         await self.redis.set(self.keys.trainer_step, str(self.step))
         self._unacked += [e for g in sample.groups for e in g.entry_ids]
-        if self._checkpoint_due():
-            await asyncio.to_thread(self._checkpoint)
-        if self._checkpoint_due() or not self.cfg.checkpointing.enabled:
-            # Acked only once durable: a crash before this point re-delivers them on restart.
-            await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, self._unacked)
-            self._unacked = []
+        saved = await self._checkpoint_and_ack(force=False)
         record = self._step_record(step, sample, batch, train_metrics, report, t0, t_data, t_train)
         self.last_metrics = record
         self.metrics.write(record)
+        # Validations due at this step boundary run on the weights just published.
+        for vid in self._validations_due():
+            if self._stop_hit(await self._validate(vid)):
+                self.early_stopped = True
+                break
+        if self.early_stopped:
+            if not saved:
+                await self._checkpoint_and_ack(force=True)
+            return
         await self._issue()
+
+    async def _checkpoint_and_ack(self, *, force: bool) -> bool:
+        """Checkpoint if due (or forced), then ack the trajectories it made durable; True if saved."""
+        saved = False
+        if self.cfg.checkpointing.enabled and (force or self._checkpoint_due()):
+            await asyncio.to_thread(self._checkpoint)
+            saved = True
+        if saved or not self.cfg.checkpointing.enabled:
+            # Acked only once durable: a crash before this point re-delivers them on restart.
+            await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, self._unacked)
+            self._unacked = []
+        return saved
 
     def _step_record(self, step, sample, batch, train_metrics, report, t0, t_data, t_train) -> dict[str, Any]:
         ages = [step - g.gen_version for g in sample.groups]
@@ -234,6 +269,8 @@ class TrainerRuntime:
             sample = self.buffer.sample(step, n)
             if sample.evicted:
                 await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [e for g in sample.evicted for e in g.entry_ids])
+                for g in sample.evicted:  # never trained on: the prompt is used again
+                    self.scheduler.source.give_back(g.prompt_index)
             if sample.groups:
                 return sample
             if sample.evicted:
@@ -251,6 +288,29 @@ class TrainerRuntime:
                 await asyncio.wait_for(self._group_ready.wait(), 1.0)
             except asyncio.TimeoutError:
                 pass
+
+    async def _lookahead_barrier(self) -> None:
+        """Start-up and resume wait for complete batches of targets s0 and s0+1 (when the lag
+        allows s0+1), so the first steps are not served by a buffer that was filled only for s0."""
+        g = self.cfg.grpo
+        s0, n = self.step, g.num_prompts_per_step
+        targets = [s0] + ([s0 + 1] if g.async_grpo.max_trajectory_age_steps > 0 and s0 + 1 < g.max_num_steps else [])
+        deadline = time.monotonic() + self.cfg.trainer.data_timeout_s
+        self.state = "collecting"
+        while not all(self.buffer.count_usable(t) >= n for t in targets):
+            self._raise_if_fatal()
+            if time.monotonic() > deadline:
+                raise RunFailed(
+                    f"start-up: no complete batches for targets {targets} within {self.cfg.trainer.data_timeout_s:.0f}s "
+                    f"(trainer.data_timeout_s); staged {self.buffer.depth_by_target()}, "
+                    f"in flight {self.scheduler.in_flight_by_target()}"
+                )
+            self._group_ready.clear()
+            try:
+                await asyncio.wait_for(self._group_ready.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        log.info("lookahead barrier passed: complete batches staged for targets %s", targets)
 
     async def _refit(self, version: int, initial: bool = False):
         self.state = "refit"
@@ -315,6 +375,10 @@ class TrainerRuntime:
             )
             self._group_ready.set()
             return
+        if traj.group_id in self.cancelled_groups:
+            self.cancelled_total += 1
+            await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [entry_id])
+            return
         result = self.buffer.add(traj, entry_id)
         if result is False:
             await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [entry_id])
@@ -334,33 +398,83 @@ class TrainerRuntime:
             self._raise_if_fatal()
             await asyncio.sleep(0.5)
 
-    def _periodic_validation_due(self, step: int) -> bool:
-        p = self.cfg.grpo.val_period
-        return bool(self.validator) and p > 0 and step > 0 and step % p == 0
+    def request_validation(self) -> str:
+        """Queue a validation for the next step boundary (POST /validate); its id."""
+        vid = f"val-{uuid.uuid4().hex[:8]}"
+        self.validation_requests.append(vid)
+        self.validations[vid] = {"validation_id": vid, "status": "queued", "requested_at_step": self.step}
+        return vid
 
-    async def _validate(self, validation_id: str) -> None:
+    def _validations_due(self) -> list[str]:
+        """Requested validations, then the periodic one, at the boundary after ``self.step`` steps.
+        Periodic: every val_period steps, once val_start_at steps are done (same cadence)."""
+        due, self.validation_requests = self.validation_requests, []
+        g = self.cfg.grpo
+        if self.validator and periodic_due(self.step, g.val_period, g.val_start_at):
+            due.append(f"val-{self.step}")
+        return due
+
+    def _stop_hit(self, result: dict[str, Any] | None) -> bool:
+        g = self.cfg.grpo
+        if result is None or g.stop_at_validation_metric is None:
+            return False
+        name = g.stop_at_validation_metric
+        if name not in result:
+            available = sorted(k for k, v in result.items() if isinstance(v, (int, float)))
+            raise RunFailed(f"grpo.stop_at_validation_metric {name!r} is not a validation metric; available: {available}")
+        if float(result[name]) >= float(g.stop_at_validation_threshold):
+            log.info("validation %s: %s = %.4f reached %s; stopping", result["validation_id"], name, result[name],
+                     g.stop_at_validation_threshold)
+            return True
+        return False
+
+    async def _validate(self, validation_id: str) -> dict[str, Any] | None:
+        entry = self.validations.setdefault(validation_id, {"validation_id": validation_id, "requested_at_step": self.step})
         if self.validator is None:
             log.error("validation %s requested but data.val_path is not set", validation_id)
-            return
+            entry.update(status="failed", error="data.val_path is not set")
+            return None
         self.state = "validating"
+        entry["status"] = "running"
         epoch = await self.pause.pause("validation")
         try:
-            await self._drain(self.cfg.gym_gateway.rollout_timeout_s)
+            await self._drain()
             result = await self.validator.run(self.step, validation_id)
+        except Exception as exc:
+            entry.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             await self.pause.resume("validation", epoch)
+        entry.update(status="done", result=result)
         self.last_validation = result
         self.metrics.write({**result, "time": time.time()})
-        log.info("validation %s at step %d: accuracy %.3f over %d", validation_id, self.step, result["accuracy"], result["num_samples"])
-        await self._issue()
+        log.info("validation %s at step %d: accuracy %.3f over %d", validation_id, self.step, result["accuracy"],
+                 result["num_samples"])
+        return result
 
-    async def _drain(self, timeout_s: float) -> None:
+    async def _drain(self) -> None:
+        """Wait for in-flight training rollouts up to trainer.validation_drain_timeout_s; then
+        proceed with them running, or cancel them (trainer.on_drain_timeout)."""
+        t = self.cfg.trainer
+        timeout_s = t.validation_drain_timeout_s if t.validation_drain_timeout_s is not None else self.cfg.gym_gateway.rollout_timeout_s
         deadline = time.monotonic() + timeout_s
         while self.scheduler.in_flight_count() and time.monotonic() < deadline:
             self._raise_if_fatal()
             await asyncio.sleep(0.2)
-        if self.scheduler.in_flight_count():
-            log.warning("drain before validation timed out with %d groups in flight; proceeding", self.scheduler.in_flight_count())
+        left = self.scheduler.in_flight_count()
+        if not left:
+            return
+        if t.on_drain_timeout == "proceed":
+            log.warning("drain before validation timed out after %.0fs with %d groups in flight; validating while they "
+                        "run (trainer.on_drain_timeout: proceed)", timeout_s, left)
+            return
+        cancelled = self.scheduler.cancel_in_flight()
+        self.cancelled_groups.update(cancelled)
+        dropped = self.buffer.drop_pending(cancelled)
+        if dropped:
+            await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, dropped)
+        log.warning("drain before validation timed out after %.0fs: cancelled %d in-flight groups (their prompts go "
+                    "back; their results will be dropped)", timeout_s, len(cancelled))
 
     def _checkpoint_due(self) -> bool:
         c = self.cfg.checkpointing
@@ -389,6 +503,8 @@ class TrainerRuntime:
             "pending_groups": self.buffer.pending_groups(),
             "in_flight_groups": {str(k): v for k, v in self.scheduler.in_flight_by_target().items()},
             "evicted_total": self.buffer.evicted_total,
+            "cancelled_rollouts_total": self.cancelled_total,
+            "early_stopped": self.early_stopped,
             "pause": await self.pause.reasons(),
             "last": {k: v for k, v in self.last_metrics.items() if k != "consumed_ids"},
             "last_validation": self.last_validation,

@@ -109,6 +109,7 @@ class Scheduler:
         self.sampling = sampling
         self.rollout_timeout_s = rollout_timeout_s
         self.in_flight: dict[int, set[str]] = defaultdict(set)  # target -> group ids not yet complete
+        self._prompt_of: dict[str, int] = {}  # in-flight group id -> its prompt index
         self.group_seq = 0
         self.issued_total = 0
 
@@ -129,6 +130,7 @@ class Scheduler:
         group_id = f"g{self.group_seq:07d}"
         self.group_seq += 1
         self.in_flight[target].add(group_id)
+        self._prompt_of[group_id] = prompt_index
         env = row.get("env", self.default_env)
         instance = row.get("instance", row)
         self.issued_total += 1
@@ -157,11 +159,25 @@ class Scheduler:
                 continue
             seen.add(t.group_id)
             self.in_flight[t.target_step].discard(t.group_id)
+            self._prompt_of.pop(t.group_id, None)
             self.source.give_back(t.prompt_index)
             self.issued_total -= 1
 
     def group_arrived(self, target: int, group_id: str) -> None:
         self.in_flight[target].discard(group_id)
+        self._prompt_of.pop(group_id, None)
+
+    def cancel_in_flight(self) -> set[str]:
+        """Forget every in-flight group and give its prompt back; the cancelled group ids."""
+        cancelled: set[str] = set()
+        for groups in self.in_flight.values():
+            for gid in groups:
+                prompt = self._prompt_of.pop(gid, None)
+                if prompt is not None:
+                    self.source.give_back(prompt)
+            cancelled |= groups
+        self.in_flight.clear()
+        return cancelled
 
     def in_flight_count(self) -> int:
         return sum(len(s) for s in self.in_flight.values())

@@ -1,5 +1,11 @@
-"""Validation runs: issue one task per validation prompt with the validation sampling profile,
-collect the scored trajectories, report accuracy (mean reward).
+"""Validation runs: issue k tasks per validation prompt (``grpo.val_num_generations_per_prompt``)
+with the validation sampling profile, collect the scored trajectories, and report
+
+* ``accuracy``: the mean reward over all rollouts (pass@1 averaged over the k samples),
+* with k > 1: ``pass_k`` (share of prompts where any of the k rollouts has reward > 0) and
+  ``pass_all_k`` (share of prompts where all k do),
+* ``avg_length`` (generated tokens per rollout), counts of missing and failed rollouts, and the
+  mean of each environment metric (``env/<name>``).
 
 The runtime pauses training-task issue and drains in-flight training rollouts (with a deadline)
 before calling `run`, and resumes afterwards. Validation trajectories arrive on the same stream as
@@ -29,19 +35,21 @@ class ValidationRunner:
         default_env: str,
         max_samples: int | None,
         rollout_timeout_s: float,
+        generations_per_prompt: int = 1,
     ) -> None:
         self.streams = streams
         self.rows = rows[: max_samples or len(rows)]
         self.sampling = sampling
         self.default_env = default_env
         self.rollout_timeout_s = rollout_timeout_s
+        self.k = generations_per_prompt
         self._results: dict[str, Trajectory] = {}
         self._expected: set[str] = set()
         self._arrived = asyncio.Event()
 
     def deliver(self, traj: Trajectory) -> None:
         if traj.group_id in self._expected:
-            self._results[traj.group_id] = traj
+            self._results[traj.task_id] = traj
             self._arrived.set()
         else:
             log.warning("validation trajectory %s belongs to no running validation; dropped", traj.task_id)
@@ -51,12 +59,13 @@ class ValidationRunner:
         tasks = []
         for i, row in enumerate(self.rows):
             gid = f"{validation_id}-{i:05d}"
-            tasks.append(
+            tasks.extend(
                 Task(
-                    task_id=f"{gid}/0", group_id=gid, index_in_group=0, group_size=1, prompt_index=i,
+                    task_id=f"{gid}/{j}", group_id=gid, index_in_group=j, group_size=self.k, prompt_index=i,
                     env=row.get("env", self.default_env), instance=row.get("instance", row), kind="validation",
                     target_step=step, sampling=self.sampling, deadline_s=self.rollout_timeout_s,
                 )
+                for j in range(self.k)
             )
         self._expected = {t.group_id for t in tasks}
         self._results = {}
@@ -71,15 +80,46 @@ class ValidationRunner:
         missing = len(tasks) - len(self._results)
         if missing:
             log.error("validation %s: %d of %d rollouts missing at the deadline", validation_id, missing, len(tasks))
-        rewards = [t.reward for t in self._results.values()]
+        results = list(self._results.values())
         self._expected = set()
         return {
             "kind": "validation",
             "validation_id": validation_id,
             "step": step,
-            "accuracy": sum(rewards) / len(rewards) if rewards else 0.0,
-            "num_samples": len(rewards),
+            **summarize(results, self.k),
             "num_missing": missing,
-            "num_failed": sum(t.status == "failed" for t in self._results.values()),
             "total_validation_time": time.perf_counter() - t0,
         }
+
+
+def periodic_due(steps_done: int, val_period: int, val_start_at: int) -> bool:
+    """Periodic validation at the boundary after ``steps_done`` steps: every ``val_period`` steps,
+    once ``val_start_at`` steps are done; the cadence stays on multiples of the period."""
+    return val_period > 0 and steps_done > 0 and steps_done % val_period == 0 and steps_done >= val_start_at
+
+
+def summarize(results: list[Trajectory], k: int) -> dict[str, Any]:
+    """Accuracy, pass@k, lengths and env metrics of one validation's rollouts."""
+    rewards = [t.reward for t in results]
+    out: dict[str, Any] = {
+        "accuracy": sum(rewards) / len(rewards) if rewards else 0.0,
+        "num_samples": len(rewards),
+        "num_failed": sum(t.status == "failed" for t in results),
+        "avg_length": sum(t.num_generated_tokens for t in results) / len(results) if results else 0.0,
+    }
+    if k > 1:
+        by_prompt: dict[str, list[float]] = {}
+        for t in results:
+            by_prompt.setdefault(t.group_id, []).append(t.reward)
+        out["pass_k"] = sum(any(r > 0 for r in rs) for rs in by_prompt.values()) / len(by_prompt) if by_prompt else 0.0
+        out["pass_all_k"] = (
+            sum(len(rs) == k and all(r > 0 for r in rs) for rs in by_prompt.values()) / len(by_prompt)
+            if by_prompt
+            else 0.0
+        )
+    sums: dict[str, float] = {}
+    for t in results:
+        for name, v in t.metrics.items():
+            sums[name] = sums.get(name, 0.0) + float(v)
+    out.update({f"env/{name}": v / len(results) for name, v in sorted(sums.items())})
+    return out

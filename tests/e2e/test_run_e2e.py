@@ -42,7 +42,8 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
         f"data.val_path={data / 'val.jsonl'}", f"policy.model_name={tiny_model_dir}",
         f"grpo.max_num_steps={STEPS}", f"grpo.num_prompts_per_step={PROMPTS}", f"grpo.num_generations_per_prompt={GENS}",
         "policy.generation.max_new_tokens=16", "policy.generation.vllm_cfg.max_model_len=4096",
-        "checkpointing.save_period=2",
+        "checkpointing.save_period=2", "grpo.val_period=2", "grpo.val_start_at=3",
+        "grpo.val_num_generations_per_prompt=2", "grpo.max_val_samples=4",
     ]
     log = open(out / "up.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=log, stderr=subprocess.STDOUT,
@@ -59,7 +60,8 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamrl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "streamrl.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=320)
 
 
 def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
@@ -79,7 +81,9 @@ def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
     time.sleep(3.0)
     during = json.loads(_cli("status", "--json", "--run-dir", str(out)).stdout)
     resumed = json.loads(_cli("resume", "--epoch", str(paused["epoch"]), "--run-dir", str(out)).stdout)
-    return {"status": status, "paused": paused, "gate": gate, "during": during, "resumed": resumed}
+    validated = _cli("validate", "--wait", "--timeout", "300", "--run-dir", str(out))
+    return {"status": status, "paused": paused, "gate": gate, "during": during, "resumed": resumed,
+            "validated": validated}
 
 
 def _entries(r: redis.Redis, stream: str, cls):
@@ -105,6 +109,20 @@ def test_cli_status_pause_and_resume_drive_the_live_run(finished_run):
     assert c["paused"]["epoch"] > 0 and "user" in c["gate"]  # gateways see the launch gate closed
     assert c["during"]["pause"].get("user") == c["paused"]["epoch"]
     assert c["resumed"] == {"resumed": True, "epoch": c["paused"]["epoch"]}
+
+
+def test_validations_at_start_on_request_and_on_the_period_after_val_start_at(finished_run):
+    out, _, _, c = finished_run
+    assert c["validated"].returncode == 0, c["validated"].stdout + c["validated"].stderr
+    requested = json.loads(c["validated"].stdout)
+    assert requested["status"] == "done" and requested["result"]["num_samples"] == 4 * 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in records if r["kind"] == "validation"]
+    by_id = {r["validation_id"]: r for r in vals}
+    assert requested["validation_id"] in by_id
+    # val_period 2 with val_start_at 3: not after step 2; after step 4 once (val_at_end is the same one)
+    assert [r["step"] for r in vals if r["validation_id"] != requested["validation_id"]] == [0, STEPS]
+    assert all("pass_k" in r and r["num_samples"] == 8 and r["num_missing"] == 0 for r in vals)
 
 
 def test_no_trajectory_is_consumed_twice(finished_run):

@@ -137,3 +137,23 @@ def test_mask_flag_is_left_out_of_the_record_when_not_carried():
     assert b"mask_sample" not in msgspec.json.encode(stripped)  # absent, not all-false
     assert decode(encode(stripped), Trajectory).mask_sample is msgspec.UNSET
     assert decode(encode(carried), Trajectory).mask_sample is False
+
+
+def test_cancelled_in_flight_groups_give_their_prompts_back(source):
+    s = _sched(source)
+    tasks = s.plan(step=0, max_steps=10, staged_usable={1: 2})  # two groups for target 0
+    arrived = tasks[0].group_id
+    s.group_arrived(0, arrived)
+    cancelled = s.cancel_in_flight()
+    assert cancelled == {t.group_id for t in tasks} - {arrived} and s.in_flight_count() == 0
+    back = next(t.prompt_index for t in tasks if t.group_id in cancelled)
+    assert source.take()[0] == back  # the cancelled group's prompt is used again first
+
+
+def test_cancelled_pending_groups_are_dropped_with_their_entries():
+    from services.trainer.buffer import ReplayBuffer
+
+    buf = ReplayBuffer(max_age=1)
+    turn = make_turn(prompt_ids=[1], context_len=0, generated_ids=[2], generated_logprobs=[-0.1], weight_version=0)
+    assert buf.add(_traj("g/0", [turn], group="g"), "e-1") is None
+    assert buf.drop_pending({"g", "other"}) == ["e-1"] and buf.pending_groups() == 0

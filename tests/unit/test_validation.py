@@ -1,0 +1,37 @@
+"""Validation metrics (accuracy, pass@k) and the periodic schedule with val_start_at."""
+
+import pytest
+
+from services.trainer.validation import periodic_due, summarize
+from shared.protocol import Trajectory, make_turn
+
+pytestmark = pytest.mark.unit
+
+
+def _traj(prompt: int, j: int, reward: float) -> Trajectory:
+    turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3, 4, 5], generated_logprobs=[-0.1] * 3,
+                     weight_version=0)
+    return Trajectory(task_id=f"v-{prompt}/{j}", group_id=f"v-{prompt}", index_in_group=j, group_size=4,
+                      prompt_index=prompt, env="e", kind="validation", target_step=0, launch_version=0, reward=reward,
+                      status="ok", turns=[turn], metrics={"turns": 2.0})
+
+
+def test_grouped_validation_reports_pass_k():
+    # 2 prompts, k = 4, one success: accuracy 1/8, pass@4 1/2, every-k 0.
+    results = [_traj(p, j, 1.0 if (p, j) == (0, 2) else 0.0) for p in range(2) for j in range(4)]
+    out = summarize(results, 4)
+    assert out["accuracy"] == pytest.approx(0.125) and out["pass_k"] == pytest.approx(0.5)
+    assert out["pass_all_k"] == 0.0 and out["num_samples"] == 8
+    assert out["avg_length"] == 3.0 and out["env/turns"] == 2.0
+
+
+def test_pass_k_is_only_reported_for_k_above_one():
+    assert "pass_k" not in summarize([_traj(0, 0, 1.0)], 1)
+    assert summarize([], 2)["accuracy"] == 0.0
+
+
+def test_periodic_validation_starts_at_configured_step():
+    # max steps 5, period 2, start at 3: validation after step 4 only (not re-phased to 3, 5).
+    assert [s for s in range(1, 6) if periodic_due(s, 2, 3)] == [4]
+    assert [s for s in range(1, 6) if periodic_due(s, 2, -1)] == [2, 4]
+    assert not any(periodic_due(s, 0, -1) for s in range(1, 6))
