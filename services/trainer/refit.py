@@ -82,9 +82,16 @@ class WeightPublisher:
         t0 = time.perf_counter()
         epoch = await self.pause.pause("refit")
         try:
-            path = await asyncio.to_thread(self._write, version, save)
-            t_saved = time.perf_counter()
-            checksum = await asyncio.to_thread(checksum_dir, path)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    path = await asyncio.to_thread(self._write, version, save)
+                    t_saved = time.perf_counter()
+                    checksum = await asyncio.to_thread(checksum_dir, path)
+            except TimeoutError:
+                raise RefitError(
+                    f"writing weight version {version} to {self.weights_dir} took more than {self.timeout_s:.0f}s "
+                    "(trainer.refit_timeout_s)"
+                ) from None
             generators = await self._announce_and_confirm(
                 wait_for_generators_s or self.timeout_s,
                 WeightAnnouncement(

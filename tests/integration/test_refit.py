@@ -90,3 +90,19 @@ async def test_no_generator_at_all_is_a_clear_error(publisher):
     pub, _ = publisher
     with pytest.raises(RefitError, match="no generator registered"):
         await pub.refit(0, _save, wait_for_generators_s=0.5)
+
+
+async def test_a_weight_write_that_hangs_fails_the_refit_and_reopens_the_gate(publisher):
+    pub, streams = publisher
+    await _register(streams, "gen-a")
+    release = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def stuck_save(path):
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result()  # a filesystem that never returns
+
+    with pytest.raises(RefitError, match="writing weight version 4"):
+        await pub.refit(4, stuck_save)
+    assert await pub.pause.reasons() == {}
+    assert await streams.redis.xlen(streams.keys.weights) == 0  # nothing was announced
+    release.set()
