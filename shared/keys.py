@@ -89,6 +89,12 @@ class RunKeys:
         return self._k("trainer:step")
 
     @property
+    def trainer_incarnation(self) -> str:
+        """Counter bumped by every trainer start; prefixes the group ids it issues, so a trainer
+        resumed from a checkpoint never reuses an id the crashed one already handed out."""
+        return self._k("trainer:incarnation")
+
+    @property
     def stop(self) -> str:
         """Set when the run has finished; workers drain and exit."""
         return self._k("stop")

@@ -73,6 +73,7 @@ class TrainerRuntime:
         self.validation_requests: list[str] = []
         self.validations: dict[str, dict[str, Any]] = {}  # id -> status and result (GET /validations/<id>)
         self.cancelled_groups: set[str] = set()
+        self._step_evicted: list[str] = []  # task ids evicted while waiting for the current step
         self.cancelled_total = 0
         self.early_stopped = False
         self.started_at = time.time()
@@ -93,6 +94,7 @@ class TrainerRuntime:
         await self.streams.ensure_group(self.keys.trajectories, K.TRAINER_GROUP)
         self.pause = PauseControl(self.redis, self.keys)
         await self.redis.delete(self.keys.stop)
+        self.incarnation = int(await self.redis.incr(self.keys.trainer_incarnation))
         g = cfg.grpo
         self.buffer = ReplayBuffer(max_age=g.async_grpo.max_trajectory_age_steps, allow_future=g.async_grpo.allow_future_targets)
         self.scheduler = Scheduler(
@@ -104,12 +106,13 @@ class TrainerRuntime:
             sampling=cfg.policy.generation.sampling("train"),
             rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
         )
+        self.scheduler.group_prefix = f"r{self.incarnation}-g"
         self.validator = None
         if cfg.data.val_path:
             self.validator = ValidationRunner(
                 self.streams, _read_jsonl(cfg.data.val_path), sampling=cfg.policy.generation.sampling("validation"),
                 default_env=cfg.env.name, max_samples=g.max_val_samples, rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
-                generations_per_prompt=g.val_num_generations_per_prompt,
+                generations_per_prompt=g.val_num_generations_per_prompt, id_prefix=f"r{self.incarnation}-",
             )
         self.publisher = WeightPublisher(
             self.streams, self.pause, self.weights_dir, timeout_s=cfg.trainer.refit_timeout_s,
@@ -188,6 +191,7 @@ class TrainerRuntime:
         await self._wait_while_paused()
         t0 = time.perf_counter()
         self.state = "collecting"
+        self._step_evicted = []
         sample = await self._wait_for_batch(step)
         t_data = time.perf_counter()
         self.state = "training"
@@ -245,7 +249,8 @@ class TrainerRuntime:
             "staleness_mean": sum(ages) / len(ages),
             "staleness_max": max(ages),
             "sampled_target_offsets": targets,
-            "evicted_groups": len(sample.evicted),
+            "evicted_groups": len(self._step_evicted) // self.cfg.grpo.num_generations_per_prompt,
+            "evicted_ids": sorted(self._step_evicted),
             "evicted_total": self.buffer.evicted_total,
             "duplicates_total": self.buffer.duplicates_total,
             "buffer_depth": {str(k): v for k, v in self.buffer.depth_by_target().items()},
@@ -271,6 +276,7 @@ class TrainerRuntime:
                 await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [e for g in sample.evicted for e in g.entry_ids])
                 for g in sample.evicted:  # never trained on: the prompt is used again
                     self.scheduler.source.give_back(g.prompt_index)
+                    self._step_evicted += [t.task_id for t in g.rows.values()]
             if sample.groups:
                 return sample
             if sample.evicted:
@@ -506,7 +512,7 @@ class TrainerRuntime:
             "cancelled_rollouts_total": self.cancelled_total,
             "early_stopped": self.early_stopped,
             "pause": await self.pause.reasons(),
-            "last": {k: v for k, v in self.last_metrics.items() if k != "consumed_ids"},
+            "last": {k: v for k, v in self.last_metrics.items() if k not in ("consumed_ids", "evicted_ids")},
             "last_validation": self.last_validation,
             "workers": [{"id": w.worker_id, "kind": w.kind, "state": w.state, "weight_version": w.weight_version,
                          "in_flight": w.in_flight} for w in gens],

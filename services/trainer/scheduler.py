@@ -111,6 +111,7 @@ class Scheduler:
         self.in_flight: dict[int, set[str]] = defaultdict(set)  # target -> group ids not yet complete
         self._prompt_of: dict[str, int] = {}  # in-flight group id -> its prompt index
         self.group_seq = 0
+        self.group_prefix = "g"  # "r<incarnation>-g" once the runtime knows its incarnation
         self.issued_total = 0
 
     def window(self, step: int, max_steps: int) -> range:
@@ -127,7 +128,7 @@ class Scheduler:
 
     def _group_tasks(self, target: int) -> list[Task]:
         prompt_index, row = self.source.take()
-        group_id = f"g{self.group_seq:07d}"
+        group_id = f"{self.group_prefix}{self.group_seq:07d}"
         self.group_seq += 1
         self.in_flight[target].add(group_id)
         self._prompt_of[group_id] = prompt_index

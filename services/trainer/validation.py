@@ -36,6 +36,7 @@ class ValidationRunner:
         max_samples: int | None,
         rollout_timeout_s: float,
         generations_per_prompt: int = 1,
+        id_prefix: str = "",
     ) -> None:
         self.streams = streams
         self.rows = rows[: max_samples or len(rows)]
@@ -43,6 +44,7 @@ class ValidationRunner:
         self.default_env = default_env
         self.rollout_timeout_s = rollout_timeout_s
         self.k = generations_per_prompt
+        self.id_prefix = id_prefix  # keeps group ids unique across trainer restarts
         self._results: dict[str, Trajectory] = {}
         self._expected: set[str] = set()
         self._arrived = asyncio.Event()
@@ -58,7 +60,7 @@ class ValidationRunner:
         t0 = time.perf_counter()
         tasks = []
         for i, row in enumerate(self.rows):
-            gid = f"{validation_id}-{i:05d}"
+            gid = f"{self.id_prefix}{validation_id}-{i:05d}"
             tasks.extend(
                 Task(
                     task_id=f"{gid}/{j}", group_id=gid, index_in_group=j, group_size=self.k, prompt_index=i,
