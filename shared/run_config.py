@@ -9,7 +9,7 @@ Every field carries a one-line description (shown by ``streamrl config --explain
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -94,6 +94,17 @@ class SequencePackingSection(_Section):
     algorithm: Annotated[Literal["first_fit_decreasing"], D("how rows are assigned to packs")] = "first_fit_decreasing"
 
 
+class MegatronSection(_Section):
+    tensor_model_parallel_size: Annotated[int, D("tensor parallel ranks (the backend supports 1 so far)")] = 1
+    distributed_data_parallel_config: Annotated[
+        dict[str, Any],
+        D(
+            "fields of megatron.core DistributedDataParallelConfig, passed through (unknown fields are an error); "
+            "check_for_nan_in_grad stays on unless set to false"
+        ),
+    ] = msgspec.field(default_factory=dict)
+
+
 class PolicySection(_Section):
     model_name: Annotated[str, D("HF model folder (or hub id where reachable) of the policy")] = ""
     tokenizer_name: Annotated[str | None, D("tokenizer folder; null: model_name")] = None
@@ -104,6 +115,7 @@ class PolicySection(_Section):
     precision: Annotated[Literal["float32", "bfloat16"], D("training precision")] = "float32"
     optimizer: OptimizerSection = msgspec.field(default_factory=OptimizerSection)
     sequence_packing: SequencePackingSection = msgspec.field(default_factory=SequencePackingSection)
+    megatron_cfg: MegatronSection = msgspec.field(default_factory=MegatronSection)
     generation: GenerationSection = msgspec.field(default_factory=GenerationSection)
 
     @property
@@ -232,7 +244,9 @@ class TrainerSection(_Section):
             "are dropped when they arrive)"
         ),
     ] = "proceed"
-    backend: Annotated[Literal["torch"], D("training backend")] = "torch"
+    backend: Annotated[
+        Literal["torch", "megatron"], D("training backend: torch (transformers model) or megatron (megatron-core, GPUs)")
+    ] = "torch"
 
 
 class RunConfig(_Section):

@@ -126,12 +126,15 @@ class TrainerRuntime:
         self.heartbeat.start()
 
     def _build_backend(self):
-        from services.trainer.backends.torch_backend import TorchBackend
+        if self.cfg.trainer.backend == "megatron":
+            from services.trainer.backends.megatron_backend import MegatronBackend as Backend
+        else:
+            from services.trainer.backends.torch_backend import TorchBackend as Backend
 
         cfg = self.cfg
         rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
         updates_per_step = rows // (cfg.policy.train_global_batch_size or rows)
-        return TorchBackend(cfg.policy, cfg.loss_fn, seed=cfg.run.seed, threads=cfg.trainer.torch_threads,
+        return Backend(cfg.policy, cfg.loss_fn, seed=cfg.run.seed, threads=cfg.trainer.torch_threads,
                             total_updates=cfg.grpo.max_num_steps * updates_per_step,
                             seq_logprob_error_threshold=cfg.grpo.seq_logprob_error_threshold)
 

@@ -78,9 +78,9 @@ class TorchBackend:
         self.seq_error_threshold = seq_logprob_error_threshold
         self.dtype = torch.float32 if policy.precision == "float32" else torch.bfloat16
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = _load_model(policy.model_name, self.dtype).to(self.device)
+        self.model = self._build_model()
         self.model.train()
-        self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.pad_id = self._pad_token_id()
         self.temperature = policy.generation.temperature
         opt = policy.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -89,12 +89,35 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(opt, total_updates))
         self.ref_model = None
         if loss.reference_policy_kl_penalty > 0:
-            self.ref_model = _load_model(policy.model_name, self.dtype).to(self.device).eval()
+            self.ref_model = self._build_model().eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.updates = 0
-        log.info("torch backend: %s, %.2fM params, %s on %s", policy.model_name,
+        log.info("%s backend: %s, %.2fM params, %s on %s", self.name, policy.model_name,
                  sum(p.numel() for p in self.model.parameters()) / 1e6, self.dtype, self.device)
+
+    name = "torch"
+
+    # ---- what other backends override ----------------------------------------------------------
+
+    def _build_model(self):
+        """The policy as a trainable module on ``self.device``."""
+        return _load_model(self.policy.model_name, self.dtype).to(self.device)
+
+    def _pad_token_id(self) -> int:
+        return int(self.model.config.pad_token_id or 0)
+
+    def _forward_logits(self, model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """[B, T, V] logits. Packed inputs come with position ids and no attention mask."""
+        if position_ids is not None:
+            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def _zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _grads_ready(self) -> None:
+        """Called after the last backward of an update, before normalising and clipping."""
 
     # ---- logprobs -----------------------------------------------------------------------------
 
@@ -123,10 +146,10 @@ class TorchBackend:
         A packed micro-batch (``mb["pack"]``) runs as one sequence and is cut back into rows."""
         if "pack" in mb:
             ids, pos, starts = mb["pack"]
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1].float()
+            logits = self._forward_logits(model, ids, position_ids=pos)[:, :-1].float()
             lp = F.pad(self._gather(logits, ids)[0], (1, 0))
             return packing.unpack_logprobs(lp, starts, mb["lengths"], mb["input_ids"].shape[1])
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
+        logits = self._forward_logits(model, mb["input_ids"], attention_mask=mb["attention_mask"])[:, :-1].float()
         return F.pad(self._gather(logits, mb["input_ids"]), (1, 0))
 
     def _gather(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -170,7 +193,7 @@ class TorchBackend:
             upd = rows[u * rows_per_update : (u + 1) * rows_per_update]
             if not upd:
                 continue
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grads()
             loss_sum = valid_tokens = valid_sequences = 0.0
             for mb_rows in self._micro_batches(upd, micro):
                 shapes.append([len(r.input_ids) for r in mb_rows])
@@ -194,6 +217,7 @@ class TorchBackend:
                 valid_sequences += float((row_tokens > 0).sum())
                 for k, v in m.items():
                     sums[k] = max(sums.get(k, 0.0), v) if k.startswith("max_") else sums.get(k, 0.0) + v
+            self._grads_ready()
             denom = valid_tokens if self.loss_cfg.token_level_loss else valid_sequences
             if denom == 0:
                 log.warning("update %d has no valid token after masking; skipped", self.updates)
