@@ -173,6 +173,11 @@ def perturbed_copy(src: Path | str, dst: Path | str, *, scale: float = 0.05, see
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * scale)
+    return save_with_tokenizer(model, src, dst)
+
+
+def save_with_tokenizer(model, src: Path | str, dst: Path | str) -> Path:
+    """``model`` saved as safetensors in ``dst``, with the tokenizer files of ``src``."""
     dst = Path(dst)
     model.save_pretrained(dst, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -224,9 +229,4 @@ def fine_tune_to_answer(
         opt.step()
     else:
         raise AssertionError(f"the model did not learn the answer in {max_steps} steps")
-    dst = Path(dst)
-    model.save_pretrained(dst, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(src) / name).exists():
-            shutil.copy(Path(src) / name, dst / name)
-    return dst
+    return save_with_tokenizer(model, src, dst)
