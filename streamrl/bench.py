@@ -6,7 +6,10 @@
    realistic size (a 2-turn rollout, 1,000+ tokens) published and consumed through the real
    StreamClient (XADD, XREADGROUP + decode + XACK), with token arrays packed as int32/float32 bytes
    versus the same payload as msgpack lists of numbers (the baseline the design rejects).
+3. The generator (`streamrl.bench_generator`): HTTP layer against the raw vLLM engine in tokens/s,
+   the cost of the prefix splice, and refit latency against a plain safetensors save + load.
 Ratios are measured in the same run on the same machine, so noise from other load cancels out.
+``--only generator`` runs the third alone and rewrites only its section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import numpy as np
 from shared import keys as K
 from shared.protocol import Trajectory, encode, make_turn
 from shared.streams import StreamClient, connect
+from streamrl.bench_generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
+
+SECTIONS = ("generator",)
 
 
 def _trajectory(i: int, rng: np.random.Generator, prompt_len: int = 600, gen_len: int = 300) -> Trajectory:
@@ -115,7 +121,7 @@ def demo_benchmark(out_dir: Path) -> dict:
             "staleness_mean": statistics.mean(col("staleness_mean")) if steps else 0.0}
 
 
-def render(demo: dict, streams: dict, machine: str) -> str:
+def render(demo: dict, streams: dict, machine: str, generator: dict) -> str:
     s = demo["summary"]
     lines = [
         "# Benchmarks",
@@ -156,21 +162,32 @@ def render(demo: dict, streams: dict, machine: str) -> str:
     ratio = streams["packed"]["consume_per_s"] / streams["lists"]["consume_per_s"]
     e2e = streams["packed"]["end_to_end_per_s"] / streams["lists"]["end_to_end_per_s"]
     lines += ["", f"Packed over lists, same run: consume {ratio:.2f}x, end to end {e2e:.2f}x.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + render_section(generator)
 
 
-def run_benchmarks(out: Path) -> int:
+def run_benchmarks(out: Path, only: str | None = None) -> int:
+    """Every section (``only=None``), or the one named by ``only`` with the rest of ``out`` kept."""
+    if only is not None and only not in SECTIONS:
+        raise ValueError(f"unknown bench section {only!r}; one of: {', '.join(SECTIONS)}")
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}"
     tmp = Path("runs/bench")
-    demo = demo_benchmark(tmp / "demo")
+    demo = demo_benchmark(tmp / "demo") if only is None else None
     server = RedisServer(tmp / "redis")
     server.start()
     try:
-        streams = stream_benchmark(server.url)
+        streams = stream_benchmark(server.url) if only is None else None
+        generator = generator_benchmark(tmp / "generator", server.url, machine)
     finally:
         server.stop()
-    text = render(demo, streams, machine)
+    results_path = tmp / "bench.json"
+    if only is None:
+        text = render(demo, streams, machine, generator)
+        results = {"demo": demo, "streams": streams, "generator": generator}
+    else:
+        text = replace_section(out.read_text() if out.is_file() else "# Benchmarks\n", render_section(generator))
+        results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+        results["generator"] = generator
     out.write_text(text)
-    (tmp / "bench.json").write_text(json.dumps({"demo": demo, "streams": streams}, indent=2))
+    results_path.write_text(json.dumps(results, indent=2))
     print(text)
-    return 0 if demo["exit_code"] == 0 else 1
+    return 0 if demo is None or demo["exit_code"] == 0 else 1

@@ -7,7 +7,9 @@
    ids (``TokensPrompt``), seeds and max_tokens. Both engines stay up and the rounds alternate
    (raw, HTTP, raw, HTTP, ...) at 1, 16 and 64 concurrent requests, so drift of the machine hits
    both sides; the ratio is the median of the per-round ratios. Generated tokens are counted
-   from the responses on both sides.
+   from the responses on both sides. This process freezes its start-up heap as the generator
+   does once it is up (`services.generator.app.freeze_startup_heap`), so garbage collection
+   treats both sides alike. Also reported: CPU time per request outside the engine processes.
 2. Splice: ``ChatRenderer.chat_prompt`` for a conversation whose last assistant turn carries its
    token ids (two template renders + the splice) against the same conversation without ids (one
    render), for a short and a long conversation.
@@ -36,17 +38,25 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from services.generator.chat import ChatRenderer
+    from shared.openai_api import ChatMessage
+    from shared.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Generator"
 CONCURRENCY = (1, 16, 64)
-ROUNDS = 3
+ROUNDS = 5
 MAX_TOKENS = 64
 PROMPT_WORDS = 16
-REQUESTS_PER_WORKER = 4
+REQUESTS_PER_WORKER = 4  # per round; at least MIN_REQUESTS
+MIN_REQUESTS = 8
 TARGET_RATIO = 0.95
 REFITS = 5
 _WORDS = "the answer number tool call value sum river city apple red blue one two three please use compute".split()
@@ -67,7 +77,9 @@ class BenchRequest:
 
 def config_tree(model_dir: Path, redis_url: str, run_id: str) -> dict:
     """A run config for one vLLM generator on ``model_dir`` with the demo's engine settings."""
-    demo = yaml.safe_load((ROOT / "deploy" / "configs" / "demo.yaml").read_text())
+    from streamrl.demo import CONFIG
+
+    demo = yaml.safe_load(CONFIG.read_text())
     return {
         "run": {"run_id": run_id, "seed": 0},
         "redis": {"url": redis_url},
@@ -90,7 +102,7 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-def make_requests(renderer: Any, n: int, seed: int) -> list[BenchRequest]:
+def make_requests(renderer: ChatRenderer, n: int, seed: int) -> list[BenchRequest]:
     """``n`` one-message conversations of PROMPT_WORDS random words (24 tokens with the tiny
     tokenizer: shorter than one KV block, so no prefix-cache hits, and short enough that 64 new
     prompts fit one scheduler step, see `check_no_chunked_prefill`)."""
@@ -117,7 +129,7 @@ def check_no_chunked_prefill(requests: list[BenchRequest], concurrency: int, max
                          f"engine's {max_batched_tokens} tokens per step and be prefilled in chunks")
 
 
-def perturbed_versions(model_dir: Path, out: Path, n: int) -> list[tuple[Path, dict]]:
+def perturbed_versions(model_dir: Path, out: Path, n: int) -> list[tuple[Path, dict[str, Any]]]:
     """``n`` copies of the model's weights with noise added, as safetensors folders; with their state dicts."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -142,7 +154,6 @@ class GeneratorProcess:
     """``python -m services.generator`` as a child process in its own session."""
 
     def __init__(self, config: Path, port: int, log_path: Path) -> None:
-        self.port = port
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "services.generator", "--config", str(config), "--port", str(port),
@@ -150,7 +161,7 @@ class GeneratorProcess:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    async def wait_ready(self, session: Any, timeout_s: float = 300.0) -> None:
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float = 300.0) -> None:
         import aiohttp
 
         deadline = time.monotonic() + timeout_s
@@ -200,7 +211,7 @@ async def closed_loop(requests: list[BenchRequest], concurrency: int,
 class RawEngine:
     """vLLM's AsyncLLM with the served engine's args and sampling parameters, called directly."""
 
-    def __init__(self, cfg: Any, stop_ids: tuple[int, ...]) -> None:
+    def __init__(self, cfg: RunConfig, stop_ids: tuple[int, ...]) -> None:
         from services.generator.vllm_engine import VllmEngine
 
         # The served engine's own builders, so the baseline cannot drift from what is served.
@@ -233,7 +244,7 @@ class RawEngine:
         await asyncio.to_thread(llm.shutdown)
 
 
-async def http_one(session: Any, url: str, req: BenchRequest, *, check_prompt: bool = False) -> int:
+async def http_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, *, check_prompt: bool = False) -> int:
     """One POST /v1/chat/completions; the generated tokens of its response."""
     import msgspec
 
@@ -251,7 +262,7 @@ async def http_one(session: Any, url: str, req: BenchRequest, *, check_prompt: b
     return sum(len(c.message.generation_token_ids) for c in resp.choices)
 
 
-async def throughput(cfg: Any, renderer: Any, gen: GeneratorProcess) -> dict[str, dict[str, Any]]:
+async def throughput(cfg: RunConfig, renderer: ChatRenderer, gen: GeneratorProcess) -> dict[str, dict[str, Any]]:
     """Alternating raw/HTTP rounds at each concurrency; medians per concurrency.
 
     Also the CPU time outside the engine processes: this process (the raw AsyncLLM front end in
@@ -260,18 +271,22 @@ async def throughput(cfg: Any, renderer: Any, gen: GeneratorProcess) -> dict[str
     import aiohttp
     import psutil  # a dependency of vLLM
 
+    from services.generator.app import freeze_startup_heap
+
     server = psutil.Process(gen.proc.pid)
 
     def cpu() -> tuple[float, float]:
         t = server.cpu_times()
         return time.process_time(), t.user + t.system
 
-    stop_ids = tuple(sorted({renderer.terminator_id} | ({int(renderer.eos_id)} if renderer.eos_id is not None else set())))
-    raw = RawEngine(cfg, stop_ids)
+    # The stop ids the generator adds to every chat request: the turn terminator and EOS.
+    stop_ids = {renderer.terminator_id} | ({int(renderer.eos_id)} if renderer.eos_id is not None else set())
+    raw = RawEngine(cfg, tuple(sorted(stop_ids)))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(raw.start(), gen.wait_ready(session))
         try:
+            await asyncio.gather(raw.start(), gen.wait_ready(session))
+            freeze_startup_heap()  # what the generator does once it is up, so both sides collect alike
             budget = int(raw.llm.vllm_config.scheduler_config.max_num_batched_tokens)
             warm = make_requests(renderer, 2 * max(CONCURRENCY), seed=1)
             check_no_chunked_prefill(warm, max(CONCURRENCY), budget)
@@ -280,7 +295,8 @@ async def throughput(cfg: Any, renderer: Any, gen: GeneratorProcess) -> dict[str
             rows: dict[int, list[dict[str, float]]] = {c: [] for c in CONCURRENCY}
             for rnd in range(ROUNDS):
                 for c in CONCURRENCY:
-                    reqs = make_requests(renderer, c * REQUESTS_PER_WORKER, seed=100 * (rnd + 1) + c)
+                    n = max(MIN_REQUESTS, c * REQUESTS_PER_WORKER)
+                    reqs = make_requests(renderer, n, seed=100 * (rnd + 1) + c)
                     check_no_chunked_prefill(reqs, c, budget)
                     cpu0 = cpu()
                     raw_tok, raw_s = await closed_loop(reqs, c, raw.one)
@@ -291,20 +307,25 @@ async def throughput(cfg: Any, renderer: Any, gen: GeneratorProcess) -> dict[str
                         "requests": len(reqs), "raw_tokens": raw_tok, "raw_s": raw_s, "http_tokens": http_tok,
                         "http_s": http_s, "raw_frontend_cpu_s": cpu1[0] - cpu0[0],
                         "http_client_cpu_s": cpu2[0] - cpu1[0], "http_server_cpu_s": cpu2[1] - cpu1[1],
+                        "load_avg": os.getloadavg()[0],
                     })
         finally:
-            await raw.aclose()
+            if raw.llm is not None:
+                await raw.aclose()
     return {str(c): summarize_rounds(rs) for c, rs in rows.items()}
 
 
 def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
-    """Median tokens/s of each side and the median of the per-round HTTP/raw ratios."""
+    """Median tokens/s of each side, the median (and range) of the per-round HTTP/raw ratios, CPU per request."""
     raw = [r["raw_tokens"] / r["raw_s"] for r in rounds]
     http = [r["http_tokens"] / r["http_s"] for r in rounds]
+    ratios = [h / r for h, r in zip(http, raw, strict=True)]
     return {
         "raw_tok_s": statistics.median(raw),
         "http_tok_s": statistics.median(http),
-        "ratio": statistics.median(h / r for h, r in zip(http, raw, strict=True)),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
         "raw_tokens": sum(r["raw_tokens"] for r in rounds),
         "http_tokens": sum(r["http_tokens"] for r in rounds),
         **{f"{k[:-2]}_ms_per_request": statistics.median(1e3 * r[k] / r["requests"] for r in rounds)
@@ -316,7 +337,7 @@ def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
 # -- 2. splice ---------------------------------------------------------------------------------
 
 
-def conversation(renderer: Any, turns: int, words: int) -> tuple[list, list]:
+def conversation(renderer: ChatRenderer, turns: int, words: int) -> tuple[list[ChatMessage], list[ChatMessage]]:
     """(messages with the last assistant turn's token ids, the same messages without ids)."""
     import msgspec
 
@@ -346,7 +367,8 @@ def _median_us(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def splice_benchmark(renderer: Any) -> dict[str, dict[str, float]]:
+def splice_benchmark(renderer: ChatRenderer) -> dict[str, dict[str, float]]:
+    """Median microseconds of `ChatRenderer.chat_prompt` with and without the earlier turn's ids."""
     out = {}
     for name, turns, repeats in (("short", 3, 300), ("long", 30, 60)):
         spliced, plain = conversation(renderer, turns, words=50)
@@ -400,7 +422,7 @@ async def refit_rounds(redis_url: str, run_id: str, versions: list[Path]) -> lis
     return out
 
 
-def save_load_baseline(state_dicts: list[dict], folder: Path) -> list[float]:
+def save_load_baseline(state_dicts: list[dict[str, Any]], folder: Path) -> list[float]:
     """Seconds to save each state dict as safetensors into ``folder`` and load it back."""
     from safetensors.torch import load_file, save_file
 
@@ -454,54 +476,67 @@ def generator_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, A
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine,
         "max_tokens": MAX_TOKENS,
+        "prompt_tokens": len(make_requests(renderer, 1, seed=0)[0].prompt_ids),
+        "rounds": ROUNDS,
         "throughput": tput,
         "splice": splice,
         "refit": {
             "refit_s": statistics.median(r["refit_s"] for r in refits),
             "load_s": statistics.median(r["load_s"] for r in refits),
             "baseline_s": statistics.median(baseline),
-            "num_bytes": sum(f.stat().st_size for f in (versions[0][0]).glob("*.safetensors")),
+            "num_bytes": (versions[0][0] / "model.safetensors").stat().st_size,
             "n": len(refits),
         },
     }
 
 
 def render_section(g: dict[str, Any]) -> str:
+    """The BENCHMARKS.md section for the results of `generator_benchmark`."""
     tp = g["throughput"]
+    loads = [r["load_avg"] for v in tp.values() for r in v["rounds"]]
     lines = [
         f"{HEADING} (tiny Qwen3, vLLM on CPU; `streamrl bench --only generator` refreshes this section alone)",
         "",
         f"Measured on {g['date']} ({g['machine']}). HTTP: POST /v1/chat/completions on a `python -m services.generator` "
-        "process, sent with aiohttp. Raw: vLLM `AsyncLLM` in the bench process with the same engine args, "
-        f"prompt ids, seeds, sampling parameters and max_tokens ({g['max_tokens']}). Rounds alternate raw, HTTP, "
-        "raw, HTTP; tokens/s are medians of the rounds, HTTP / raw is the median of the per-round ratios.",
+        "process, sent with aiohttp. Raw: vLLM `AsyncLLM` in the bench process with the same engine args, prompt ids, "
+        f"seeds, sampling parameters and max_tokens ({g['max_tokens']}); one-message prompts of "
+        f"{g['prompt_tokens']} tokens (short enough that no prefill is split into chunks: vLLM on CPU cannot rewind "
+        "a seeded request's generator after a partial prefill and its engine dies). Rounds alternate raw, HTTP, raw, "
+        f"HTTP ({g['rounds']} of each); tokens/s are medians of the rounds, HTTP / raw is the median of the per-round "
+        "ratios. CPU per request is the CPU time of the processes outside vLLM's engine: the AsyncLLM front end "
+        "(raw), the generator's API process and the client (HTTP). The machine was shared: its 1-minute load "
+        f"average ranged {min(loads):.1f}-{max(loads):.1f} over the rounds.",
         "",
-        "| concurrent requests | raw AsyncLLM tokens/s | HTTP tokens/s | HTTP / raw | tokens generated, raw / HTTP "
-        "(all rounds) | CPU ms per request outside the engine: raw front end / HTTP server + client |",
+        "| concurrent requests | raw AsyncLLM tokens/s | HTTP tokens/s | HTTP / raw (range over rounds) | tokens generated, raw / HTTP "
+        "(all rounds) | CPU ms per request: raw front end / HTTP server + client |",
         "|---|---|---|---|---|---|",
     ]
     for c, v in tp.items():
-        lines.append(f"| {c} | {v['raw_tok_s']:.0f} | {v['http_tok_s']:.0f} | {v['ratio']:.3f} | "
+        lines.append(f"| {c} | {v['raw_tok_s']:.0f} | {v['http_tok_s']:.0f} | {v['ratio']:.2f} ({v['ratio_min']:.2f}-{v['ratio_max']:.2f}) | "
                      f"{v['raw_tokens']} / {v['http_tokens']} | {v['raw_frontend_cpu_ms_per_request']:.1f} / "
                      f"{v['http_server_cpu_ms_per_request']:.1f} + {v['http_client_cpu_ms_per_request']:.1f} |")
     checked = [c for c in tp if int(c) >= 16]
     met = all(tp[c]["ratio"] >= TARGET_RATIO for c in checked)
-    lines += ["", f"Target HTTP / raw >= {TARGET_RATIO} at {' and '.join(checked)} concurrent requests: "
-                  f"{'met' if met else 'not met'}.", ""]
     lines += [
-        "| splice (`ChatRenderer.chat_prompt`) | prompt tokens | with earlier ids, spliced (us) | "
-        "without ids, plain render (us) | overhead (us) | spliced / plain |",
+        "",
+        f"Target HTTP / raw >= {TARGET_RATIO} at {' and '.join(checked)} concurrent requests: "
+        f"{'met' if met else 'not met'}.",
+        "",
+        "| splice (`ChatRenderer.chat_prompt`, median) | prompt tokens | last assistant turn with its ids, spliced "
+        "(us) | same messages without ids, one render (us) | overhead (us) | spliced / plain |",
         "|---|---|---|---|---|---|",
     ]
     for name, v in g["splice"].items():
-        lines.append(f"| {name}: {v['turns']} turns | {v['prompt_tokens']} | {v['spliced_us']:.0f} | {v['plain_us']:.0f} | "
-                     f"{v['spliced_us'] - v['plain_us']:.0f} | {v['spliced_us'] / v['plain_us']:.2f} |")
+        lines.append(f"| {name}: {v['turns']} turns | {v['prompt_tokens']} | {v['spliced_us']:.0f} | "
+                     f"{v['plain_us']:.0f} | {v['spliced_us'] - v['plain_us']:.0f} | "
+                     f"{v['spliced_us'] / v['plain_us']:.2f} |")
     r = g["refit"]
     lines += [
         "",
         f"| refit ({r['num_bytes'] / 2**20:.1f} MiB of safetensors, median of {r['n']}) | ms |",
         "|---|---|",
-        f"| publish WeightAnnouncement -> WeightAck received (checksum, drain, reload, cache reset, ack) | {r['refit_s'] * 1e3:.0f} |",
+        "| publish WeightAnnouncement -> WeightAck received (checksum, drain, reload, cache reset, ack) | "
+        f"{r['refit_s'] * 1e3:.0f} |",
         f"| of which the generator's load_s (from the ack) | {r['load_s'] * 1e3:.0f} |",
         f"| baseline: safetensors save + load_file of the same state dict, one process | {r['baseline_s'] * 1e3:.0f} |",
         "",
