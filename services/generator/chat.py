@@ -19,10 +19,10 @@ Called by `services.generator.serving`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from services.generator.splice import SpliceError, splice_prefix
+from services.generator.splice import SpliceError, splice_by_count
 from shared.http import HTTPError, bad_request
 from shared.openai_api import ChatMessage
 
@@ -143,9 +143,9 @@ class ChatPrompt:
     prompt_ids: list[int]
     template_ids: list[int]  # T: the template's rendering of the whole request
     model_prefix_len: int
-    # P: the template's rendering of the history up to the last assistant turn, from the same
-    # normalised messages as T (empty when there was no model prefix).
-    history_ids: list[int] = field(default_factory=list)
+    # P as text: the template's rendering of the history up to the last assistant turn, from the
+    # same normalised messages as T (empty when there was no model prefix).
+    history_text: str = ""
 
 
 class ChatRenderer:
@@ -186,20 +186,30 @@ class ChatRenderer:
             )
         return ids
 
-    def render(
+    def render_text(
         self, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool, kwargs: dict
-    ) -> list[int]:
+    ) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
             )
-        except HTTPError:
-            raise
         except Exception as exc:  # jinja errors: the request's messages do not fit the template
             raise bad_request(
                 f"chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from exc
-        return self.encode_text(text)
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool, kwargs: dict
+    ) -> list[int]:
+        return self.encode_text(self.render_text(messages, tools, add_generation_prompt, kwargs))
+
+    def count_terminators(self, text: str) -> int:
+        """Turn terminators in rendered ``text``: counted in the text when the terminator is an
+        added token (``encode_text`` guarantees each occurrence becomes exactly its id), else by
+        tokenising."""
+        if self._terminator_is_added_token:
+            return text.count(self.terminator_text)
+        return sum(1 for t in self.encode_text(text) if t == self.terminator_id)
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         for t in ids:
@@ -229,9 +239,9 @@ class ChatRenderer:
         self.check_ids(
             prefix, "required_prefix_token_ids" if required_prefix_token_ids is not None else f"messages[{last}]"
         )
-        history = self.render(normalized[: last + 1], tools, False, kwargs)
+        history = self.render_text(normalized[: last + 1], tools, False, kwargs)
         try:
-            ids = splice_prefix(prefix, history, full, self.terminator_id, self.decode)
+            ids = splice_by_count(prefix, self.count_terminators(history), full, self.terminator_id, self.decode)
         except SpliceError as exc:
             raise bad_request(str(exc), param="messages") from exc
-        return ChatPrompt(prompt_ids=ids, template_ids=full, model_prefix_len=len(prefix), history_ids=history)
+        return ChatPrompt(prompt_ids=ids, template_ids=full, model_prefix_len=len(prefix), history_text=history)

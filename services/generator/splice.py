@@ -39,10 +39,22 @@ def splice_prefix(
     decode: Callable[[Sequence[int]], str],
 ) -> list[int]:
     """``M[:cut] + T[j:]`` as described in the module docstring; ``T`` unchanged when ``M`` is empty."""
+    k = sum(1 for t in template_prefix if t == terminator_id)
+    return splice_by_count(model_prefix, k, template_full, terminator_id, decode)
+
+
+def splice_by_count(
+    model_prefix: Sequence[int],
+    k: int,
+    template_full: Sequence[int],
+    terminator_id: int,
+    decode: Callable[[Sequence[int]], str],
+) -> list[int]:
+    """The splice given ``k``, the number of turn terminators in ``P`` (the renderer counts them in
+    the rendered text when the terminator is a special token, which saves tokenising ``P``)."""
     if not model_prefix:
         return list(template_full)
     cut = len(model_prefix) - 1 if model_prefix[-1] == terminator_id else len(model_prefix)
-    k = sum(1 for t in template_prefix if t == terminator_id)
     if k == 0:
         raise SpliceError(
             _diagnose("the rendered history has no turn terminator", model_prefix, template_full, terminator_id, decode)
