@@ -61,6 +61,14 @@ class VllmSection(_Section):
     gpu_memory_utilization: Annotated[float, D("GPU memory fraction for weights+KV (GPU only)")] = 0.9
     max_num_seqs: Annotated[int, D("max sequences batched together by the engine")] = 256
     enable_prefix_caching: Annotated[bool | None, D("prefix caching; null: the engine's default")] = None
+    enable_chunked_prefill: Annotated[
+        bool | None,
+        D(
+            "split long prompts across engine steps; null: the engine's default on GPUs, off on CPUs (vLLM's CPU "
+            "sampler cannot rewind a seeded request's generator after a partial prefill)"
+        ),
+    ] = None
+    max_num_batched_tokens: Annotated[int | None, D("token budget of one engine step; null: the engine's default")] = None
     tensor_parallel_size: Annotated[int, D("tensor parallel degree of each engine")] = 1
 
 

@@ -30,6 +30,7 @@ class VllmEngine:
         self._llm: Any = None
         self._info = EngineInfo(name="vllm", model=cfg.policy.model_name, max_model_len=0)
         self._prefix_caching = False
+        self._drop_seeds = False
         self._generated_tokens_total = 0
 
     @property
@@ -59,11 +60,23 @@ class VllmEngine:
             kv_cache_memory_bytes=v.kv_cache_memory_bytes,
             gpu_memory_utilization=v.gpu_memory_utilization,
             enable_prefix_caching=v.enable_prefix_caching,
+            enable_chunked_prefill=self._chunked_prefill(v.enable_chunked_prefill),
+            max_num_batched_tokens=v.max_num_batched_tokens,
             tensor_parallel_size=v.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
             seed=self._cfg.run.seed,
             disable_log_stats=True,
         )
+
+    @staticmethod
+    def _chunked_prefill(configured: bool | None) -> bool | None:
+        """Off by default on CPU: there a seeded request whose prompt is prefilled in chunks kills
+        the engine ("CPU Generator does not use offset" when vLLM rewinds the sampler)."""
+        from vllm.platforms import current_platform
+
+        if configured is None and current_platform.is_cpu():
+            return False
+        return configured
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -75,6 +88,14 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         vcfg = self._llm.vllm_config
         self._prefix_caching = bool(vcfg.cache_config.enable_prefix_caching)
+        from vllm.platforms import current_platform
+
+        self._drop_seeds = current_platform.is_cpu() and bool(vcfg.scheduler_config.enable_chunked_prefill)
+        if self._drop_seeds:
+            log.warning(
+                "chunked prefill is on with vLLM on CPU, where a seeded request prefilled in chunks kills the "
+                "engine: per-request seeds are ignored (set policy.generation.vllm_cfg.enable_chunked_prefill: false)"
+            )
         self._info = EngineInfo(
             name="vllm",
             model=self._cfg.policy.model_name,
@@ -96,7 +117,7 @@ class VllmEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             max_tokens=params.max_tokens,
-            seed=params.seed,
+            seed=None if self._drop_seeds else params.seed,
             stop_token_ids=list(params.stop_token_ids),
             stop=list(params.stop_strings) or None,
             logprobs=params.top_logprobs,
