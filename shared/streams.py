@@ -31,13 +31,18 @@ log = logging.getLogger(__name__)
 M = TypeVar("M")
 
 
-def connect(url: str, *, socket_timeout_s: float = 30.0) -> aioredis.Redis:
+def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 256) -> aioredis.Redis:
     """An asyncio Redis client that retries transient connection errors with backoff.
 
     Works with redis://, rediss:// (TLS) and unix:// URLs, with passwords and ACL users in the URL.
+    The pool blocks (up to the socket timeout) when all ``max_connections`` are busy instead of
+    failing the command: a burst of hundreds of rollouts opening sessions at once must queue, not
+    error.
     """
-    return aioredis.Redis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=socket_timeout_s,
         decode_responses=False,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=5.0,
@@ -45,6 +50,7 @@ def connect(url: str, *, socket_timeout_s: float = 30.0) -> aioredis.Redis:
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
 
 
 @dataclass(frozen=True)

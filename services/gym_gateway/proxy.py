@@ -70,6 +70,7 @@ class GeneratorPool:
         self._ready: list = []
         self._at = 0.0
         self._rr = itertools.count()
+        self._refresh_lock = asyncio.Lock()
 
     # A generator mid-refit queues requests until it resumes, so it still takes sessions.
     SERVING_STATES = ("ready", "loading", "paused")
@@ -81,15 +82,24 @@ class GeneratorPool:
         while True:
             now = time.monotonic()
             if now - self._at > self.refresh_s or not self._ready:
-                gens = await live_workers(self.redis, self.keys, "generator")
-                self._ready = [g for g in gens if g.state in self.SERVING_STATES and g.weight_version >= 0]
-                self._at = now
+                await self._refresh(now)
             if self._ready:
                 g = self._ready[next(self._rr) % len(self._ready)]
                 return g.worker_id, g.url, g.weight_version
             if now > deadline:
                 raise NoGenerator(f"no serving generator registered within {wait_s:.0f}s")
             await asyncio.sleep(self.refresh_s / 2)
+
+
+    async def _refresh(self, stale_before: float) -> None:
+        """One registry read for a burst of sessions: callers that waited on the lock find the
+        view refreshed after ``stale_before`` and return without reading again."""
+        async with self._refresh_lock:
+            if self._at > stale_before and self._ready:
+                return
+            gens = await live_workers(self.redis, self.keys, "generator")
+            self._ready = [g for g in gens if g.state in self.SERVING_STATES and g.weight_version >= 0]
+            self._at = time.monotonic()
 
 
 class SessionProxy:

@@ -112,3 +112,38 @@ async def test_read_latest_and_read_after_broadcast(clients):
     assert latest.msg.version == 2 and latest.entry_id == ids[2]
     after = await b.read_after(keys.weights, ids[0], WeightAnnouncement, block_ms=10)
     assert [d.msg.version for d in after] == [1, 2]
+
+
+async def test_a_burst_beyond_the_pool_size_queues_instead_of_failing(redis_url):
+    import asyncio
+
+    client = connect(redis_url, max_connections=4)
+    try:
+        # 200 blocking commands at once on 4 connections: each waits for a free connection.
+        results = await asyncio.gather(*[client.blpop([f"nothing-{uuid.uuid4().hex}"], timeout=0.05) for _ in range(200)])
+        assert results == [None] * 200
+    finally:
+        await client.aclose()
+
+
+async def test_a_burst_of_sessions_reads_the_generator_registry_once(redis_url, monkeypatch):
+    import asyncio
+
+    from services.gym_gateway import proxy
+
+    redis = connect(redis_url)
+    keys = K.RunKeys(f"pool-{uuid.uuid4().hex[:6]}")
+    hb = Heartbeat(worker_id="gen-0", kind="generator", url="http://g", pid=1, host="h", state="ready", weight_version=3)
+    await publish_heartbeat(redis, keys, hb)
+    reads = 0
+
+    async def counting_live_workers(*args, **kwargs):
+        nonlocal reads
+        reads += 1
+        return await live_workers(*args, **kwargs)
+
+    monkeypatch.setattr(proxy, "live_workers", counting_live_workers)
+    pool = proxy.GeneratorPool(redis, keys, refresh_s=60.0)
+    picks = await asyncio.gather(*[pool.pick() for _ in range(128)])
+    assert picks == [("gen-0", "http://g", 3)] * 128 and reads == 1
+    await redis.aclose()

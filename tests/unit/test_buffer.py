@@ -116,3 +116,18 @@ def test_count_usable_ignores_groups_too_old_for_their_target():
     add_group(buf, "ok", target=2, version=1)
     add_group(buf, "stale", target=3, version=1)
     assert buf.count_usable(2) == 1 and buf.count_usable(3) == 0
+
+
+def test_rows_without_model_turns_do_not_age_their_group():
+    # A rollout that failed before any model call carries version -1; under backfill its group
+    # must still be trainable, not evicted as stale.
+    buf = ReplayBuffer(max_age=1)
+    failed = Trajectory(
+        task_id="g/0", group_id="g", index_in_group=0, group_size=G, prompt_index=0, env="e", kind="train",
+        target_step=3, launch_version=-1, reward=0.0, status="failed", turns=[], fallback_reason="transport: refused",
+    )
+    assert buf.add(failed, "e-0") is None
+    assert buf.add(traj("g", 1, target=3, version=2), "e-1") is not None
+    res = buf.sample(step=3, n=1)
+    assert [g.group_id for g in res.groups] == ["g"] and res.evicted == []
+    assert res.groups[0].gen_version == 2
