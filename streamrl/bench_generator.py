@@ -546,11 +546,11 @@ def render_section(g: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def replace_section(text: str, section: str) -> str:
-    """``text`` with its generator section (heading to the next ``## `` heading) replaced by ``section``,
-    or ``section`` appended when there is none."""
+def replace_section(text: str, section: str, heading: str = HEADING) -> str:
+    """``text`` with the section starting with ``heading`` (to the next ``## `` heading) replaced by
+    ``section``, or ``section`` appended when there is none."""
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith(HEADING)), None)
+    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
     if start is None:
         return text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))

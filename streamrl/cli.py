@@ -6,7 +6,7 @@
     streamrl model init DIR                build the tiny Qwen3 model + tokenizer
     streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
     streamrl config check|explain          validate a config / list every key with its description
-    streamrl bench [--only generator]      run the benchmarks and rewrite BENCHMARKS.md (or one section)
+    streamrl bench [--only generator|pipeline]  run the benchmarks and rewrite BENCHMARKS.md (or one section)
 
 Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant.
 """
@@ -208,7 +208,7 @@ def config_explain() -> None:
 @app.command()
 def bench(
     out: Path = typer.Option(Path("BENCHMARKS.md"), help="file to (re)write"),
-    only: Optional[str] = typer.Option(None, help="run one section and rewrite only it in OUT: generator"),
+    only: Optional[str] = typer.Option(None, help="run one section and rewrite only it in OUT: generator or pipeline"),
 ) -> None:
     """Run the benchmarks and write their tables to BENCHMARKS.md."""
     from streamrl.bench import SECTIONS, run_benchmarks
