@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -37,7 +36,13 @@ def _records(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line while the trainer is still writing it
+            break
+    return records
 
 
 def _start(module: str, config: Path, port: int, worker_id: str, log: Path) -> subprocess.Popen:
@@ -84,23 +89,28 @@ def resumed_run(tmp_path_factory, tiny_model_dir, redis_url):
     trainer_port = free_port()
     try:
         trainer = _start("services.trainer", config, trainer_port, "trainer", logs["trainer"])
-        # Kill it at a random moment once it has trained past its first checkpoint.
+        # Kill it mid-step, once it has trained one step past its first checkpoint (the step after
+        # that one is running: waiting for data, training or refitting).
         deadline = time.monotonic() + 400
         while not any(r.get("kind") == "train" and r["step"] >= SAVE_PERIOD for r in _records(out)):
             assert trainer.poll() is None, logs["trainer"].read_text()[-3000:]
             assert time.monotonic() < deadline, logs["trainer"].read_text()[-3000:]
-            time.sleep(0.2)
-        time.sleep(random.Random(7).uniform(0.0, 2.0))
+            time.sleep(0.02)
         os.killpg(trainer.pid, signal.SIGKILL)
         trainer.wait(10)
         before = _records(out)
+        checkpoint = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
         trainer = _start("services.trainer", config, trainer_port, "trainer", logs["trainer"])
         assert trainer.wait(500) == 0, logs["trainer"].read_text()[-4000:]
     finally:
         for proc in (locals().get("trainer"), gateway, generator):
             if proc is not None:
                 _stop(proc)
-    return before, _records(out), logs
+    return before, _records(out), logs, checkpoint
+
+
+def out_name(step: int) -> str:
+    return f"step_{step:06d}"
 
 
 def _ledger(records: list[dict]) -> dict[int, list[str]]:
@@ -113,8 +123,8 @@ def _ledger(records: list[dict]) -> dict[int, list[str]]:
 
 
 def test_the_resumed_run_trains_every_step_once(resumed_run):
-    before, after, logs = resumed_run
-    assert "resumed from" in logs["trainer"].read_text()
+    before, after, logs, checkpoint = resumed_run
+    assert f"{out_name(checkpoint)} at step {checkpoint}" in logs["trainer"].read_text()
     ledger = _ledger(after)
     assert sorted(ledger) == list(range(STEPS))
     assert all(len(ids) == PROMPTS * GENS for ids in ledger.values())
@@ -123,9 +133,8 @@ def test_the_resumed_run_trains_every_step_once(resumed_run):
 
 
 def test_checkpointed_steps_are_kept_and_later_ones_are_retrained_or_evicted_by_id(resumed_run):
-    before, after, _ = resumed_run
+    before, after, _, checkpoint = resumed_run
     first, final = _ledger(before), _ledger(after)
-    checkpoint = max(s + 1 for s in first if (s + 1) % SAVE_PERIOD == 0)
     for step in range(checkpoint):  # durable: recorded once, unchanged
         assert sum(r.get("kind") == "train" and r["step"] == step for r in after) == 1
         assert final[step] == first[step]
