@@ -45,11 +45,11 @@ class Group:
 
     @property
     def gen_version(self) -> int:
-        """Oldest weight version that generated any token of the group (its staleness). Rows that
-        generated nothing (a rollout that failed before its first model call) do not count; a
-        group of such rows only is as fresh as its target."""
-        versions = [t.launch_version for t in self.rows.values() if t.turns]
-        return min(versions) if versions else self.target_step
+        """Oldest weight version that generated any token of the group (its staleness). A row
+        whose rollout never reached a generator (launch version -1: it failed before opening a
+        session) does not count, unless no row did."""
+        reached = [t.launch_version for t in self.rows.values() if t.launch_version >= 0]
+        return min(reached) if reached else min(t.launch_version for t in self.rows.values())
 
     def ordered(self) -> list[Trajectory]:
         return [self.rows[i] for i in range(self.group_size)]
