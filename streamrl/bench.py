@@ -31,7 +31,7 @@ import numpy as np
 from shared import keys as K
 from shared.protocol import Trajectory, encode, make_turn
 from shared.streams import StreamClient, connect
-from streamrl import bench_pipeline
+from streamrl import bench_pipeline, bench_pipeline_report
 from streamrl.bench_generator import HEADING as GENERATOR_HEADING
 from streamrl.bench_generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
@@ -167,7 +167,7 @@ def render(demo: dict, streams: dict, machine: str, generator: dict, pipeline: d
     ratio = streams["packed"]["consume_per_s"] / streams["lists"]["consume_per_s"]
     e2e = streams["packed"]["end_to_end_per_s"] / streams["lists"]["end_to_end_per_s"]
     lines += ["", f"Packed over lists, same run: consume {ratio:.2f}x, end to end {e2e:.2f}x.", ""]
-    return "\n".join(lines) + "\n" + render_section(generator) + "\n" + bench_pipeline.render_pipeline(pipeline)
+    return "\n".join(lines) + "\n" + render_section(generator) + "\n" + bench_pipeline_report.render_pipeline(pipeline)
 
 
 def run_benchmarks(out: Path, only: str | None = None) -> int:
@@ -194,7 +194,7 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
         if generator is not None:
             text = replace_section(text, render_section(generator), GENERATOR_HEADING)
         if pipeline is not None:
-            text = replace_section(text, bench_pipeline.render_pipeline(pipeline), bench_pipeline.HEADING)
+            text = replace_section(text, bench_pipeline_report.render_pipeline(pipeline), bench_pipeline_report.HEADING)
         results = json.loads(results_path.read_text()) if results_path.is_file() else {}
         results.update({k: v for k, v in (("generator", generator), ("pipeline", pipeline)) if v is not None})
     out.write_text(text)

@@ -1,5 +1,7 @@
 """The pipeline-efficiency section of ``streamrl bench``: how close the real trainer loop comes to
 its own scheduling policy run at zero overhead, and what asynchrony buys over synchronous GRPO.
+This module runs the real loop; `streamrl.bench_schedule` holds the scenarios and the ideal
+schedule, `streamrl.bench_pipeline_report` the tables and targets.
 
 Real parts, against one embedded Valkey: the `TrainerRuntime` in this process (scheduler, replay
 buffer, streams, lookahead barrier, refit through the `WeightPublisher` with its launch gate and
@@ -50,8 +52,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
-import heapq
 import json
 import math
 import os
@@ -62,8 +62,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -85,237 +85,26 @@ from shared.protocol import Heartbeat, Trajectory, WeightAck, WeightAnnouncement
 from shared.registry import HeartbeatTask, publish_heartbeat
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
+from streamrl.bench_schedule import (
+    LAGS,
+    MEASURE_FROM_STEP,
+    SCENARIOS,
+    Scenario,
+    ideal_run,
+    long_run_speedups,
+    pipeline_figures,
+)
+from streamrl.bench_pipeline_report import (
+    CONTENDED_OTHER_CPU,
+    CONTENDED_OVERSHOOT_S,
+    REAL_RUN_ATTEMPTS,
+    render_pipeline,
+)
 from streamrl.redis_server import RedisServer
 
-HEADING = "## Pipeline efficiency"
-LAGS = (0, 1, 2)
-MEASURE_FROM_STEP = 1  # the window starts when training of this step (0-based) ends
-EFFICIENCY_TARGET = 0.95  # real steps/hour over the ideal schedule's
-PACKING_TARGET = 0.95
 ENV_NAME = "bench_sleep"
 GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
-LONG_RUN_STEPS = 2000  # the ideal schedule over a long run: the structural ratio, free of sample noise
-LONG_RUN_SEEDS = 5
-REAL_RUN_ATTEMPTS = 2
-CONTENDED_OVERSHOOT_S = 0.05  # a train_step sleep this much late: the host's CPU was taken
-CONTENDED_OTHER_CPU = 0.5  # cores used by other processes of the host during a run
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# -- scenarios -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """Log-normal rollout times (log-sd ``sigma``), scaled so the median makespan of one step's
-    N x G rollouts (its slowest rollout) is ``makespan_over_train`` x the training time."""
-
-    name: str
-    description: str
-    sigma: float
-    makespan_over_train: float
-    train_s: float
-    num_prompts: int  # N groups per step
-    group_size: int  # G rollouts per group
-    steps: int
-    seed: int
-    target_lag: int  # the lag whose speed-up over synchronous has a target here
-    target_speedup: float
-
-    @property
-    def rollout_median_s(self) -> float:
-        """Median of one rollout: the median of the max of m draws sits at quantile 0.5 ** (1 / m)."""
-        m = self.num_prompts * self.group_size
-        z = statistics.NormalDist().inv_cdf(0.5 ** (1 / m))
-        return self.makespan_over_train * self.train_s / math.exp(self.sigma * z)
-
-    @property
-    def p99_over_p50(self) -> float:
-        return math.exp(self.sigma * statistics.NormalDist().inv_cdf(0.99))
-
-    def durations(self, prompt: int, attempt: int) -> list[float]:
-        """The G rollout times of a prompt's ``attempt``-th group (seeded, the same every run)."""
-        z = np.random.default_rng([self.seed, prompt, attempt]).standard_normal(self.group_size)
-        return (self.rollout_median_s * np.exp(self.sigma * z)).tolist()
-
-    def group_makespan(self, prompt: int, attempt: int) -> float:
-        return max(self.durations(prompt, attempt))
-
-    @property
-    def dataset_size(self) -> int:
-        """Prompts in the benchmark's dataset: more than a run takes, so no epoch wraps."""
-        return 20 * self.steps * self.num_prompts
-
-
-SCENARIOS = (
-    Scenario(
-        name="balanced",
-        description="median step makespan = training time",
-        sigma=1.0, makespan_over_train=1.0, train_s=1.0, num_prompts=8, group_size=8, steps=24, seed=1,
-        target_lag=1, target_speedup=1.9,
-    ),
-    Scenario(
-        name="heavy-tailed",
-        description="training short against the generation tail: median step makespan = 2.5 x training time",
-        sigma=1.0, makespan_over_train=2.5, train_s=1.0, num_prompts=8, group_size=8, steps=24, seed=2,
-        target_lag=2, target_speedup=2.8,
-    ),
-)
-
-
-# -- the ideal schedule ----------------------------------------------------------------------------
-
-
-@dataclass
-class Schedule:
-    train_start: list[float]
-    train_end: list[float]
-    issued_groups: int
-    evicted_groups: int
-
-
-@dataclass
-class _SimGroup:
-    prompt: int
-    target: int
-    version: int  # weights that generated it
-
-
-class _IdealPipeline:
-    """Zero-overhead replay of the trainer's scheduling policy; see the module docstring."""
-
-    def __init__(self, makespan: Callable[[int, int], float], *, num_prompts: int, lag: int, train_s: float,
-                 steps: int, dataset_size: int) -> None:
-        self.makespan = makespan
-        self.n, self.lag, self.train_s, self.steps = num_prompts, lag, train_s, steps
-        self.dataset_size = dataset_size
-        self.now = 0.0
-        self.pos = 0
-        self.returned: deque[int] = deque()
-        self.attempts: dict[int, int] = defaultdict(int)
-        self.in_flight: list[tuple[float, int, _SimGroup]] = []  # heap by completion time
-        self.in_flight_by_target: dict[int, int] = defaultdict(int)
-        self.staged: dict[int, list[_SimGroup]] = defaultdict(list)  # targets with staged groups only
-        self.issued = 0
-        self.evicted = 0
-
-    def _take_prompt(self) -> int:
-        if self.returned:
-            return self.returned.popleft()
-        p = self.pos % self.dataset_size
-        self.pos += 1
-        return p
-
-    def _usable(self, g: _SimGroup, step: int) -> bool:
-        return step - self.lag <= g.version <= step
-
-    def _count_usable(self, target: int) -> int:
-        return sum(self._usable(g, target) for g in self.staged.get(target, ()))
-
-    def issue(self, step: int) -> None:
-        for target in range(step, min(step + self.lag, self.steps - 1) + 1):
-            missing = self.n - self.in_flight_by_target[target] - self._count_usable(target)
-            for _ in range(max(0, missing)):
-                prompt = self._take_prompt()
-                attempt = self.attempts[prompt]
-                self.attempts[prompt] += 1
-                done = self.now + self.makespan(prompt, attempt)
-                heapq.heappush(self.in_flight, (done, self.issued, _SimGroup(prompt, target, step)))
-                self.in_flight_by_target[target] += 1
-                self.issued += 1
-
-    def advance_to(self, t: float) -> None:
-        self.now = t
-        while self.in_flight and self.in_flight[0][0] <= t:
-            _, _, g = heapq.heappop(self.in_flight)
-            self.in_flight_by_target[g.target] -= 1
-            self.staged[g.target].append(g)
-
-    def next_arrival(self) -> None:
-        if not self.in_flight:
-            raise RuntimeError("ideal schedule stalled: nothing in flight and no batch staged")
-        self.advance_to(self.in_flight[0][0])
-
-    def sample(self, step: int) -> tuple[list[_SimGroup], list[_SimGroup]]:
-        """(taken, evicted), as `ReplayBuffer.sample`: nothing is taken unless N usable groups exist."""
-        evicted: list[_SimGroup] = []
-        for target in list(self.staged):
-            evicted += [g for g in self.staged[target] if not self._usable(g, step)]
-            self.staged[target] = [g for g in self.staged[target] if self._usable(g, step)]
-            if not self.staged[target]:
-                del self.staged[target]
-        self.evicted += len(evicted)
-        order = sorted(self.staged, key=lambda t: (t != step, t > step, t))  # current, late, future
-        candidates = [g for t in order for g in self.staged[t]][: self.n]
-        if len(candidates) < self.n:
-            return [], evicted
-        for g in candidates:
-            self.staged[g.target].remove(g)
-            if not self.staged[g.target]:
-                del self.staged[g.target]
-        return candidates, evicted
-
-    def run(self) -> Schedule:
-        self.issue(0)
-        first = [0] + ([1] if self.lag > 0 and self.steps > 1 else [])
-        while not all(self._count_usable(t) >= self.n for t in first):
-            self.next_arrival()
-        starts: list[float] = []
-        ends: list[float] = []
-        for step in range(self.steps):
-            while True:
-                taken, evicted = self.sample(step)
-                for g in evicted:
-                    self.returned.appendleft(g.prompt)
-                if taken:
-                    break
-                if evicted:
-                    self.issue(step)
-                self.next_arrival()
-            starts.append(self.now)
-            self.advance_to(self.now + self.train_s)
-            ends.append(self.now)
-            self.issue(step + 1)
-        return Schedule(starts, ends, self.issued, self.evicted)
-
-
-def simulate_schedule(makespan: Callable[[int, int], float], *, num_prompts: int, lag: int, train_s: float,
-                      steps: int, dataset_size: int) -> Schedule:
-    """The trainer's scheduling policy replayed at zero overhead for these group makespans (prompt,
-    attempt -> seconds from issue until the group's last rollout ends)."""
-    return _IdealPipeline(makespan, num_prompts=num_prompts, lag=lag, train_s=train_s, steps=steps,
-                          dataset_size=dataset_size).run()
-
-
-def pipeline_figures(train_start: list[float], train_end: list[float], *,
-                     from_step: int = MEASURE_FROM_STEP) -> dict[str, float]:
-    """Steps per hour and busy fraction from the end of training of ``from_step`` to the end of the last step."""
-    window = train_end[-1] - train_end[from_step]
-    busy = sum(e - s for s, e in zip(train_start[from_step + 1 :], train_end[from_step + 1 :]))
-    steps = len(train_end) - 1 - from_step
-    return {"steps_per_hour": steps / window * 3600.0, "busy_fraction": busy / window, "window_s": window,
-            "measured_steps": float(steps)}
-
-
-def ideal_run(scenario: Scenario, lag: int, *, steps: int | None = None, seed: int | None = None) -> dict[str, Any]:
-    """The figures of the ideal schedule for a scenario (optionally over other steps or another seed)."""
-    s = scenario if seed is None else dataclasses.replace(scenario, seed=seed)
-    sched = simulate_schedule(s.group_makespan, num_prompts=s.num_prompts, lag=lag, train_s=s.train_s,
-                              steps=steps or s.steps, dataset_size=s.dataset_size)
-    gaps = [b - a for a, b in zip(sched.train_end[MEASURE_FROM_STEP:-1], sched.train_start[MEASURE_FROM_STEP + 1 :])]
-    return {**pipeline_figures(sched.train_start, sched.train_end), "issued_groups": sched.issued_groups,
-            "evicted_groups": sched.evicted_groups, "mean_gap_s": statistics.mean(gaps)}
-
-
-def long_run_speedups(scenario: Scenario) -> dict[int, float]:
-    """Ideal steps/hour over synchronous for each lag over LONG_RUN_STEPS steps, averaged over seeds."""
-    out: dict[int, list[float]] = defaultdict(list)
-    for seed in range(LONG_RUN_SEEDS):
-        rates = {lag: ideal_run(scenario, lag, steps=LONG_RUN_STEPS, seed=1000 + seed)["steps_per_hour"]
-                 for lag in LAGS}
-        for lag in LAGS:
-            out[lag].append(rates[lag] / rates[0])
-    return {lag: statistics.mean(v) for lag, v in out.items()}
 
 
 # -- the real loop with simulated generation and training -------------------------------------------
@@ -705,144 +494,6 @@ def run_pipeline_benchmark(work_dir: Path = Path("runs/bench/pipeline"), redis_u
             server.stop()
     out["packing"] = packing_benchmark()
     return out
-
-
-def _speedup(runs: dict[str, Any], lag: int, kind: str) -> float:
-    return runs[str(lag)][kind]["steps_per_hour"] / runs["0"][kind]["steps_per_hour"]
-
-
-def targets(results: dict[str, Any]) -> list[tuple[str, str, bool]]:
-    """(target, measured figure, met) for every target of the section."""
-    rows: list[tuple[str, str, bool]] = []
-    for name, sc in results["scenarios"].items():
-        for lag, r in sc["runs"].items():
-            eff = r["real"]["steps_per_hour"] / r["ideal"]["steps_per_hour"]
-            rows.append((f"{name}, lag {lag}: real >= {EFFICIENCY_TARGET:.0%} of the ideal schedule's steps/hour",
-                         f"{eff:.1%}", eff >= EFFICIENCY_TARGET))
-        f = sc["facts"]
-        real, ideal = _speedup(sc["runs"], f["target_lag"], "real"), _speedup(sc["runs"], f["target_lag"], "ideal")
-        rows.append((f"{name}: lag {f['target_lag']} >= {f['target_speedup']}x synchronous",
-                     f"real {real:.2f}x (ideal {ideal:.2f}x)", real >= f["target_speedup"]))
-    p = results["packing"]
-    rows.append((f"packing efficiency >= {PACKING_TARGET:.0%}", f"{p['packing_mean']:.1%} (min {p['packing_min']:.1%})",
-                 p["packing_min"] >= PACKING_TARGET))
-    return rows
-
-
-def render_pipeline(results: dict[str, Any]) -> str:
-    """The markdown section for the results of `run_pipeline_benchmark`."""
-    first = next(iter(results["scenarios"].values()))["facts"]
-    lines = [
-        f"{HEADING} (real trainer, buffer, streams and gateway; simulated rollout and training times)",
-        "",
-        f"Measured on {results['date']} ({results['machine']}). The real `TrainerRuntime` (scheduler, replay buffer, "
-        "lookahead barrier, refit with launch gate and confirmations) runs in the bench process against an embedded "
-        f"Valkey; {results['gateway_workers']} real `GatewayWorker`s of {results['gateway_slots_per_worker']} slots "
-        "(the default) share a second process and a stand-in generator that confirms every weight version at once "
-        "a third. Rollouts sleep a seeded log-normal time and call no model; `train_step` sleeps the training time. "
-        "Every prompt attempt has fixed durations, so the real runs and the ideal schedule replay the same rollout "
-        "times. The ideal schedule is an event simulation of the trainer's own policy (same lag window, same choice of "
-        "current, late and future groups, same evictions and prompt reuse, lookahead barrier at start-up) with "
-        "zero-time refit, issue and delivery and unlimited concurrency (the real gateways' slots stay above every peak "
-        "below). The policy is greedy, so a real run whose timing differs can now and then beat its zero-overhead "
-        f"replay. Steps/hour and busy fraction (time in train_step / wall time) run from the end of training of step "
-        f"{results['measure_from_step']} (0-based) to the end of the last step. {first['num_prompts']} groups of "
-        f"{first['group_size']} rollouts per step; times are scaled down (1 s of training stands for minutes), so "
-        "the fixed costs below (refit, issue, session open) weigh far more here than in a real run.",
-        "",
-        "| scenario | rollout time (log-normal) | p99/p50 (sampled) | median step makespan / training "
-        "| training (s) | steps |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, sc in results["scenarios"].items():
-        f = sc["facts"]
-        lines.append(f"| {name}: {f['description']} | median {f['rollout_median_s']:.3f} s, sigma {f['sigma']} | "
-                     f"{f['p99_over_p50']:.1f} ({f['sampled_p99_over_p50']:.1f}) | {f['makespan_over_train']} | "
-                     f"{f['train_s']} | {f['steps']} |")
-    lines += [
-        "",
-        "| scenario | lag | steps/hour real | steps/hour ideal | real / ideal | busy real | busy ideal | "
-        f"over sync real | over sync ideal | over sync ideal, {LONG_RUN_STEPS:,} steps | groups issued real / ideal | "
-        "evicted real / ideal | peak rollouts |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, sc in results["scenarios"].items():
-        for lag, r in sc["runs"].items():
-            re_, id_ = r["real"], r["ideal"]
-            lines.append(
-                f"| {name} | {lag} | {re_['steps_per_hour']:.0f} | {id_['steps_per_hour']:.0f} | "
-                f"{re_['steps_per_hour'] / id_['steps_per_hour']:.1%} | {re_['busy_fraction']:.2f} | "
-                f"{id_['busy_fraction']:.2f} | {_speedup(sc['runs'], int(lag), 'real'):.2f}x | "
-                f"{_speedup(sc['runs'], int(lag), 'ideal'):.2f}x | {sc['long_run_ideal_speedup'][lag]:.2f}x | "
-                f"{re_['issued_groups']} / {id_['issued_groups']} | "
-                f"{re_['evicted_groups']} / {id_['evicted_groups']} | {re_['peak_rollouts']} |"
-            )
-    lines += [
-        "",
-        "Where the real runs lose time. Per measured step, the gap between the end of one training and the start of "
-        "the next, split by the trainer's step timers (other: issue, ack, metrics, batch build). Per rollout issued "
-        "after start-up: pickup (task published -> the gateway starts the rollout), session open (-> the environment "
-        "starts; the session proxy asks the registry for a generator), the delay until the last rollout of an issue "
-        "starts (it stretches the batch's makespan), delivery (rollout done -> trajectory read by the trainer).",
-        "",
-        "| scenario | lag | gap real / ideal (s) | refit mean / max | waiting for data | other | pickup mean / max "
-        "| session open mean / max | last start of an issue | delivery mean / max |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, sc in results["scenarios"].items():
-        for lag, r in sc["runs"].items():
-            re_ = r["real"]
-            other = re_["mean_gap_s"] - re_["mean_refit_s"] - re_["mean_wait_data_s"]
-            lines.append(
-                f"| {name} | {lag} | {re_['mean_gap_s']:.3f} / {r['ideal']['mean_gap_s']:.3f} | "
-                f"{re_['mean_refit_s']:.3f} / {re_['max_refit_s']:.3f} | {re_['mean_wait_data_s']:.3f} | {other:.3f} | "
-                f"{re_['pickup_mean_s']:.3f} / {re_['pickup_max_s']:.3f} | {re_['open_mean_s']:.3f} / "
-                f"{re_['open_max_s']:.3f} | {re_['last_start_mean_s']:.3f} | {re_['delivery_mean_s']:.3f} / "
-                f"{re_['delivery_max_s']:.3f} |"
-            )
-    lines += [
-        "",
-        f"The host is shared: a run is repeated (up to {REAL_RUN_ATTEMPTS} attempts, the least disturbed kept) when "
-        f"other processes took more than {CONTENDED_OTHER_CPU} cores meanwhile or a training sleep overshot by more "
-        f"than {CONTENDED_OVERSHOOT_S * 1000:.0f} ms (the trainer could not get a core).",
-        "",
-        "| scenario | lag | attempts | worst training-sleep overshoot (ms) | CPU used by other processes (cores) "
-        "| run wall time (s) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, sc in results["scenarios"].items():
-        for lag, r in sc["runs"].items():
-            re_ = r["real"]
-            lines.append(f"| {name} | {lag} | {re_['attempts']} | {re_['max_train_overshoot_s'] * 1000:.1f} | "
-                         f"{re_['other_cpu_cores']:.2f} | {re_['run_wall_s']:.0f} |")
-    p = results["packing"]
-    c = p["case"]
-    lines += [
-        "",
-        "Ceilings: without tail handling one step of overlap can at most halve a step (generation and training side "
-        "by side), so lag 1 tops out near 2x synchronous; more needs more batches in flight (lag 2) and tail handling. "
-        "The trainer's tail handling is the buffer's: a step takes future groups that finished while a straggler of "
-        "its own target is still running, and the straggler, once too stale, is evicted (its generation is wasted, its "
-        "prompt reused). That is why the ideal schedule can pass 2x at lag 1 when the tail is long, and why evictions "
-        f"appear at lag >= 1. The {LONG_RUN_STEPS:,}-step column is the ideal schedule over a long run (mean of "
-        f"{LONG_RUN_SEEDS} seeds): the ratio the lag rule allows without the noise of a short sample.",
-        "",
-        f"Packing ({c['batches']} batches of {c['rows']} rows, lengths log-normal with median {c['median_tokens']} "
-        f"tokens and sigma {c['sigma']}, clipped to {c['max_len']}): first-fit decreasing into packs of "
-        f"{c['max_len']} tokens against padding micro-batches of {c['micro_batch_size']} rows to their longest row.",
-        "",
-        "| layout | non-padding fraction, mean | min | micro-batches / packs (mean) |",
-        "|---|---|---|---|",
-        f"| packed (first-fit decreasing) | {p['packing_mean']:.1%} | {p['packing_min']:.1%} | {p['packs_mean']:.1f} "
-        f"(lower bound {p['packs_lower_bound_mean']:.1f}) |",
-        f"| padded per micro-batch | {p['padding_mean']:.1%} | {p['padding_min']:.1%} | "
-        f"{c['rows'] / c['micro_batch_size']:.0f} |",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {t} | {m} | {'yes' if ok else 'no'} |" for t, m, ok in targets(results)]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
