@@ -188,6 +188,22 @@ class LossSection(_Section):
     token_level_loss: Annotated[bool, D("mean over all valid tokens of the step (else per sequence)")] = True
 
 
+class NemoGymSection(_Section):
+    """Driver for NeMo-Gym agents and resources servers (``env: nemo_gym`` rows)."""
+
+    backfill_failed_rollouts: Annotated[
+        bool, D("NeMo-RL name: a failed rollout becomes a zero-token placeholder (same as failure_policy: backfill)")
+    ] = False
+
+
+class OpenHandsSection(_Section):
+    """Driver for OpenHands SDK agents run in their own Python environment (``env: openhands`` rows)."""
+
+
+class SweSection(_Section):
+    """Driver for SWE instances with hidden tests, R2E-Gym style (``env: swe`` rows)."""
+
+
 class EnvSection(_Section):
     name: Annotated[str, D("environment used for tasks whose row names none")] = "tool_calc"
     failure_policy: Annotated[
@@ -201,6 +217,9 @@ class EnvSection(_Section):
             "false: the flag is not carried at all"
         ),
     ] = True
+    nemo_gym: NemoGymSection = msgspec.field(default_factory=NemoGymSection)
+    openhands: OpenHandsSection = msgspec.field(default_factory=OpenHandsSection)
+    swe: SweSection = msgspec.field(default_factory=SweSection)
 
 
 class CheckpointSection(_Section):

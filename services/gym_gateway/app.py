@@ -58,7 +58,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         proxy = SessionProxy(GeneratorPool(redis, keys), http, request_timeout_s=gw.request_timeout_s)
         worker = GatewayWorker(streams, proxy, http, session_base_url=url, max_concurrent=gw.max_concurrent_rollouts,
                                reclaim_idle_s=gw.reclaim_idle_s, max_turns=cfg.env.max_turns, gateway_id=worker_id,
-                               carry_mask_flag=cfg.env.should_mask_flagged_samples)
+                               carry_mask_flag=cfg.env.should_mask_flagged_samples, env_cfg=cfg.env)
         app.state.proxy, app.state.worker = proxy, worker
 
         def snapshot() -> Heartbeat:

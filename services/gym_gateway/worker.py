@@ -55,7 +55,7 @@ def assemble(task: Task, session: Session, outcome: Outcome | None, failure: str
 class GatewayWorker:
     def __init__(self, streams: StreamClient, proxy: SessionProxy, http: aiohttp.ClientSession, *, session_base_url: str,
                  max_concurrent: int, reclaim_idle_s: float, max_turns: int, gateway_id: str,
-                 carry_mask_flag: bool = True) -> None:
+                 carry_mask_flag: bool = True, env_cfg=None) -> None:
         self.streams = streams
         self.proxy = proxy
         self.http = http
@@ -65,6 +65,8 @@ class GatewayWorker:
         self.max_turns = max_turns
         self.gateway_id = gateway_id
         self.carry_mask_flag = carry_mask_flag
+        self.env_cfg = env_cfg
+        self._envs: dict = {}  # one instance per environment name, built on first use
         self.active: dict[str, asyncio.Task] = {}
         self.completed = 0
         self.failed: dict[str, int] = {}
@@ -106,6 +108,12 @@ class GatewayWorker:
                 continue
             held = await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=free, block_ms=500)
 
+    def _env(self, name: str):
+        env = self._envs.get(name)
+        if env is None:
+            env = self._envs[name] = get_env(name, self.env_cfg)
+        return env
+
     def _launch(self, d: Delivery[Task]) -> None:
         if d.msg.task_id in self.active:
             return
@@ -127,9 +135,9 @@ class GatewayWorker:
         session_id = f"{task.group_id}.{task.index_in_group}.{uuid.uuid4().hex[:8]}"
         try:
             session = await self.proxy.open(session_id, task.kind, task.sampling)
-            env = get_env(task.env)
+            env = self._env(task.env)
             client = ChatClient(f"{self.session_base_url}/sessions/{session_id}/v1", self.http,
-                                timeout_s=task.deadline_s)
+                                timeout_s=task.deadline_s, sampling=task.sampling, session_id=session_id)
             outcome = await asyncio.wait_for(env.rollout(task.instance, client, max_turns=self.max_turns), task.deadline_s)
         except asyncio.TimeoutError:
             failure = "timeout"

@@ -3,6 +3,8 @@ and ``echo`` (single turn)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.gym_gateway.envs.base import Environment
 from services.gym_gateway.envs.crossing import CrossingEnv
 from services.gym_gateway.envs.echo import EchoEnv
@@ -21,11 +23,16 @@ class UnknownEnvironment(KeyError):
     pass
 
 
-def get_env(name: str) -> Environment:
+def get_env(name: str, env_cfg: Any = None) -> Environment:
+    """The environment called ``name``; ``env_cfg`` (the run's ``env`` section) reaches classes that
+    define ``from_config``."""
     try:
-        return _REGISTRY[name]()
+        cls = _REGISTRY[name]
     except KeyError:
         raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    if env_cfg is not None and hasattr(cls, "from_config"):
+        return cls.from_config(env_cfg)
+    return cls()
 
 
 def env_names() -> list[str]:

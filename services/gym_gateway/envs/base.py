@@ -17,10 +17,26 @@ import aiohttp
 import msgspec
 
 from shared.openai_api import ChatCompletionResponse
+from shared.protocol import SamplingParams
 
 
-class TransportError(RuntimeError):
+class InfraError(RuntimeError):
+    """A rollout failed for a reason outside the policy (sandbox, harness, transport, generator
+    gone). ``reason`` is the short label counted in metrics and carried as ``fallback_reason``."""
+
+    reason = "infra"
+
+
+class TransportError(InfraError):
     """The model could not be reached (generator gone, proxy error): an infrastructure failure."""
+
+    reason = "transport"
+
+
+class SandboxError(InfraError):
+    """The rollout's sandbox or agent harness failed (workspace set-up, subprocess, container)."""
+
+    reason = "sandbox"
 
 
 class ModelRequestError(RuntimeError):
@@ -36,12 +52,18 @@ class Outcome:
 
 
 class ChatClient:
-    """Minimal async OpenAI chat client for a session URL (``.../sessions/<id>/v1``)."""
+    """Minimal async OpenAI chat client for a session URL (``.../sessions/<id>/v1``).
 
-    def __init__(self, base_url: str, http: aiohttp.ClientSession, *, timeout_s: float) -> None:
+    Harness drivers that run an external agent hand it ``base_url`` (an OpenAI-compatible endpoint)
+    and pass ``sampling`` (the task's sampling profile) through to the agent's own LLM settings."""
+
+    def __init__(self, base_url: str, http: aiohttp.ClientSession, *, timeout_s: float,
+                 sampling: SamplingParams | None = None, session_id: str = "") -> None:
         self.base_url = base_url.rstrip("/")
         self.http = http
         self.timeout_s = timeout_s
+        self.sampling = sampling
+        self.session_id = session_id
         self._decoder = msgspec.json.Decoder(ChatCompletionResponse)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any) -> ChatCompletionResponse:
@@ -64,6 +86,10 @@ class ChatClient:
 
 
 class Environment(Protocol):
+    """An environment or agent-harness driver. Built once per gateway worker by
+    ``envs.get_env(name, env_cfg)``: a class with ``from_config(env_cfg)`` gets the run's ``env``
+    config section (its own sub-section, e.g. ``env.swe``), others are built without arguments."""
+
     name: str
 
     async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
