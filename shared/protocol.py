@@ -110,7 +110,11 @@ class Trajectory(_Message, tag="trajectory"):
     reward: float
     status: RolloutStatus
     turns: list[Turn]
+    # Why a rollout failed or was cut ("timeout: ...", "sandbox: ...", "model_refused: ..."), and
+    # whose fault it was: "infra" (status failed: the failure policy decides) or "policy" (the
+    # model's own doing, e.g. it filled the context: trained as a truncated rollout).
     fallback_reason: str | None = None
+    failure_kind: Literal["infra", "policy"] | None = None
     # The environment's "do not train on this" flag (e.g. an iteration cap was hit). Carried as
     # True/False on every rollout when env.should_mask_flagged_samples is on; left out of the
     # record entirely (UNSET, not False) when it is off.

@@ -240,8 +240,20 @@ class SweSection(_Section):
 class EnvSection(_Section):
     name: Annotated[str, D("environment used for tasks whose row names none")] = "tool_calc"
     failure_policy: Annotated[
-        Literal["fail_fast", "backfill"], D("failed rollout: stop the run, or train a zero-reward placeholder")
+        Literal["fail_fast", "retry", "backfill"],
+        D(
+            "rollout failed for an infrastructure reason (sandbox, timeout, transport, generator gone): stop the "
+            "run; retry it up to max_rollout_retries times, then stop; or train a zero-token placeholder"
+        ),
     ] = "fail_fast"
+    max_rollout_retries: Annotated[int, D("extra attempts of an infrastructure-failed rollout (failure_policy: retry)")] = 2
+    on_prefix_break: Annotated[
+        Literal["mask", "new_sample"],
+        D(
+            "a rollout whose agent rewrote its token history: keep it out of the loss (baselines only), or train "
+            "the turns from the break on as a new sample with the rollout's advantage"
+        ),
+    ] = "mask"
     max_turns: Annotated[int, D("cap on model calls per rollout")] = 8
     should_mask_flagged_samples: Annotated[
         bool,
@@ -255,6 +267,12 @@ class EnvSection(_Section):
     swe: SweSection = msgspec.field(default_factory=SweSection)
 
 
+def backfills_failures(env: EnvSection) -> bool:
+    """Whether an infrastructure-failed rollout is trained on as a zero-token placeholder:
+    ``env.failure_policy: backfill``, or NeMo-RL's ``env.nemo_gym.backfill_failed_rollouts``."""
+    return env.failure_policy == "backfill" or env.nemo_gym.backfill_failed_rollouts
+
+
 class CheckpointSection(_Section):
     enabled: Annotated[bool, D("save checkpoints")] = True
     checkpoint_dir: Annotated[str | None, D("folder; null: <output_dir>/checkpoints")] = None
@@ -265,6 +283,18 @@ class CheckpointSection(_Section):
 class LoggerSection(_Section):
     log_dir: Annotated[str | None, D("folder for metrics.jsonl and plots; null: output_dir")] = None
     plot: Annotated[bool, D("write reward_curve.png at the end")] = True
+    tensorboard: Annotated[bool, D("also write every metrics record as TensorBoard scalars to <log_dir>/tensorboard")] = True
+
+
+class AuthSection(_Section):
+    """Control-plane auth. The token itself comes only from env STREAMRL_API_TOKEN or STREAMRL_API_TOKEN_FILE."""
+
+    allow_open_bind: Annotated[
+        bool, D("let a service without an API token bind a non-loopback address (private networks only)")
+    ] = False
+    protect_agent_routes: Annotated[
+        bool, D("require the API token on the generator's /v1/* and the gateway's /sessions/* too (agents send it as api_key)")
+    ] = False
 
 
 class GeneratorSection(_Section):
@@ -285,6 +315,7 @@ class GatewaySection(_Section):
     rollout_timeout_s: Annotated[float, D("deadline of one rollout")] = 600.0
     reclaim_idle_s: Annotated[float, D("take over tasks a dead worker left pending this long")] = 900.0
     request_timeout_s: Annotated[float, D("deadline of one model call through the proxy")] = 300.0
+    max_failovers: Annotated[int, D("other generators a session's call may move to when its generator is gone")] = 2
 
 
 class TrainerSection(_Section):
@@ -322,6 +353,7 @@ class RunConfig(_Section):
     generator: GeneratorSection = msgspec.field(default_factory=GeneratorSection)
     gym_gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+    auth: AuthSection = msgspec.field(default_factory=AuthSection)
 
     def check(self) -> None:
         """Cross-field checks; each error names the key to change. Never rewrites anything."""

@@ -61,6 +61,24 @@ class Delivery(Generic[M]):
     msg: M
 
 
+# KEYS[1] input stream, KEYS[2] output stream; ARGV: group, entry id, consumer, field, payload.
+_PUBLISH_IF_OWNED = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+if #p == 0 then return false end
+local id = redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return id
+"""
+# KEYS[1] stream; ARGV: group, entry id, consumer, field, payload.
+_REQUEUE_IF_OWNED = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+if #p == 0 then return false end
+local id = redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return id
+"""
+
+
 def _id(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
 
@@ -143,6 +161,28 @@ class StreamClient:
         if not entry_ids:
             return 0
         return await self.redis.xack(stream, group, *entry_ids)
+
+    async def publish_and_ack(self, out_stream: str, msg, in_stream: str, group: str, entry_id: str) -> str | None:
+        """Publish ``msg`` and ack ``entry_id`` in one atomic step, only while this consumer still
+        owns the pending entry. None (nothing published) when the entry was acked or taken over by
+        another consumer meanwhile, so a result is published at most once per entry."""
+        res = await self.redis.eval(_PUBLISH_IF_OWNED, 2, in_stream, out_stream, group, entry_id, self.consumer,
+                                    K.ENTRY_FIELD, encode(msg))
+        return _id(res) if res else None
+
+    async def requeue(self, stream: str, group: str, deliveries: Sequence[Delivery], bump=None) -> int:
+        """Hand entries this consumer holds back to the group at once (a drain that cannot finish
+        them): each is re-added as a new entry (``bump(msg)`` may update it first) and the old one
+        acked, atomically, so another consumer reads it without waiting for a reclaim."""
+        n = 0
+        for d in deliveries:
+            msg = bump(d.msg) if bump else d.msg
+            if await self.redis.eval(_REQUEUE_IF_OWNED, 1, stream, group, d.entry_id, self.consumer,
+                                     K.ENTRY_FIELD, encode(msg)):
+                n += 1
+        if n:
+            log.info("released %d entries of %s back to %s", n, stream, group)
+        return n
 
     async def dead_letter(self, source: str, entry_id: str, payload: bytes, reason: str) -> None:
         self.deadlettered += 1

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -63,7 +62,6 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -181,16 +179,9 @@ class SleepEnv:
         return Outcome(reward=0.0, metrics={"sim_rollout_s": seconds, "sim_sleep_from": sleep_from})
 
 
-@contextlib.contextmanager
-def registered_env(env: SleepEnv) -> Iterator[None]:
-    """Make ``env`` resolvable by name for the duration of a run (the registry has no public hook)."""
-    if env.name in envs._REGISTRY:
-        raise RuntimeError(f"environment {env.name!r} is already registered")
-    envs._REGISTRY[env.name] = lambda: env
-    try:
-        yield
-    finally:
-        del envs._REGISTRY[env.name]
+def registered_env(env: SleepEnv):
+    """Make ``env`` resolvable by name for the duration of a run."""
+    return envs.registered(env)
 
 
 class SimGenerator:

@@ -1,6 +1,7 @@
 """The gateway's HTTP app: the session proxy routes plus health, readiness and metrics.
 
     POST /sessions/{session_id}/v1/chat/completions   OpenAI chat, recorded per rollout
+    POST /sessions/{session_id}/v1/completions        OpenAI completions (text or token-id prompts)
     GET  /sessions/{session_id}/v1/models             the model list of the session's generator
     GET  /health, /ready, /metrics
 
@@ -26,7 +27,7 @@ from prometheus_client import Gauge
 from shared import keys as K
 from shared.http import HTTPError, install_error_handlers, read_body
 from shared.metrics import CONTENT_TYPE, ServiceMetrics
-from shared.openai_api import ChatCompletionRequest
+from shared.openai_api import ChatCompletionRequest, CompletionRequest
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
@@ -55,7 +56,8 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
                                                                     keepalive_timeout=30.0))
         streams = StreamClient(redis, keys, worker_id)
         # 2. proxy and worker
-        proxy = SessionProxy(GeneratorPool(redis, keys), http, request_timeout_s=gw.request_timeout_s)
+        proxy = SessionProxy(GeneratorPool(redis, keys), http, request_timeout_s=gw.request_timeout_s,
+                             max_failovers=gw.max_failovers)
         worker = GatewayWorker(streams, proxy, http, session_base_url=url, max_concurrent=gw.max_concurrent_rollouts,
                                reclaim_idle_s=gw.reclaim_idle_s, max_turns=cfg.env.max_turns, gateway_id=worker_id,
                                carry_mask_flag=cfg.env.should_mask_flagged_samples, env_cfg=cfg.env)
@@ -92,7 +94,12 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
     g_failed = Gauge("streamrl_gateway_failed_rollouts_total", "Failed rollouts by reason", ["reason"], registry=metrics.registry)
     g_calls = Gauge("streamrl_gateway_model_calls_total", "Model calls through the proxy", registry=metrics.registry)
     g_breaks = Gauge("streamrl_gateway_prefix_breaks_total", "Calls whose prompt broke the session's token prefix",
-                     registry=metrics.registry)
+                     ["env"], registry=metrics.registry)
+    g_retried = Gauge("streamrl_gateway_retried_rollouts_total", "Rollout attempts run again by reason", ["reason"],
+                      registry=metrics.registry)
+    g_released = Gauge("streamrl_gateway_released_tasks_total", "Tasks handed back to the group on drain",
+                       registry=metrics.registry)
+    g_failovers = Gauge("streamrl_gateway_failovers_total", "Session moves off a dead generator", registry=metrics.registry)
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat(session_id: str, request: Request) -> Response:
@@ -102,11 +109,17 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         body = await app.state.proxy.chat(session_id, req)
         return Response(body, media_type="application/json")
 
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def completions(session_id: str, request: Request) -> Response:
+        req = await read_body(request, CompletionRequest)
+        if req.stream:
+            raise HTTPError(400, "streaming is not supported by the session proxy", param="stream")
+        body = await app.state.proxy.completion(session_id, req)
+        return Response(body, media_type="application/json")
+
     @app.get("/sessions/{session_id}/v1/models")
     async def models(session_id: str) -> Response:
-        s = app.state.proxy.sessions.get(session_id)
-        if s is None:
-            raise HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
+        s = app.state.proxy.session(session_id)
         async with app.state.proxy.http.get(f"{s.generator_url}/v1/models") as resp:
             return Response(await resp.read(), status_code=resp.status, media_type="application/json")
 
@@ -128,7 +141,12 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         for reason, n in worker.failed.items():
             g_failed.labels(reason=reason).set(n)
         g_calls.set(proxy.calls_total)
-        g_breaks.set(proxy.prefix_breaks_total)
+        for env, n in proxy.prefix_breaks_by_env.items():
+            g_breaks.labels(env=env).set(n)
+        g_failovers.set(proxy.failovers_total)
+        for reason, n in worker.retried.items():
+            g_retried.labels(reason=reason).set(n)
+        g_released.set(worker.released)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -1,15 +1,22 @@
-"""The per-rollout session proxy: ``/sessions/<rollout_id>/v1/chat/completions`` in front of the
-generators.
+"""The per-rollout session proxy: ``/sessions/<rollout_id>/v1/{chat/completions,completions}`` in
+front of the generators.
 
 Any OpenAI-compatible agent can be pointed at a session URL without knowing about token ids. For
 each call the proxy
   * fills the rollout's sampling profile and request tag (train or validation),
   * attaches the session's exact token history (``required_prefix_token_ids``) once the agent
     replays an assistant turn, so the generator splices the model's own tokens back in,
-  * forwards to the session's generator (chosen once per session for prefix-cache locality),
+  * forwards to the session's generator, chosen once per session for prefix-cache locality; when
+    that generator is gone (connection refused or dropped, or 503: failed or draining) the session
+    fails over to another serving one, at most ``max_failovers`` times per call,
   * records the call as a `Turn`: the prompt tokens new relative to the session's context, the
-    generated ids and logprobs, the weight versions, latency; and counts prefix breaks (a prompt
-    that does not continue the session's context).
+    generated ids and logprobs, the weight versions, the generator, latency; and counts prefix
+    breaks (a prompt that does not continue the session's context) per environment. What a break
+    means for training (mask the row, or train the turns after it as a new sample) is the
+    trainer's ``env.on_prefix_break``.
+
+    open --> call* --> close          call: prepare -> POST (failover on a dead generator) -> record
+
 Owned by the gateway app; the worker opens a session per rollout and assembles the trajectory
 from the recorded turns when the rollout ends.
 """
@@ -27,7 +34,13 @@ import msgspec
 
 from shared import keys as K
 from shared.http import HTTPError
-from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse, RequestTag
+from shared.openai_api import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    RequestTag,
+)
 from shared.protocol import SamplingParams, Turn, make_turn
 from shared.registry import live_workers
 
@@ -42,10 +55,12 @@ class Session:
     generator_id: str
     generator_url: str
     open_version: int
+    env: str = ""
     context: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     prefix_breaks: int = 0
     calls: int = 0
+    failovers: int = 0
 
 
 class NoGenerator(RuntimeError):
@@ -71,24 +86,44 @@ class GeneratorPool:
         self._at = 0.0
         self._rr = itertools.count()
         self._refresh_lock = asyncio.Lock()
+        self._dead: dict[str, tuple[float, float]] = {}  # worker id -> (monotonic, wall) when found dead
 
     # A generator mid-refit queues requests until it resumes, so it still takes sessions.
     SERVING_STATES = ("ready", "loading", "paused")
 
-    async def pick(self, wait_s: float = 30.0) -> tuple[str, str, int]:
-        """(worker id, base url, weight version) of a serving generator, round robin; waits up to
-        ``wait_s`` for one to appear, then raises NoGenerator."""
+    # A generator found dead stays out of routing this long, unless its heartbeat says it restarted.
+    SUSPECT_S = 30.0
+
+    async def pick(self, wait_s: float = 30.0, exclude: frozenset[str] = frozenset()) -> tuple[str, str, int]:
+        """(worker id, base url, weight version) of a serving generator, round robin, other than
+        ``exclude`` and the ones recently found dead; waits up to ``wait_s`` for one to appear,
+        then raises NoGenerator."""
         deadline = time.monotonic() + wait_s
         while True:
             now = time.monotonic()
             if now - self._at > self.refresh_s or not self._ready:
                 await self._refresh(now)
-            if self._ready:
-                g = self._ready[next(self._rr) % len(self._ready)]
+            usable = [g for g in self._ready if g.worker_id not in exclude and not self._suspect(g, now)]
+            if usable:
+                g = usable[next(self._rr) % len(usable)]
                 return g.worker_id, g.url, g.weight_version
             if now > deadline:
                 raise NoGenerator(f"no serving generator registered within {wait_s:.0f}s")
             await asyncio.sleep(self.refresh_s / 2)
+
+    def mark_dead(self, worker_id: str) -> None:
+        """Keep ``worker_id`` out of routing for SUSPECT_S (a later heartbeat from a restarted
+        process with a newer start time brings it back at once)."""
+        self._dead[worker_id] = (time.monotonic(), time.time())
+
+    def _suspect(self, g, now: float) -> bool:
+        mark = self._dead.get(g.worker_id)
+        if mark is None:
+            return False
+        if now - mark[0] > self.SUSPECT_S or g.started_at > mark[1]:
+            del self._dead[g.worker_id]
+            return False
+        return True
 
 
     async def _refresh(self, stale_before: float) -> None:
@@ -103,33 +138,50 @@ class GeneratorPool:
 
 
 class SessionProxy:
-    def __init__(self, pool: GeneratorPool, http: aiohttp.ClientSession, *, request_timeout_s: float) -> None:
+    def __init__(self, pool: GeneratorPool, http: aiohttp.ClientSession, *, request_timeout_s: float,
+                 max_failovers: int = 2) -> None:
         self.pool = pool
         self.http = http
         self.request_timeout_s = request_timeout_s
+        self.max_failovers = max_failovers
         self.sessions: dict[str, Session] = {}
         self.prefix_breaks_total = 0
+        self.prefix_breaks_by_env: dict[str, int] = {}
         self.calls_total = 0
-        self._decoder = msgspec.json.Decoder(ChatCompletionResponse)
+        self.failovers_total = 0
+        self._chat_decoder = msgspec.json.Decoder(ChatCompletionResponse)
+        self._completion_decoder = msgspec.json.Decoder(CompletionResponse)
 
-    async def open(self, session_id: str, kind: str, sampling: SamplingParams) -> Session:
+    async def open(self, session_id: str, kind: str, sampling: SamplingParams, env: str = "") -> Session:
         gid, url, version = await self.pool.pick()
-        s = Session(session_id, kind, sampling, gid, url, version)
+        s = Session(session_id, kind, sampling, gid, url, version, env=env)
         self.sessions[session_id] = s
         return s
 
     def close(self, session_id: str) -> Session | None:
         return self.sessions.pop(session_id, None)
 
-    def _prepare(self, s: Session, req: ChatCompletionRequest) -> ChatCompletionRequest:
+    def session(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
+        return s
+
+    def _sampling_updates(self, s: Session, req) -> dict:
+        if req.n != 1:
+            raise HTTPError(400, "a session records one trajectory: n must be 1", param="n")
         prof = s.sampling
         updates: dict = {"streamrl": RequestTag(kind=s.kind, session_id=s.session_id)}
         if req.temperature is None:
             updates["temperature"] = prof.temperature
         if req.top_p is None:
             updates["top_p"] = prof.top_p
-        cap = req.max_completion_tokens or req.max_tokens
+        cap = getattr(req, "max_completion_tokens", None) or req.max_tokens
         updates["max_tokens"] = min(cap, prof.max_tokens) if cap else prof.max_tokens
+        return updates
+
+    def _prepare(self, s: Session, req: ChatCompletionRequest) -> ChatCompletionRequest:
+        updates = self._sampling_updates(s, req)
         updates["max_completion_tokens"] = None
         replays_history = any(m.role == "assistant" for m in req.messages)
         if s.context and replays_history and req.required_prefix_token_ids is None:
@@ -137,45 +189,85 @@ class SessionProxy:
         return msgspec.structs.replace(req, **updates)
 
     async def chat(self, session_id: str, req: ChatCompletionRequest) -> bytes:
-        s = self.sessions.get(session_id)
-        if s is None:
-            raise HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
-        fwd = self._prepare(s, req)
+        s = self.session(session_id)
         t0 = time.perf_counter()
-        try:
-            async with self.http.post(
-                f"{s.generator_url}/v1/chat/completions", data=msgspec.json.encode(fwd),
-                headers={"content-type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-            ) as resp:
-                status, body = resp.status, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise HTTPError(502, f"generator {s.generator_id} unreachable: {type(exc).__name__}: {exc}") from exc
-        if status != 200:
-            # Pass the generator's error through unchanged (4xx: the agent's request was refused).
-            raise HTTPError(status, _error_message(status, body), type_="upstream_error")
-        self._record(s, self._decoder.decode(body), time.perf_counter() - t0)
+        body = await self._post(s, "/v1/chat/completions", msgspec.json.encode(self._prepare(s, req)))
+        out = self._chat_decoder.decode(body)
+        c = out.choices[0]
+        self._record(s, out.prompt_token_ids, c.message.generation_token_ids, c.message.generation_log_probs,
+                     out.weight_version, out.weight_version_end, c.finish_reason, time.perf_counter() - t0)
         return body
 
-    def _record(self, s: Session, out: ChatCompletionResponse, latency_s: float) -> None:
-        choice = out.choices[0]
-        prompt = list(out.prompt_token_ids)
-        gen = list(choice.message.generation_token_ids)
+    async def completion(self, session_id: str, req: CompletionRequest) -> bytes:
+        """Plain completions: the agent sends the whole prompt (text or token ids) itself."""
+        s = self.session(session_id)
+        fwd = msgspec.structs.replace(req, **self._sampling_updates(s, req))
+        t0 = time.perf_counter()
+        body = await self._post(s, "/v1/completions", msgspec.json.encode(fwd))
+        out = self._completion_decoder.decode(body)
+        c = out.choices[0]
+        self._record(s, out.prompt_token_ids, c.generation_token_ids, c.generation_log_probs,
+                     out.weight_version, out.weight_version_end, c.finish_reason, time.perf_counter() - t0)
+        return body
+
+    async def _post(self, s: Session, path: str, payload: bytes) -> bytes:
+        """POST to the session's generator; on a dead one, move the session to another and retry."""
+        tried: set[str] = set()
+        while True:
+            try:
+                async with self.http.post(
+                    f"{s.generator_url}{path}", data=payload, headers={"content-type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+                ) as resp:
+                    status, body = resp.status, await resp.read()
+            except aiohttp.ClientConnectionError as exc:  # refused, reset or dropped mid-request
+                status, body, gone = 0, b"", f"{type(exc).__name__}: {exc}"
+            except asyncio.TimeoutError as exc:
+                raise HTTPError(504, f"generator {s.generator_id} did not answer within "
+                                     f"{self.request_timeout_s:.0f}s", type_="upstream_timeout") from exc
+            else:
+                if status == 200:
+                    return body
+                if status != 503:
+                    # Pass the generator's error through unchanged (4xx: the agent's request was refused).
+                    raise HTTPError(status, _error_message(status, body), type_="upstream_error")
+                gone = _error_message(status, body)
+            await self._fail_over(s, tried, gone)
+
+    async def _fail_over(self, s: Session, tried: set[str], why: str) -> None:
+        tried.add(s.generator_id)
+        self.pool.mark_dead(s.generator_id)
+        if len(tried) > self.max_failovers:
+            raise HTTPError(502, f"generator {s.generator_id} unavailable ({why}); gave up after "
+                                 f"{len(tried)} generators", type_="upstream_unavailable")
+        try:
+            gid, url, _ = await self.pool.pick(wait_s=min(10.0, self.request_timeout_s), exclude=frozenset(tried))
+        except NoGenerator as exc:
+            raise HTTPError(502, f"generator {s.generator_id} unavailable ({why}) and no other serving "
+                                 f"generator: {exc}", type_="upstream_unavailable") from exc
+        log.warning("session %s: generator %s unavailable (%s); failing over to %s", s.session_id,
+                    s.generator_id, why, gid)
+        s.generator_id, s.generator_url = gid, url
+        s.failovers += 1
+        self.failovers_total += 1
+
+    def _record(self, s: Session, prompt: list[int], gen: list[int], logprobs: list[float], version: int,
+                version_end: int, finish_reason: str, latency_s: float) -> None:
         keep = common_prefix_len(s.context, prompt)
         if s.context and keep < len(s.context):
             s.prefix_breaks += 1
             self.prefix_breaks_total += 1
-            log.warning("session %s: prompt of call %d breaks the token prefix at %d of %d", s.session_id,
-                        s.calls, keep, len(s.context))
+            self.prefix_breaks_by_env[s.env] = self.prefix_breaks_by_env.get(s.env, 0) + 1
+            log.warning("session %s (%s): prompt of call %d breaks the token prefix at %d of %d", s.session_id,
+                        s.env, s.calls, keep, len(s.context))
         s.turns.append(
             make_turn(
-                prompt_ids=prompt[keep:], context_len=keep, generated_ids=gen,
-                generated_logprobs=choice.message.generation_log_probs,
-                weight_version=out.weight_version, weight_version_end=out.weight_version_end,
-                finish_reason=choice.finish_reason, generator_id=s.generator_id, latency_s=latency_s,
+                prompt_ids=prompt[keep:], context_len=keep, generated_ids=gen, generated_logprobs=logprobs,
+                weight_version=version, weight_version_end=version_end, finish_reason=finish_reason,
+                generator_id=s.generator_id, latency_s=latency_s,
             )
         )
-        s.context = prompt + gen
+        s.context = list(prompt) + list(gen)
         s.calls += 1
         self.calls_total += 1
 

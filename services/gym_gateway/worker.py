@@ -1,16 +1,23 @@
 """The gateway's task worker: tasks stream in, trajectories out.
 
     XREADGROUP tasks (up to free slots) -> RUNNING rollout (session + environment, deadline)
-        -> trajectory XADD -> task XACK                         (ack only after publishing)
+        -> failed for an infra reason and retries left? -> run again (fresh session, same task)
+        -> trajectory XADD + task XACK, atomically, only while this worker owns the task
     pending tasks of a dead worker --XAUTOCLAIM after reclaim_idle_s--> run here
+    SIGTERM: stop reading -> running rollouts finish within the drain limit -> the rest, and tasks
+        read but not started, are released to the group at once (re-added, old entry acked)
 
 At most ``max_concurrent_rollouts`` rollouts run at once; no new task is read while the launch gate
 is closed (a pause reason in LAUNCH_GATE_REASONS) or all slots are busy, so backpressure stays in
-the stream. Failures are classified: ``timeout`` (deadline), ``transport`` (model unreachable),
-``model_refused`` (4xx from the model), ``env_error`` (the environment raised), ``unknown_env``;
-each becomes a ``failed`` trajectory with its reason, and the trainer's failure policy decides.
-On shutdown the worker stops reading, lets running rollouts finish within the drain limit and
-leaves the rest pending for another worker to reclaim; nothing is acked that was not published.
+the stream.
+
+Failures are classified (`classify`). Infrastructure failures (``timeout``, ``transport``,
+``no_generator``, ``sandbox``, ``env_error``, ``unknown_env``) are retried here when
+``env.failure_policy`` is ``retry`` (up to ``env.max_rollout_retries``, except ``unknown_env``),
+then published as a zero-token ``failed`` placeholder carrying ``fallback_reason``: the trainer's
+failure policy stops the run or backfills. Policy failures (``model_refused``: the model's request
+was refused, e.g. its context is full) end the rollout as ``truncated`` with reward 0 and the turns
+so far. Counts per reason are kept for metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 import msgspec
@@ -27,27 +36,63 @@ from shared import keys as K
 from shared.protocol import Task, Trajectory
 from shared.streams import Delivery, StreamClient
 from services.gym_gateway.envs import UnknownEnvironment, get_env
-from services.gym_gateway.envs.base import ChatClient, ModelRequestError, Outcome, TransportError
+from services.gym_gateway.envs.base import ChatClient, InfraError, ModelRequestError, Outcome
 from services.gym_gateway.proxy import NoGenerator, Session, SessionProxy
 
 log = logging.getLogger(__name__)
 
 
-def assemble(task: Task, session: Session, outcome: Outcome | None, failure: str | None, gateway_id: str,
-             started_at: float, *, carry_mask_flag: bool = True) -> Trajectory:
-    """The trajectory record of a finished rollout. ``carry_mask_flag`` (env.should_mask_flagged_samples)
-    off leaves ``mask_sample`` out of the record altogether."""
+@dataclass(frozen=True)
+class Failure:
+    reason: str  # short label: metrics key and the head of fallback_reason
+    message: str
+    kind: Literal["infra", "policy"] = "infra"
+    retryable: bool = True
+
+    @property
+    def fallback_reason(self) -> str:
+        return f"{self.reason}: {self.message}" if self.message else self.reason
+
+
+def classify(exc: BaseException) -> Failure:
+    """Whose fault a rollout's exception is, and whether running it again can help."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return Failure("timeout", "rollout deadline passed")
+    if isinstance(exc, NoGenerator):
+        return Failure("no_generator", str(exc))
+    if isinstance(exc, UnknownEnvironment):
+        return Failure("unknown_env", str(exc), retryable=False)
+    if isinstance(exc, InfraError):
+        return Failure(exc.reason, str(exc))
+    if isinstance(exc, ModelRequestError):
+        return Failure("model_refused", str(exc), kind="policy", retryable=False)
+    return Failure("env_error", f"{type(exc).__name__}: {exc}")
+
+
+def assemble(task: Task, session: Session, outcome: Outcome | None, failure: Failure | None, gateway_id: str,
+             started_at: float, *, carry_mask_flag: bool = True, attempts: int = 1) -> Trajectory:
+    """The trajectory record of a finished rollout. An infrastructure failure is a zero-token
+    placeholder; a policy failure keeps its turns as a truncated, zero-reward rollout.
+    ``carry_mask_flag`` (env.should_mask_flagged_samples) off leaves ``mask_sample`` out of the
+    record altogether."""
+    infra = failure is not None and failure.kind == "infra"
+    turns = [] if infra else session.turns
     versions = [t.weight_version for t in session.turns]
+    if failure is None:
+        status = outcome.status
+    else:
+        status = "failed" if infra else "truncated"
     return Trajectory(
         task_id=task.task_id, group_id=task.group_id, index_in_group=task.index_in_group,
         group_size=task.group_size, prompt_index=task.prompt_index, env=task.env, kind=task.kind,
         target_step=task.target_step, launch_version=min(versions) if versions else session.open_version,
-        reward=0.0 if outcome is None else float(outcome.reward),
-        status="failed" if failure else outcome.status, fallback_reason=failure,
-        turns=session.turns,
+        reward=0.0 if outcome is None else float(outcome.reward), status=status,
+        fallback_reason=failure.fallback_reason if failure else None,
+        failure_kind=failure.kind if failure else None, turns=turns,
         mask_sample=bool(outcome is not None and outcome.mask_sample) if carry_mask_flag else msgspec.UNSET,
         metrics={**(outcome.metrics if outcome else {}), "model_calls": float(session.calls),
-                 "prefix_breaks": float(session.prefix_breaks)},
+                 "prefix_breaks": float(session.prefix_breaks), "failovers": float(session.failovers),
+                 "attempts": float(attempts)},
         gateway_id=gateway_id, started_at=started_at, finished_at=time.time(),
     )
 
@@ -66,10 +111,16 @@ class GatewayWorker:
         self.gateway_id = gateway_id
         self.carry_mask_flag = carry_mask_flag
         self.env_cfg = env_cfg
+        retry = env_cfg is not None and env_cfg.failure_policy == "retry"
+        self.max_retries = env_cfg.max_rollout_retries if retry else 0
         self._envs: dict = {}  # one instance per environment name, built on first use
         self.active: dict[str, asyncio.Task] = {}
+        self.deliveries: dict[str, Delivery[Task]] = {}  # task id -> the entry it came from (running)
+        self.held: list[Delivery[Task]] = []  # read, not started yet (gate closed or no free slot)
         self.completed = 0
-        self.failed: dict[str, int] = {}
+        self.failed: dict[str, int] = {}  # reason -> rollouts published as failed/truncated
+        self.retried: dict[str, int] = {}  # reason -> attempts run again
+        self.released = 0
         self.stopping = False
         self._slot_free = asyncio.Event()
 
@@ -82,7 +133,7 @@ class GatewayWorker:
         await self.streams.ensure_group(keys.tasks, K.GATEWAYS_GROUP)
         # Our own tasks from before a restart, then new ones. Tasks read while the gate closed
         # wait in ``held`` (still pending in the group) and launch only once it reopens.
-        held = await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10_000, pending=True)
+        self.held = await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10_000, pending=True)
         next_reclaim = time.monotonic() + self.reclaim_idle_s / 4
         while not self.stopping:
             if await self.streams.redis.exists(keys.stop):
@@ -96,17 +147,21 @@ class GatewayWorker:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            if held:
-                for d in held[:free]:
+            if self.held:
+                for d in self.held[:free]:
                     self._launch(d)
-                held = held[free:]
+                self.held = self.held[free:]
                 continue
             if time.monotonic() > next_reclaim:
                 next_reclaim = time.monotonic() + self.reclaim_idle_s / 4
-                held = await self.streams.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task,
-                                                  min_idle_ms=int(self.reclaim_idle_s * 1000), count=free)
+                self.held = await self.streams.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task,
+                                                       min_idle_ms=int(self.reclaim_idle_s * 1000), count=free)
                 continue
-            held = await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=free, block_ms=500)
+            got = await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=free, block_ms=500)
+            if self.stopping:  # read while a drain began: give them back rather than start them
+                await self._release(got)
+            else:
+                self.held = got
 
     def _env(self, name: str):
         env = self._envs.get(name)
@@ -119,67 +174,92 @@ class GatewayWorker:
             return
         t = asyncio.create_task(self._rollout(d), name=f"rollout-{d.msg.task_id}")
         self.active[d.msg.task_id] = t
+        self.deliveries[d.msg.task_id] = d
         t.add_done_callback(lambda _t, tid=d.msg.task_id: self._done(tid))
 
     def _done(self, task_id: str) -> None:
         self.active.pop(task_id, None)
+        self.deliveries.pop(task_id, None)
         self._slot_free.set()
 
     async def _rollout(self, d: Delivery[Task]) -> None:
         task = d.msg
         started = time.time()
-        outcome: Outcome | None = None
-        failure: str | None = None
-        session = None
-        # One session per attempt, URL-safe (task ids contain "/"); a reclaimed task gets a new one.
-        session_id = f"{task.group_id}.{task.index_in_group}.{uuid.uuid4().hex[:8]}"
+        attempt = 0
+        while True:
+            attempt += 1
+            session, outcome, failure = await self._attempt(task)
+            if failure is None or not failure.retryable or failure.kind != "infra" or attempt > self.max_retries:
+                break
+            self.retried[failure.reason] = self.retried.get(failure.reason, 0) + 1
+            log.warning("rollout %s attempt %d failed (%s); retrying", task.task_id, attempt, failure.fallback_reason)
+        if failure:
+            self.failed[failure.reason] = self.failed.get(failure.reason, 0) + 1
+            log.warning("rollout %s failed after %d attempt(s): %s", task.task_id, attempt, failure.fallback_reason)
+        traj = assemble(task, session, outcome, failure, self.gateway_id, started,
+                        carry_mask_flag=self.carry_mask_flag, attempts=attempt)
+        keys = self.streams.keys
         try:
-            session = await self.proxy.open(session_id, task.kind, task.sampling)
+            published = await self.streams.publish_and_ack(keys.trajectories, traj, keys.tasks, K.GATEWAYS_GROUP,
+                                                           d.entry_id)
+        except Exception as exc:
+            # Not acked: the task stays pending and is reclaimed.
+            log.error("could not publish trajectory %s: %s", task.task_id, exc)
+            return
+        if published is None:
+            log.warning("rollout %s finished after its task was taken over by another worker; result dropped",
+                        task.task_id)
+            return
+        self.completed += 1
+
+    async def _attempt(self, task: Task) -> tuple[Session, Outcome | None, Failure | None]:
+        """One run of the task's environment in a fresh session (URL-safe id: task ids contain "/")."""
+        session_id = f"{task.group_id}.{task.index_in_group}.{uuid.uuid4().hex[:8]}"
+        session: Session | None = None
+        outcome: Outcome | None = None
+        failure: Failure | None = None
+        try:
+            session = await self.proxy.open(session_id, task.kind, task.sampling, env=task.env)
             env = self._env(task.env)
             client = ChatClient(f"{self.session_base_url}/sessions/{session_id}/v1", self.http,
                                 timeout_s=task.deadline_s, sampling=task.sampling, session_id=session_id)
             outcome = await asyncio.wait_for(env.rollout(task.instance, client, max_turns=self.max_turns), task.deadline_s)
-        except asyncio.TimeoutError:
-            failure = "timeout"
-        except NoGenerator as exc:
-            failure = f"no_generator: {exc}"
-        except UnknownEnvironment as exc:
-            failure = f"unknown_env: {exc}"
-        except TransportError as exc:
-            failure = f"transport: {exc}"
-        except ModelRequestError as exc:
-            failure = f"model_refused: {exc}"
         except asyncio.CancelledError:
             self.proxy.close(session_id)
-            raise  # shutting down: leave the task pending for a reclaim
-        except Exception as exc:  # an environment bug or sandbox error: still an infra failure
-            log.exception("rollout %s: environment error", task.task_id)
-            failure = f"env_error: {type(exc).__name__}: {exc}"
-        if session is None:
-            session = Session(session_id, task.kind, task.sampling, "", "", -1)
-        self.proxy.close(session_id)
-        if failure:
-            reason = failure.split(":")[0]
-            self.failed[reason] = self.failed.get(reason, 0) + 1
-            log.warning("rollout %s failed: %s", task.task_id, failure)
-        traj = assemble(task, session, outcome, failure, self.gateway_id, started, carry_mask_flag=self.carry_mask_flag)
-        try:
-            await self.streams.publish(self.streams.keys.trajectories, traj)
-            await self.streams.ack(self.streams.keys.tasks, K.GATEWAYS_GROUP, [d.entry_id])
+            raise  # draining: the task is released by drain()
         except Exception as exc:
-            # Not acked: the task stays pending and is reclaimed; the trainer drops a duplicate.
-            log.error("could not publish trajectory %s: %s", task.task_id, exc)
+            failure = classify(exc)
+            if failure.reason == "env_error":
+                log.exception("rollout %s: environment error", task.task_id)
+        self.proxy.close(session_id)
+        if session is None:
+            session = Session(session_id, task.kind, task.sampling, "", "", -1, env=task.env)
+        return session, outcome, failure
+
+    async def _release(self, deliveries: list[Delivery[Task]]) -> None:
+        if not deliveries:
             return
-        self.completed += 1
+        try:
+            self.released += await self.streams.requeue(
+                self.streams.keys.tasks, K.GATEWAYS_GROUP, deliveries,
+                bump=lambda t: msgspec.structs.replace(t, attempt=t.attempt + 1))
+        except Exception as exc:  # Redis gone: they stay pending and are reclaimed later
+            log.error("could not release %d tasks: %s; they stay pending for a reclaim", len(deliveries), exc)
 
     async def drain(self, timeout_s: float) -> None:
+        """Stop reading; let running rollouts finish within ``timeout_s``; release the rest, and
+        tasks read but never started, back to the group for another worker."""
         self.stopping = True
+        held, self.held = self.held, []
+        await self._release(held)
         if not self.active:
             return
         log.info("draining %d running rollouts (up to %.0fs)", len(self.active), timeout_s)
         done, pending = await asyncio.wait(list(self.active.values()), timeout=timeout_s)
+        unfinished = [self.deliveries[tid] for tid, t in list(self.active.items()) if t in pending]
         for t in pending:
             t.cancel()
-        if pending:
-            log.warning("%d rollouts left pending for reclaim", len(pending))
         await asyncio.gather(*pending, return_exceptions=True)
+        if unfinished:
+            log.warning("drain: %d rollouts did not finish in %.0fs; releasing their tasks", len(unfinished), timeout_s)
+            await self._release(unfinished)

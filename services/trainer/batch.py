@@ -4,8 +4,10 @@ logprobs aligned to positions, advantages and sample masks.
 A rollout's sequence is rebuilt from its turns: turn k's prompt continues the context at
 ``context_len``. When every turn continues the full context (token-exact multi-turn), the row is
 one sequence whose generated spans carry the loss. A turn that continues only part of the context
-(the agent rewrote history: a prefix break) cannot be trained as one sequence; such rows keep their
-place in the group baseline but are masked out of the loss and counted. So are rollouts the
+(the agent rewrote history: a prefix break) cannot be trained as one sequence. With
+``env.on_prefix_break: mask`` such rows keep their place in the group baseline but are masked out
+of the loss and counted; with ``new_sample`` the turns from each break on become one more row (the
+kept context as prompt, loss on the later generations) with the rollout's advantage. So are rollouts the
 environment flagged (``mask_sample``, e.g. an iteration cap was hit) while
 ``env.should_mask_flagged_samples`` is on (``num_mask_sample_filtered``).
 
@@ -41,6 +43,7 @@ class Row:
     prefix_break: bool = False
     truncated: bool = False
     env_flagged: bool = False
+    segments: list["Row"] = field(default_factory=list)  # later samples of a rollout split at prefix breaks
 
 
 @dataclass
@@ -53,45 +56,58 @@ class StepBatch:
         return [r for r in self.rows if r.sample_mask > 0 and r.token_mask.sum() > 0]
 
 
-def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True) -> Row:
-    """Rebuild one rollout's token sequence from its turns."""
+def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_prefix_break: str = "mask") -> Row:
+    """Rebuild one rollout's token sequence from its turns. With ``on_prefix_break="new_sample"``
+    the turns from a break on become extra rows in ``row.segments`` (same reward and advantage)."""
     if not traj.turns or traj.status == "failed":
         # A backfilled failure: kept for the batch shape, no loss, no part in the baselines.
         return Row(traj.task_id, traj.group_id, np.zeros(1, np.int64), np.zeros(1, np.float32),
                    np.zeros(1, np.float32), traj.reward, sample_mask=0.0, placeholder=True)
-    ids: list[np.ndarray] = []
-    mask: list[np.ndarray] = []
-    lps: list[np.ndarray] = []
-    length = 0
+    pieces: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[]]
+    context = np.zeros(0, np.int64)  # the current sample's tokens so far
     prefix_break = False
     for turn in traj.turns:
-        if turn.context_len != length:
+        if turn.context_len != len(context):
             prefix_break = True
-            break
-        prompt, gen, lp = turn.prompt(), turn.generated(), turn.logprobs()
-        ids += [prompt, gen]
-        mask += [np.zeros(len(prompt), np.float32), np.ones(len(gen), np.float32)]
-        lps += [np.zeros(len(prompt), np.float32), lp.astype(np.float32)]
-        length += len(prompt) + len(gen)
-    seq = np.concatenate(ids).astype(np.int64) if ids else np.zeros(1, np.int64)
-    tmask = np.concatenate(mask) if mask else np.zeros(1, np.float32)
-    glp = np.concatenate(lps) if lps else np.zeros(1, np.float32)
+            if on_prefix_break != "new_sample":
+                break
+            # A new sample: what the agent kept of the context is prompt here (trained already).
+            context = context[: turn.context_len]
+            pieces.append([(context, np.zeros(len(context), np.float32), np.zeros(len(context), np.float32))])
+        prompt, gen, lp = turn.prompt().astype(np.int64), turn.generated().astype(np.int64), turn.logprobs()
+        pieces[-1] += [(prompt, np.zeros(len(prompt), np.float32), np.zeros(len(prompt), np.float32)),
+                       (gen, np.ones(len(gen), np.float32), lp.astype(np.float32))]
+        context = np.concatenate([context, prompt, gen])
+    rows = [_row(traj, parts, max_len, mask_flagged) for parts in pieces]
+    head = rows[0]
+    head.prefix_break = prefix_break
+    if prefix_break and on_prefix_break != "new_sample":
+        head.sample_mask = 0.0
+    head.segments = rows[1:]
+    return head
+
+
+def _row(traj: Trajectory, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], max_len: int, mask_flagged: bool) -> Row:
+    seq = np.concatenate([p[0] for p in parts]).astype(np.int64) if parts else np.zeros(1, np.int64)
+    tmask = np.concatenate([p[1] for p in parts]) if parts else np.zeros(1, np.float32)
+    glp = np.concatenate([p[2] for p in parts]) if parts else np.zeros(1, np.float32)
     truncated = len(seq) > max_len
     if truncated:
         seq, tmask, glp = seq[:max_len], tmask[:max_len], glp[:max_len]
     tmask[0] = 0.0  # the first token has no logprob
-    row = Row(traj.task_id, traj.group_id, seq, tmask, glp, traj.reward, prefix_break=prefix_break, truncated=truncated,
+    row = Row(traj.task_id, traj.group_id, seq, tmask, glp, traj.reward, truncated=truncated,
               env_flagged=mask_flagged and traj.mask_sample is True)
-    if prefix_break or row.env_flagged:
+    if row.env_flagged:
         row.sample_mask = 0.0
     return row
 
 
 def build_step_batch(
-    groups: list[Group], *, max_len: int, leave_one_out: bool, normalize: bool, mask_flagged: bool = True
+    groups: list[Group], *, max_len: int, leave_one_out: bool, normalize: bool, mask_flagged: bool = True,
+    on_prefix_break: str = "mask",
 ) -> StepBatch:
     trajs = [t for g in groups for t in g.ordered()]
-    rows = [build_row(t, max_len, mask_flagged) for t in trajs]
+    rows = [build_row(t, max_len, mask_flagged, on_prefix_break) for t in trajs]
     group_size = groups[0].group_size if groups else 0
     adv = batch_advantages(
         [r.group_id for r in rows],
@@ -103,7 +119,14 @@ def build_step_batch(
     )
     for r, a in zip(rows, adv):
         r.advantage = float(a)
+        for seg in r.segments:
+            seg.advantage = float(a)
     rewards = np.array([r.reward for r in rows], dtype=np.float64)
+    failures: dict[str, float] = {}
+    for t in trajs:
+        if t.fallback_reason:
+            key = f"rollout_failures/{t.fallback_reason.split(':', 1)[0]}"
+            failures[key] = failures.get(key, 0.0) + 1.0
     real = [r for r in rows if not r.placeholder]
     stats = {
         "reward_mean": float(rewards.mean()) if len(rows) else 0.0,
@@ -128,4 +151,7 @@ def build_step_batch(
         for k, v in t.metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     stats.update({f"env/{k}": v / len(trajs) for k, v in sorted(sums.items())})
-    return StepBatch(rows, stats)
+    stats.update(failures)
+    segments = [seg for r in rows for seg in r.segments]
+    stats["num_prefix_break_samples"] = float(len(segments))
+    return StepBatch(rows + segments, stats)

@@ -34,13 +34,14 @@ from typing import Any
 from shared import keys as K
 from shared.protocol import Heartbeat, Trajectory
 from shared.registry import HeartbeatTask, live_workers
-from shared.run_config import RunConfig
+from shared.run_config import RunConfig, backfills_failures
 from shared.streams import StreamClient, connect
 from services.trainer.batch import build_step_batch
 from services.trainer.buffer import ReplayBuffer
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.control import PauseControl
-from services.trainer.metrics_log import MetricsLog, plot_reward_curve, read_metrics
+from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve, read_metrics
+from services.trainer.observe import staleness_counts
 from services.trainer.refit import WeightPublisher
 from services.trainer.scheduler import PromptSource, Scheduler, _read_jsonl
 from services.trainer.validation import ValidationRunner, periodic_due
@@ -81,6 +82,7 @@ class TrainerRuntime:
         self._fatal: BaseException | None = None
         self._group_ready = asyncio.Event()
         self._unacked: list[str] = []
+        self.record_sinks: list[RecordSink] = []  # called with every metrics record (Prometheus)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -120,7 +122,8 @@ class TrainerRuntime:
         )
         self.state = "loading_policy"
         self.backend = await asyncio.to_thread(self._build_backend)
-        self.metrics = MetricsLog(self.log_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(self.log_dir / "metrics.jsonl", sinks=self.record_sinks,
+                                  tensorboard_dir=self.log_dir / "tensorboard" if cfg.logger.tensorboard else None)
         await asyncio.to_thread(self._restore)
         self.heartbeat = HeartbeatTask(self.redis, self.keys, self._heartbeat)
         self.heartbeat.start()
@@ -201,7 +204,7 @@ class TrainerRuntime:
         batch = build_step_batch(
             sample.groups, max_len=self.cfg.policy.max_total_sequence_length,
             leave_one_out=self.cfg.grpo.use_leave_one_out_baseline, normalize=self.cfg.grpo.normalize_rewards,
-            mask_flagged=self.cfg.env.should_mask_flagged_samples,
+            mask_flagged=self.cfg.env.should_mask_flagged_samples, on_prefix_break=self.cfg.env.on_prefix_break,
         )
         train_metrics = await asyncio.to_thread(self.backend.train_step, batch)
         t_train = time.perf_counter()
@@ -251,6 +254,7 @@ class TrainerRuntime:
             **train_metrics,
             "staleness_mean": sum(ages) / len(ages),
             "staleness_max": max(ages),
+            "staleness_counts": staleness_counts(step, sample.groups),
             "sampled_target_offsets": targets,
             "evicted_groups": len(self._step_evicted) // self.cfg.grpo.num_generations_per_prompt,
             "evicted_ids": sorted(self._step_evicted),
@@ -261,6 +265,7 @@ class TrainerRuntime:
             "time_wait_data_s": t_data - t0,
             "time_train_s": t_train - t_data,
             "time_refit_s": report.total_s,
+            **report.phase_times(),
             "time_step_s": time.perf_counter() - t0,
             "trajectories_received": self.trajectories_received,
             "trajectories_per_s": self.trajectories_received / max(elapsed, 1e-6),
@@ -377,10 +382,12 @@ class TrainerRuntime:
                 self.validator.deliver(traj)
             await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [entry_id])
             return
-        if traj.status == "failed" and self.cfg.env.failure_policy == "fail_fast":
+        if traj.status == "failed" and not backfills_failures(self.cfg.env):
+            tries = int(traj.metrics.get("attempts", 1))
             self._fatal = RunFailed(
-                f"rollout {traj.task_id} failed ({traj.fallback_reason}); env.failure_policy is fail_fast "
-                "(set it to backfill to train on with a zero-reward placeholder)"
+                f"rollout {traj.task_id} failed after {tries} attempt(s) ({traj.fallback_reason}); "
+                f"env.failure_policy is {self.cfg.env.failure_policy} (set it to backfill, or "
+                "env.nemo_gym.backfill_failed_rollouts to true, to train on with a zero-token placeholder)"
             )
             self._group_ready.set()
             return

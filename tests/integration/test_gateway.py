@@ -8,100 +8,26 @@ launch gate, failure classification, dead-lettering of bad task entries, and HTT
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import uuid
 
 import httpx
 import pytest
-import uvicorn
-import yaml
 
 from shared import keys as K
-from shared.config import load
-from shared.protocol import SamplingParams, Task, Trajectory, WeightAck, WeightAnnouncement
-from shared.run_config import RunConfig
-from shared.streams import StreamClient, connect
-from shared.weights_format import checksum_dir, dir_num_bytes
-from streamrl.redis_server import free_port
+from shared.protocol import SamplingParams
+from tests.gateway_fixtures import collect, make_task
 
 pytestmark = pytest.mark.integration
-
-
-@contextlib.asynccontextmanager
-async def serve(app, port: int):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    server.install_signal_handlers = lambda: None
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
+pytest_plugins = ["tests.gateway_fixtures"]
 
 
 @pytest.fixture
-async def stack(tiny_model_dir, redis_url, tmp_path):
+async def stack(gateway_stack):
     """Valkey + generator (weights v0 confirmed) + gateway; yields (gateway app, streams, gateway url)."""
-    from services.generator.app import build_app as build_generator
-    from services.gym_gateway.app import build_app as build_gateway
-
-    run_id = f"gw-{uuid.uuid4().hex[:8]}"
-    tree = {
-        "run": {"run_id": run_id, "output_dir": str(tmp_path)},
-        "redis": {"url": redis_url},
-        "data": {"train_path": "unused.jsonl"},
-        "policy": {"model_name": str(tiny_model_dir), "generation": {
-            "backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12}},
-        "env": {"name": "crossing", "max_turns": 2},
-        "gym_gateway": {"max_concurrent_rollouts": 4, "rollout_timeout_s": 60, "reclaim_idle_s": 600},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    cfg = load(RunConfig, path, env={})
-    redis = connect(redis_url)
-    streams = StreamClient(redis, K.RunKeys(run_id), "test-trainer")
-    await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
-    gen_port, gw_port = free_port(), free_port()
-    async with serve(build_generator(cfg, "gen-0", gen_port), gen_port):
-        ann = WeightAnnouncement(version=0, path=str(tiny_model_dir), checksum=checksum_dir(tiny_model_dir),
-                                 num_bytes=dir_num_bytes(tiny_model_dir))
-        await streams.publish(streams.keys.weights, ann)
-        await _wait_ack(streams, 0)
-        gateway = build_gateway(cfg, worker_id="gw-0", port=gw_port, drain_timeout_s=5)
-        async with serve(gateway, gw_port) as gw_url:
-            yield gateway, streams, gw_url
-    await redis.aclose()
+    async with gateway_stack() as st:
+        yield st.gateway, st.streams, st.url
 
 
-async def _wait_ack(streams: StreamClient, version: int, timeout_s: float = 60) -> WeightAck:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    cursor = "0-0"
-    while asyncio.get_running_loop().time() < deadline:
-        for d in await streams.read_after(streams.keys.weight_acks, cursor, WeightAck, block_ms=200):
-            cursor = d.entry_id
-            if d.msg.version == version:
-                assert d.msg.ok, d.msg.error
-                return d.msg
-    raise TimeoutError(f"no ack for v{version}")
-
-
-def _task(i: int, env: str = "crossing", instance=None) -> Task:
-    return Task(task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=1, prompt_index=i, env=env,
-                instance=instance or {"light": "red"}, kind="train", target_step=0,
-                sampling=SamplingParams(max_tokens=12), deadline_s=60.0)
-
-
-async def _collect(streams: StreamClient, n: int, timeout_s: float = 60) -> list[Trajectory]:
-    out: list[Trajectory] = []
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while len(out) < n and asyncio.get_running_loop().time() < deadline:
-        got = await streams.read_group(streams.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=10, block_ms=200)
-        out += [d.msg for d in got]
-    return out
+_task, _collect = make_task, collect
 
 
 async def test_tasks_become_trajectories_and_are_acked_after_publishing(stack):

@@ -3,6 +3,8 @@ and ``echo`` (single turn)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from services.gym_gateway.envs.base import Environment
@@ -37,3 +39,16 @@ def get_env(name: str, env_cfg: Any = None) -> Environment:
 
 def env_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+@contextlib.contextmanager
+def registered(env: Environment) -> Iterator[Environment]:
+    """Make the object ``env`` resolvable by its name while the block runs (benchmarks and tests
+    plug in environments this way); a name already taken is an error."""
+    if env.name in _REGISTRY:
+        raise RuntimeError(f"environment {env.name!r} is already registered")
+    _REGISTRY[env.name] = lambda: env
+    try:
+        yield env
+    finally:
+        del _REGISTRY[env.name]

@@ -1,0 +1,171 @@
+"""Fixtures for the gym gateway's tests (loaded with ``pytest_plugins`` by its modules).
+
+* ``serve_app``: ``async with serve_app(app, port) as url`` serves an ASGI app with uvicorn on a
+  loopback port, lifespan included, and stops it on exit.
+* ``gateway_stack``: ``async with gateway_stack(...) as stack`` starts generator(s) (transformers
+  engine, weights v0 confirmed) and a gateway on loopback ports over the session's Valkey, on a
+  fresh run id; ``stack.stop_generator(i)`` stops one generator mid-test.
+* ``registered_env``: ``with registered_env(env): ...`` makes an environment object resolvable by
+  its name for the duration of a test.
+
+Builds on ``tiny_model_dir`` and ``redis_url`` from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+import yaml
+
+from shared import keys as K
+from shared.config import load
+from shared.protocol import SamplingParams, Task, Trajectory, WeightAck, WeightAnnouncement
+from shared.run_config import RunConfig
+from shared.streams import StreamClient, connect
+from shared.weights_format import checksum_dir, dir_num_bytes
+from streamrl.redis_server import free_port
+
+
+class _Served:
+    def __init__(self, app, port: int) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                   lifespan="on"))
+        self.server.install_signal_handlers = lambda: None
+        self.url = f"http://127.0.0.1:{port}"
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> str:
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+            await asyncio.sleep(0.02)
+        return self.url
+
+    async def stop(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.server.should_exit = True
+            await asyncio.wait_for(self.task, 60)
+
+
+@contextlib.asynccontextmanager
+async def serve(app, port: int):
+    served = _Served(app, port)
+    await served.start()
+    try:
+        yield served.url
+    finally:
+        await served.stop()
+
+
+@pytest.fixture
+def serve_app():
+    return serve
+
+
+async def wait_ack(streams: StreamClient, version: int, worker_id: str | None = None,
+                   timeout_s: float = 60) -> WeightAck:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    cursor = "0-0"
+    while asyncio.get_running_loop().time() < deadline:
+        for d in await streams.read_after(streams.keys.weight_acks, cursor, WeightAck, block_ms=200):
+            cursor = d.entry_id
+            if d.msg.version == version and worker_id in (None, d.msg.worker_id):
+                assert d.msg.ok, d.msg.error
+                return d.msg
+    raise TimeoutError(f"no ack for v{version}")
+
+
+def make_task(i: int, env: str = "crossing", instance: dict | None = None, *, deadline_s: float = 60.0,
+              max_tokens: int = 12) -> Task:
+    return Task(task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=1, prompt_index=i, env=env,
+                instance=instance or {"light": "red"}, kind="train", target_step=0,
+                sampling=SamplingParams(max_tokens=max_tokens), deadline_s=deadline_s)
+
+
+async def collect(streams: StreamClient, n: int, timeout_s: float = 60) -> list[Trajectory]:
+    out: list[Trajectory] = []
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while len(out) < n and asyncio.get_running_loop().time() < deadline:
+        got = await streams.read_group(streams.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=10, block_ms=200)
+        out += [d.msg for d in got]
+    return out
+
+
+@dataclass
+class Stack:
+    cfg: RunConfig
+    gateway: Any  # the gateway FastAPI app (state.proxy, state.worker)
+    streams: StreamClient  # plays the trainer
+    url: str  # the gateway's base URL
+    generators: list[_Served] = field(default_factory=list)
+
+    async def stop_generator(self, i: int) -> None:
+        await self.generators[i].stop()
+
+
+def run_tree(model_dir, redis_url: str, out_dir, run_id: str, **sections: dict) -> dict:
+    tree = {
+        "run": {"run_id": run_id, "output_dir": str(out_dir)},
+        "redis": {"url": redis_url},
+        "data": {"train_path": "unused.jsonl"},
+        "policy": {"model_name": str(model_dir), "generation": {
+            "backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12}},
+        "env": {"name": "crossing", "max_turns": 2},
+        "gym_gateway": {"max_concurrent_rollouts": 4, "rollout_timeout_s": 60, "reclaim_idle_s": 600},
+    }
+    for name, values in sections.items():
+        tree.setdefault(name, {}).update(values)
+    return tree
+
+
+@pytest.fixture
+def gateway_stack(tiny_model_dir, redis_url, tmp_path):
+    """Factory: ``gateway_stack(num_generators=1, drain_timeout_s=5, **sections)`` where sections
+    (``env={...}``, ``gym_gateway={...}``) update the run config."""
+    from services.generator.app import build_app as build_generator
+    from services.gym_gateway.app import build_app as build_gateway
+
+    @contextlib.asynccontextmanager
+    async def _stack(num_generators: int = 1, drain_timeout_s: float = 5.0, **sections: dict):
+        run_id = f"gw-{uuid.uuid4().hex[:8]}"
+        path = tmp_path / f"{run_id}.yaml"
+        path.write_text(yaml.safe_dump(run_tree(tiny_model_dir, redis_url, tmp_path, run_id, **sections)))
+        cfg = load(RunConfig, path, env={})
+        redis = connect(redis_url)
+        streams = StreamClient(redis, K.RunKeys(run_id), "test-trainer")
+        await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
+        gens = []
+        try:
+            for i in range(num_generators):
+                port = free_port()
+                gens.append(_Served(build_generator(cfg, f"gen-{i}", port), port))
+                await gens[-1].start()
+            ann = WeightAnnouncement(version=0, path=str(tiny_model_dir), checksum=checksum_dir(tiny_model_dir),
+                                     num_bytes=dir_num_bytes(tiny_model_dir))
+            await streams.publish(streams.keys.weights, ann)
+            for i in range(num_generators):
+                await wait_ack(streams, 0, f"gen-{i}")
+            gw_port = free_port()
+            gateway = build_gateway(cfg, worker_id="gw-0", port=gw_port, drain_timeout_s=drain_timeout_s)
+            async with serve(gateway, gw_port) as gw_url:
+                yield Stack(cfg, gateway, streams, gw_url, gens)
+        finally:
+            for g in reversed(gens):
+                await g.stop()
+            await redis.aclose()
+
+    return _stack
+
+
+@pytest.fixture
+def registered_env():
+    from services.gym_gateway.envs import registered
+
+    return registered
