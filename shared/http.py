@@ -26,12 +26,21 @@ _AT = re.compile(r"^(.*) - at `\$((?:[.\[][^`]*)?)`$")
 class HTTPError(Exception):
     """An error with an HTTP status, raised anywhere below a route."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, type_: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type_: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_ or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+        self.headers = headers  # e.g. WWW-Authenticate on a 401
 
 
 def bad_request(message: str, param: str | None = None) -> HTTPError:
@@ -77,7 +86,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
         if exc.status >= 500:
             log.error("request failed: %s", exc.message)
-        return JSONResponse(error_payload(exc.status, exc.message, exc.param, exc.type), status_code=exc.status)
+        return JSONResponse(
+            error_payload(exc.status, exc.message, exc.param, exc.type), status_code=exc.status, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -6,7 +6,11 @@
                                                       stale epoch is refused with 409
     POST /validate            -> {"validation_id", "at_step"}   runs at the next step boundary
     GET  /status              -> JSON status (step, buffer depth per target, staleness, workers...)
-    GET  /health, /ready, /metrics
+    GET  /validations/<id>    -> a requested validation's state and result
+    GET  /health, /ready, /metrics   (open: probes and scrapes)
+
+Every other route is a control route: with an API token set it requires the bearer token
+(`shared.auth`).
 
 Built by `build_app` around a TrainerRuntime (which owns all state); started by __main__.
 """
@@ -15,53 +19,30 @@ from __future__ import annotations
 
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import Gauge
 
+from shared.auth import AuthPolicy, require_control_token
 from shared.http import HTTPError, decode_body, install_error_handlers
-from shared.metrics import CONTENT_TYPE, ServiceMetrics
+from shared.metrics import CONTENT_TYPE
+from services.trainer.observe import TrainerMetrics
 from services.trainer.runtime import TrainerRuntime
+
+CONTROL = [Depends(require_control_token)]
 
 
 class ResumeRequest(msgspec.Struct, forbid_unknown_fields=True):
     epoch: int | None = None
 
 
-class _Gauges:
-    def __init__(self, metrics: ServiceMetrics) -> None:
-        r = metrics.registry
-        self.step = Gauge("streamrl_trainer_step", "Current training step", registry=r)
-        self.version = Gauge("streamrl_trainer_weight_version", "Last confirmed weight version", registry=r)
-        self.buffer = Gauge("streamrl_trainer_buffer_groups", "Complete groups staged, by target offset", ["offset"], registry=r)
-        self.in_flight = Gauge("streamrl_trainer_in_flight_groups", "Groups issued and not yet complete", registry=r)
-        self.evicted = Gauge("streamrl_trainer_evicted_groups_total", "Groups evicted as stale", registry=r)
-        self.reward = Gauge("streamrl_trainer_reward_mean", "Mean reward of the last step", registry=r)
-        self.staleness = Gauge("streamrl_trainer_staleness_mean", "Mean age of the last step's groups", registry=r)
-        self.refit = Gauge("streamrl_trainer_refit_seconds", "Duration of the last refit", registry=r)
-        self.deadletter = Gauge("streamrl_trainer_deadlettered_total", "Entries dead-lettered by the trainer", registry=r)
-
-    def update(self, rt: TrainerRuntime) -> None:
-        self.step.set(rt.step)
-        self.version.set(rt.weight_version)
-        self.buffer.clear()
-        for target, n in rt.buffer.depth_by_target().items():
-            self.buffer.labels(offset=str(target - rt.step)).set(n)
-        self.in_flight.set(rt.scheduler.in_flight_count())
-        self.evicted.set(rt.buffer.evicted_total)
-        self.deadletter.set(rt.streams.deadlettered)
-        last = rt.last_metrics
-        if last:
-            self.reward.set(last["reward_mean"])
-            self.staleness.set(last["staleness_mean"])
-            self.refit.set(last["time_refit_s"])
-
-
-def build_app(runtime: TrainerRuntime, metrics: ServiceMetrics) -> FastAPI:
+def build_app(runtime: TrainerRuntime, metrics: TrainerMetrics | None = None, *, auth: AuthPolicy | None = None) -> FastAPI:
+    """The REST app around ``runtime``; ``auth`` defaults to the token in the environment."""
+    metrics = metrics if metrics is not None else TrainerMetrics()
+    runtime.record_sinks.append(metrics.observe_record)
     app = FastAPI(title="streamrl trainer")
     install_error_handlers(app)
-    app.state.runtime = runtime
-    gauges = _Gauges(metrics)
+    app.state.runtime, app.state.metrics = runtime, metrics
+    app.state.auth = auth if auth is not None else AuthPolicy.from_env()
 
     def ready_runtime() -> TrainerRuntime:
         if not hasattr(runtime, "buffer"):
@@ -77,16 +58,16 @@ def build_app(runtime: TrainerRuntime, metrics: ServiceMetrics) -> FastAPI:
         ok = runtime.weight_version >= 0 and runtime.error is None
         return JSONResponse({"ready": ok, "state": runtime.state}, status_code=200 if ok else 503)
 
-    @app.get("/status")
+    @app.get("/status", dependencies=CONTROL)
     async def status() -> dict:
         return await ready_runtime().status()
 
-    @app.post("/pause")
+    @app.post("/pause", dependencies=CONTROL)
     async def pause() -> dict:
         epoch = await ready_runtime().pause.pause("user")
         return {"epoch": epoch}
 
-    @app.post("/resume")
+    @app.post("/resume", dependencies=CONTROL)
     async def resume(request: Request) -> dict:
         rt = ready_runtime()
         body = await request.body()
@@ -99,7 +80,7 @@ def build_app(runtime: TrainerRuntime, metrics: ServiceMetrics) -> FastAPI:
             raise HTTPError(409, f"pause epoch {epoch} is not the active pause (active: {active})", param="epoch")
         return {"resumed": True, "epoch": epoch}
 
-    @app.post("/validate")
+    @app.post("/validate", dependencies=CONTROL)
     async def validate() -> dict:
         rt = ready_runtime()
         if rt.validator is None:
@@ -107,7 +88,7 @@ def build_app(runtime: TrainerRuntime, metrics: ServiceMetrics) -> FastAPI:
         vid = rt.request_validation()
         return {"validation_id": vid, "at_step": rt.step, "status": "queued", "result_url": f"/validations/{vid}"}
 
-    @app.get("/validations/{validation_id}")
+    @app.get("/validations/{validation_id}", dependencies=CONTROL)
     async def validation(validation_id: str) -> dict:
         entry = runtime.validations.get(validation_id)
         if entry is None:
@@ -116,8 +97,9 @@ def build_app(runtime: TrainerRuntime, metrics: ServiceMetrics) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        if hasattr(runtime, "buffer"):
-            gauges.update(runtime)
+        metrics.update_from_runtime(runtime)
+        if hasattr(runtime, "redis"):
+            await metrics.update_from_redis(runtime.redis, runtime.keys)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

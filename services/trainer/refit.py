@@ -39,10 +39,19 @@ class RefitError(RuntimeError):
 @dataclass
 class RefitReport:
     version: int
-    save_s: float
-    confirm_s: float
+    save_s: float  # close the gate and write the safetensors folder
+    confirm_s: float  # checksum, announce, wait for every generator, prune old versions
     total_s: float
     generators: list[str] = field(default_factory=list)
+    checksum_s: float = 0.0  # part of confirm_s
+
+    def phase_times(self) -> dict[str, float]:
+        """Per-phase durations as metrics-record fields: write, checksum, confirm (announce to acks)."""
+        return {
+            "time_refit_write_s": self.save_s,
+            "time_refit_checksum_s": self.checksum_s,
+            "time_refit_confirm_s": self.confirm_s - self.checksum_s,
+        }
 
 
 async def wait_for_generators(streams: StreamClient, timeout_s: float) -> list[str]:
@@ -87,6 +96,7 @@ class WeightPublisher:
                     path = await asyncio.to_thread(self._write, version, save)
                     t_saved = time.perf_counter()
                     checksum = await asyncio.to_thread(checksum_dir, path)
+                    t_checksummed = time.perf_counter()
             except TimeoutError:
                 raise RefitError(
                     f"writing weight version {version} to {self.weights_dir} took more than {self.timeout_s:.0f}s "
@@ -103,7 +113,7 @@ class WeightPublisher:
             await self.pause.resume("refit", epoch)
         await asyncio.to_thread(self._prune, version)
         t1 = time.perf_counter()
-        report = RefitReport(version, t_saved - t0, t1 - t_saved, t1 - t0, generators)
+        report = RefitReport(version, t_saved - t0, t1 - t_saved, t1 - t0, generators, t_checksummed - t_saved)
         log.info("refit to v%d confirmed by %d generator(s) in %.2fs (save %.2fs)", version,
                  len(generators), report.total_s, report.save_s)
         return report

@@ -14,7 +14,6 @@ from services.trainer.control import PauseControl
 from services.trainer.runtime import TrainerRuntime
 from shared import keys as K
 from shared.config import decode_tree
-from shared.metrics import ServiceMetrics
 from shared.run_config import RunConfig
 from shared.streams import connect
 
@@ -35,7 +34,7 @@ async def api(tiny_model_dir, redis_url, tmp_path):
     cfg.check()
     rt = TrainerRuntime(cfg, worker_id="trainer-test", url="http://test")
     await rt.start()
-    app = build_app(rt, ServiceMetrics("trainer"))
+    app = build_app(rt)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
         yield rt, client
     await rt.aclose()
