@@ -28,7 +28,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from services.generator.chat import ChatRenderer
 from services.generator.engine import Engine, build_engine
@@ -38,6 +38,7 @@ from services.generator.routes_openai import router as openai_router
 from services.generator.runtime import Runtime
 from services.generator.serving import GenerationService
 from services.generator.weights import WeightSync
+from shared.auth import AuthPolicy, require_agent_token
 from shared.http import install_error_handlers
 from shared.keys import RunKeys
 from shared.protocol import Heartbeat
@@ -91,8 +92,9 @@ def build_app(cfg: RunConfig, worker_id: str, port: int, *, engine: Engine | Non
     s.worker_id, s.url, s.started_at = worker_id, advertised_url(gen_cfg.host, port), time.time()
     s.redis = s.heartbeat = None
     s.tasks = {}
+    s.auth = AuthPolicy.from_env(cfg.auth.protect_agent_routes)  # admin routes check it (routes_admin)
     install_error_handlers(app)
-    app.include_router(openai_router)
+    app.include_router(openai_router, dependencies=[Depends(require_agent_token)])
     app.include_router(admin_router)
     return app
 

@@ -8,20 +8,25 @@
   (`WeightSync.apply`), acked on the weight_acks stream as well; 500 naming the error on failure.
 * ``POST /admin/reset_prefix_cache``: the engine's answer.
 * ``GET /admin/state``: `shared.openai_api.GeneratorState`.
+
+Every ``/admin/*`` route requires the API token when one is set (`shared.auth`); the probes and
+``/metrics`` stay open.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from services.generator.runtime import Runtime
 from services.generator.weights import LoadOrder
+from shared.auth import require_control_token
 from shared.http import HTTPError, MsgspecJSON, read_body
 from shared.metrics import CONTENT_TYPE
 from shared.openai_api import GeneratorState, LoadWeightsRequest, PauseRequest
 
 router = APIRouter()
+CONTROL = [Depends(require_control_token)]
 
 
 def _runtime(request: Request) -> Runtime:
@@ -45,25 +50,25 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/admin/state")
+@router.get("/admin/state", dependencies=CONTROL)
 async def state(request: Request) -> MsgspecJSON:
     return MsgspecJSON(generator_state(request.app.state))
 
 
-@router.post("/admin/pause")
+@router.post("/admin/pause", dependencies=CONTROL)
 async def pause(request: Request) -> MsgspecJSON:
     body = await read_body(request, PauseRequest)
     await _runtime(request).pause("admin", body.mode)
     return MsgspecJSON(generator_state(request.app.state))
 
 
-@router.post("/admin/resume")
+@router.post("/admin/resume", dependencies=CONTROL)
 async def resume(request: Request) -> MsgspecJSON:
     await _runtime(request).resume("admin")
     return MsgspecJSON(generator_state(request.app.state))
 
 
-@router.post("/admin/load_weights")
+@router.post("/admin/load_weights", dependencies=CONTROL)
 async def load_weights(request: Request) -> MsgspecJSON:
     body = await read_body(request, LoadWeightsRequest)
     order = LoadOrder(version=body.version, path=body.path, checksum=body.checksum, mode=body.mode)
@@ -73,7 +78,7 @@ async def load_weights(request: Request) -> MsgspecJSON:
     return MsgspecJSON(ack)
 
 
-@router.post("/admin/reset_prefix_cache")
+@router.post("/admin/reset_prefix_cache", dependencies=CONTROL)
 async def reset_prefix_cache(request: Request) -> MsgspecJSON:
     rt = _runtime(request)
     ok = await rt.engine.reset_prefix_cache()

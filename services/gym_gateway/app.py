@@ -20,11 +20,12 @@ import socket
 import time
 
 import aiohttp
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 
 from shared import keys as K
+from shared.auth import AuthPolicy, client_headers, require_agent_token
 from shared.http import HTTPError, install_error_handlers, read_body
 from shared.metrics import CONTENT_TYPE, ServiceMetrics
 from shared.openai_api import ChatCompletionRequest, CompletionRequest
@@ -32,6 +33,7 @@ from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
+from services.gym_gateway.metrics import RolloutOutcomes
 from services.gym_gateway.proxy import GeneratorPool, SessionProxy
 from services.gym_gateway.worker import GatewayWorker
 
@@ -43,6 +45,10 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
     url = f"http://{gw.host}:{port}"
     metrics = ServiceMetrics("gym_gateway")
     started_at = time.time()
+    auth = AuthPolicy.from_env(cfg.auth.protect_agent_routes)
+    # With protected agent routes the token goes with every call this worker makes (generators, its
+    # own session proxy, agent servers that call back into it); otherwise it is never sent.
+    headers = client_headers(auth.token) if auth.protect_agent_routes else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -53,7 +59,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         # the gateway's CPU at 64 concurrent rollouts. Idle connections expire well before the
         # servers' keep-alive (120 s) closes them.
         http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4 * gw.max_concurrent_rollouts,
-                                                                    keepalive_timeout=30.0))
+                                                                    keepalive_timeout=30.0), headers=headers)
         streams = StreamClient(redis, keys, worker_id)
         # 2. proxy and worker
         proxy = SessionProxy(GeneratorPool(redis, keys), http, request_timeout_s=gw.request_timeout_s,
@@ -89,6 +95,9 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
 
     app = FastAPI(title="streamrl gym gateway", lifespan=lifespan)
     install_error_handlers(app)
+    app.state.auth = auth
+    agent_auth = [Depends(require_agent_token)]
+    metrics.registry.register(RolloutOutcomes(lambda: getattr(app.state, "worker", None)))
     g_active = Gauge("streamrl_gateway_active_rollouts", "Rollouts running", registry=metrics.registry)
     g_done = Gauge("streamrl_gateway_completed_rollouts_total", "Rollouts published", registry=metrics.registry)
     g_failed = Gauge("streamrl_gateway_failed_rollouts_total", "Failed rollouts by reason", ["reason"], registry=metrics.registry)
@@ -101,7 +110,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
                        registry=metrics.registry)
     g_failovers = Gauge("streamrl_gateway_failovers_total", "Session moves off a dead generator", registry=metrics.registry)
 
-    @app.post("/sessions/{session_id}/v1/chat/completions")
+    @app.post("/sessions/{session_id}/v1/chat/completions", dependencies=agent_auth)
     async def chat(session_id: str, request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest)
         if req.stream:
@@ -109,7 +118,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         body = await app.state.proxy.chat(session_id, req)
         return Response(body, media_type="application/json")
 
-    @app.post("/sessions/{session_id}/v1/completions")
+    @app.post("/sessions/{session_id}/v1/completions", dependencies=agent_auth)
     async def completions(session_id: str, request: Request) -> Response:
         req = await read_body(request, CompletionRequest)
         if req.stream:
@@ -117,7 +126,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         body = await app.state.proxy.completion(session_id, req)
         return Response(body, media_type="application/json")
 
-    @app.get("/sessions/{session_id}/v1/models")
+    @app.get("/sessions/{session_id}/v1/models", dependencies=agent_auth)
     async def models(session_id: str) -> Response:
         s = app.state.proxy.session(session_id)
         async with app.state.proxy.http.get(f"{s.generator_url}/v1/models") as resp:
