@@ -1,0 +1,5 @@
+"""A shop's stock."""
+
+from shop.inventory import Inventory
+
+__all__ = ["Inventory"]

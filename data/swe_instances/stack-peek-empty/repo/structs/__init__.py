@@ -1,0 +1,5 @@
+"""Small data structures."""
+
+from structs.stack import Stack
+
+__all__ = ["Stack"]

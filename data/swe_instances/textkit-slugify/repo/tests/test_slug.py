@@ -1,0 +1,5 @@
+from textkit import slugify
+
+
+def test_single_word():
+    assert slugify("Hello") == "hello"

@@ -1,0 +1,8 @@
+"""URL slugs."""
+
+import re
+
+
+def slugify(text):
+    """Lower-case ``text`` and join its words with single dashes."""
+    return re.sub(r"[^a-z0-9]", "-", text.lower())
