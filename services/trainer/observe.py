@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from shared.metrics import ServiceMetrics
 from shared.queue_stats import group_stats, stream_lengths
@@ -70,6 +70,13 @@ class TrainerMetrics(ServiceMetrics):
             "streamrl_trainer_step_phase_seconds", "Training step duration per phase (wait_data, train, refit, step)",
             ["phase"], buckets=DURATION_BUCKETS_S, registry=r,
         )
+        self.refit_generators = Gauge(
+            "streamrl_trainer_refit_generators", "Generators that confirmed the last refit", registry=r
+        )
+        self.refit_dropped = Counter(
+            "streamrl_trainer_refit_dropped_generators", "Generators that left or began draining during a refit",
+            registry=r,
+        )
         self.stream_length = Gauge("streamrl_stream_length", "Entries in a stream of the run", ["stream"], registry=r)
         self.group_pending = Gauge(
             "streamrl_stream_pending", "Entries delivered to a consumer group and not yet acked", ["stream", "group"], registry=r
@@ -100,6 +107,9 @@ class TrainerMetrics(ServiceMetrics):
         for phase, key in STEP_PHASES.items():
             if record.get(key) is not None:
                 self.step_phase.labels(phase=phase).observe(float(record[key]))
+        if "refit_generators" in record:
+            self.refit_generators.set(len(record["refit_generators"]))
+            self.refit_dropped.inc(len(record.get("refit_dropped_generators") or []))
 
     def update_from_runtime(self, rt) -> None:
         self.step.set(rt.step)

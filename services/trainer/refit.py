@@ -6,8 +6,13 @@
 Generators drain (or, with in-flight weight updates, freeze) their requests, load, reset their
 prefix cache and ack; see services/generator/weights.py. Every phase has a deadline. A generator
 that reports a failure, or does not confirm before the deadline, fails the refit loudly with its
-name (never a silent hang). A generator that leaves the registry while we wait is dropped from the
-set we wait on, with a warning.
+name (never a silent hang).
+
+Membership is read from the registry at every refit, so the set follows scaling: the refit waits
+for the generators that serve at that moment. One still ``starting`` is not waited for (it loads
+the newest announced version itself before it reports ready), nor one that is ``draining`` (it is
+leaving). A generator that leaves the registry or starts draining while we wait is dropped from
+the set, with a warning, and counted in ``RefitReport.dropped`` and ``dropped_total``.
 
 Owned by the trainer runtime; the learner's ``save_weights`` is passed in.
 """
@@ -43,6 +48,7 @@ class RefitReport:
     confirm_s: float  # checksum, announce, wait for every generator, prune old versions
     total_s: float
     generators: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # left or began draining before confirming
     checksum_s: float = 0.0  # part of confirm_s
 
     def phase_times(self) -> dict[str, float]:
@@ -54,13 +60,25 @@ class RefitReport:
         }
 
 
+# Registry states of a generator the refit does not wait for: it catches up on its own (starting)
+# or is leaving (draining).
+NOT_WAITED_FOR = ("starting", "draining")
+
+
+async def refit_members(streams: StreamClient) -> set[str]:
+    """Live generators a refit must hear from now."""
+    gens = await live_workers(streams.redis, streams.keys, "generator")
+    return {g.worker_id for g in gens if g.state not in NOT_WAITED_FOR}
+
+
 async def wait_for_generators(streams: StreamClient, timeout_s: float) -> list[str]:
-    """Block until at least one generator has registered; fail loudly at the deadline."""
+    """Block until at least one generator that a refit waits for has registered; fail loudly at
+    the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
-        gens = await live_workers(streams.redis, streams.keys, "generator")
-        if gens:
-            return [g.worker_id for g in gens]
+        members = await refit_members(streams)
+        if members:
+            return sorted(members)
         if time.monotonic() > deadline:
             raise RefitError(f"no generator registered within {timeout_s:.0f}s (trainer.startup_timeout_s at start-up, "
                              "trainer.refit_timeout_s later)")
@@ -84,11 +102,14 @@ class WeightPublisher:
         self.timeout_s = timeout_s
         self.mode = "keep" if in_flight_updates else "drain"
         self.keep_versions = keep_versions
+        self.dropped_total = 0  # generators dropped from a refit they did not confirm
+        self._dropped: list[str] = []
 
     async def refit(self, version: int, save: Callable[[Path], None], *, wait_for_generators_s: float | None = None) -> RefitReport:
         """Publish ``version`` and wait for every live generator; ``wait_for_generators_s`` bounds
         the wait for the first generator to register (start-up), default the refit deadline."""
         t0 = time.perf_counter()
+        self._dropped = []
         epoch = await self.pause.pause("refit")
         try:
             try:
@@ -113,9 +134,11 @@ class WeightPublisher:
             await self.pause.resume("refit", epoch)
         await asyncio.to_thread(self._prune, version)
         t1 = time.perf_counter()
-        report = RefitReport(version, t_saved - t0, t1 - t_saved, t1 - t0, generators, t_checksummed - t_saved)
-        log.info("refit to v%d confirmed by %d generator(s) in %.2fs (save %.2fs)", version,
-                 len(generators), report.total_s, report.save_s)
+        report = RefitReport(version, t_saved - t0, t1 - t_saved, t1 - t0, generators,
+                             dropped=list(self._dropped), checksum_s=t_checksummed - t_saved)
+        log.info("refit to v%d confirmed by %d generator(s) (%s) in %.2fs (save %.2fs)%s", version,
+                 len(generators), ", ".join(generators), report.total_s, report.save_s,
+                 f"; dropped {', '.join(report.dropped)}" if report.dropped else "")
         return report
 
     def _write(self, version: int, save: Callable[[Path], None]) -> Path:
@@ -150,12 +173,14 @@ class WeightPublisher:
                 if not ack.ok:
                     raise RefitError(f"generator {ack.worker_id} failed to load weight version {ann.version}: {ack.error}")
                 confirmed[ack.worker_id] = ack
-            live = {g.worker_id for g in await live_workers(self.streams.redis, self.streams.keys, "generator")}
-            gone = expected - live - set(confirmed)
+            gone = expected - await refit_members(self.streams) - set(confirmed)
             if gone:
-                log.warning("generator(s) left during refit to v%d: %s", ann.version, ", ".join(sorted(gone)))
+                log.warning("generator(s) left or began draining during refit to v%d, not waited for: %s",
+                            ann.version, ", ".join(sorted(gone)))
                 expected -= gone
-                if not expected:
+                self._dropped += sorted(gone)
+                self.dropped_total += len(gone)
+                if not expected and not confirmed:
                     raise RefitError(f"every generator left before confirming weight version {ann.version}")
         return sorted(confirmed)
 

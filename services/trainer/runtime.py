@@ -266,6 +266,8 @@ class TrainerRuntime:
             "time_train_s": t_train - t_data,
             "time_refit_s": report.total_s,
             **report.phase_times(),
+            "refit_generators": report.generators,  # confirmed v=step+1 (membership follows scaling)
+            "refit_dropped_generators": report.dropped,
             "time_step_s": time.perf_counter() - t0,
             "trajectories_received": self.trajectories_received,
             "trajectories_per_s": self.trajectories_received / max(elapsed, 1e-6),

@@ -1,0 +1,108 @@
+"""Refit membership follows scaling, against a real Valkey: every refit re-reads the registry, so a
+generator that joined since the last refit is waited for, one that is still starting or already
+draining is not, and one that leaves or starts draining mid-refit is dropped (named in the report
+and counted) instead of failing the refit. The generators are played by the test (heartbeat and
+WeightAck), as in test_refit.py."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from services.trainer.control import PauseControl
+from services.trainer.refit import RefitError, WeightPublisher
+from shared import keys as K
+from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
+from shared.registry import publish_heartbeat, remove_worker
+from shared.streams import StreamClient, connect
+
+pytestmark = pytest.mark.integration
+
+
+def _save(path):
+    (path / "model.safetensors").write_bytes(b"\x00" * 64)
+
+
+@pytest.fixture
+async def publisher(redis_url, tmp_path):
+    redis = connect(redis_url)
+    keys = K.RunKeys(f"members-{uuid.uuid4().hex[:6]}")
+    streams = StreamClient(redis, keys, "trainer")
+    pub = WeightPublisher(streams, PauseControl(redis, keys), tmp_path / "weights", timeout_s=2.0, in_flight_updates=False)
+    yield pub, streams
+    await redis.aclose()
+
+
+async def _beat(streams: StreamClient, worker_id: str, state: str = "ready") -> None:
+    hb = Heartbeat(worker_id=worker_id, kind="generator", url="http://x", pid=1, host="h", state=state)
+    await publish_heartbeat(streams.redis, streams.keys, hb)
+
+
+async def _ack_version(streams: StreamClient, worker_id: str, version: int) -> None:
+    """Play a generator: wait for the announcement of ``version``, then ack it."""
+    while True:
+        latest = await streams.read_latest(streams.keys.weights, WeightAnnouncement)
+        if latest is not None and latest.msg.version == version:
+            break
+        await asyncio.sleep(0.02)
+    await streams.publish(streams.keys.weight_acks, WeightAck(worker_id=worker_id, version=version, ok=True))
+
+
+async def test_a_generator_that_joined_is_waited_for_at_the_next_refit(publisher):
+    pub, streams = publisher
+    await _beat(streams, "gen-0")
+    asyncio.create_task(_ack_version(streams, "gen-0", 1))
+    assert (await pub.refit(1, _save)).generators == ["gen-0"]
+    await _beat(streams, "gen-1")  # scaled up between two refits
+    asyncio.create_task(_ack_version(streams, "gen-0", 2))
+    with pytest.raises(RefitError, match="by generator\\(s\\): gen-1"):
+        await pub.refit(2, _save)  # the newcomer is expected: its silence fails the refit by name
+    both = asyncio.gather(_ack_version(streams, "gen-0", 3), _ack_version(streams, "gen-1", 3))
+    report = await pub.refit(3, _save)
+    await both
+    assert report.generators == ["gen-0", "gen-1"] and report.dropped == []
+
+
+async def test_starting_and_draining_generators_are_not_waited_for(publisher):
+    pub, streams = publisher
+    await _beat(streams, "gen-0")
+    await _beat(streams, "gen-new", state="starting")  # catches up by itself once its engine is up
+    await _beat(streams, "gen-old", state="draining")  # leaving: must not hold the refit
+    asyncio.create_task(_ack_version(streams, "gen-0", 1))
+    report = await pub.refit(1, _save)
+    assert report.generators == ["gen-0"] and report.dropped == []
+
+
+async def test_a_generator_that_leaves_or_drains_mid_refit_is_dropped_and_counted(publisher):
+    pub, streams = publisher
+    for wid in ("gen-0", "gen-1", "gen-2"):
+        await _beat(streams, wid)
+
+    async def scale_down_then_ack() -> None:
+        while not await streams.redis.xlen(streams.keys.weights):
+            await asyncio.sleep(0.02)
+        await _beat(streams, "gen-1", state="draining")  # SIGTERM arrived: it leaves routing first
+        await remove_worker(streams.redis, streams.keys, "gen-2")  # gone without a word
+        await _ack_version(streams, "gen-0", 4)
+
+    asyncio.create_task(scale_down_then_ack())
+    report = await pub.refit(4, _save)
+    assert report.generators == ["gen-0"]
+    assert sorted(report.dropped) == ["gen-1", "gen-2"] and pub.dropped_total == 2
+
+
+async def test_the_start_up_refit_waits_for_a_generator_that_can_confirm(publisher):
+    pub, streams = publisher
+    await _beat(streams, "gen-0", state="starting")
+    with pytest.raises(RefitError, match="no generator registered"):
+        await pub.refit(0, _save, wait_for_generators_s=0.5)
+
+    async def come_up() -> None:
+        await asyncio.sleep(0.3)
+        await _beat(streams, "gen-0")
+        await _ack_version(streams, "gen-0", 0)
+
+    asyncio.create_task(come_up())
+    assert (await pub.refit(0, _save, wait_for_generators_s=5.0)).generators == ["gen-0"]
