@@ -70,6 +70,9 @@ class VllmSection(_Section):
     ] = None
     max_num_batched_tokens: Annotated[int | None, D("token budget of one engine step; null: the engine's default")] = None
     tensor_parallel_size: Annotated[int, D("tensor parallel degree of each engine")] = 1
+    enable_expert_parallel: Annotated[
+        bool, D("shard MoE experts across the engine's ranks (expert parallel size = tensor_parallel_size)")
+    ] = False
 
 
 class GenerationSection(_Section):
@@ -104,6 +107,8 @@ class SequencePackingSection(_Section):
 
 class MegatronSection(_Section):
     tensor_model_parallel_size: Annotated[int, D("tensor parallel ranks (the backend supports 1 so far)")] = 1
+    pipeline_model_parallel_size: Annotated[int, D("pipeline parallel stages (the backend supports 1 so far)")] = 1
+    expert_model_parallel_size: Annotated[int, D("expert parallel ranks of MoE layers (the backend supports 1 so far)")] = 1
     distributed_data_parallel_config: Annotated[
         dict[str, Any],
         D(

@@ -63,6 +63,7 @@ class VllmEngine:
             enable_chunked_prefill=self._chunked_prefill(v.enable_chunked_prefill),
             max_num_batched_tokens=v.max_num_batched_tokens,
             tensor_parallel_size=v.tensor_parallel_size,
+            enable_expert_parallel=v.enable_expert_parallel,
             logprobs_mode="processed_logprobs",
             seed=self._cfg.run.seed,
             disable_log_stats=True,

@@ -14,7 +14,8 @@ writes HF safetensors plus the HF config, so generators load Megatron-trained we
 Everything else (micro-batching, packing, the loss, sequence-error masking, normalisation after
 masking, metrics) is the torch backend's: this class overrides how the model is built, run and
 saved, and how gradients are gathered (the DDP grad buffers). Single process or one rank per GPU
-under torchrun; tensor parallelism is not wired yet (``tensor_model_parallel_size`` must be 1).
+under torchrun; tensor, pipeline and expert parallelism and sequence packing are not wired yet
+(`check_supported` refuses them, naming the key).
 The conversion and config plumbing are tested on CPU; a forward pass needs CUDA
 (scripts/gpu_check_megatron.sh checks logits against transformers and trains a few steps).
 """
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from services.trainer.backends.torch_backend import TorchBackend
 from shared.config import ConfigError
-from shared.run_config import MegatronSection
+from shared.run_config import MegatronSection, PolicySection
 from shared.weights_format import safetensors_files
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,19 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[s
     return {k: v.contiguous() for k, v in out.items()}
 
 
+_NOT_YET = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+
+
+def check_supported(policy: PolicySection) -> None:
+    """Refuse what the backend cannot do yet, naming the key, instead of silently training without it."""
+    for key in _NOT_YET:
+        value = getattr(policy.megatron_cfg, key)
+        if value != 1:
+            raise ConfigError(f"policy.megatron_cfg.{key} is {value}; the megatron backend supports only 1 so far")
+    if policy.sequence_packing.enabled:
+        raise ConfigError("policy.sequence_packing.enabled is not supported by the megatron backend yet")
+
+
 def init_distributed(tensor_parallel: int) -> None:
     """torch.distributed (torchrun's environment, or a single local rank) and Megatron's groups."""
     from megatron.core import parallel_state
@@ -206,8 +220,7 @@ class MegatronBackend(TorchBackend):
     def _build_model(self):
         from megatron.core.distributed import DistributedDataParallel
 
-        if self.policy.sequence_packing.enabled:
-            raise ConfigError("policy.sequence_packing is not supported by the megatron backend yet")
+        check_supported(self.policy)
         init_distributed(self.policy.megatron_cfg.tensor_model_parallel_size)
         self.hf_config = json.loads((Path(self.policy.model_name) / "config.json").read_text())
         model = build_gpt_model(self.hf_config, self.dtype).to(self.device)
