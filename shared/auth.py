@@ -17,11 +17,13 @@ Without a token every route is open, which is only allowed on a loopback bind ad
 configured to bind anything else refuses to start (`check_bind`) unless ``auth.allow_open_bind``
 says the network is private. Neither the token nor Redis credentials are ever logged or shown:
 `redact_url` masks the password of a URL, and errors never echo a presented token.
+
+This module imports no web framework (service entry points load it before anything heavy); the
+FastAPI dependencies that enforce the policy live in `shared.http`.
 """
 
 from __future__ import annotations
 
-import hmac
 import os
 import re
 from collections.abc import Mapping
@@ -29,15 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from fastapi import Request
-
 from shared.config import ConfigError
-from shared.http import HTTPError
 
 TOKEN_ENV = "STREAMRL_API_TOKEN"
 TOKEN_FILE_ENV = "STREAMRL_API_TOKEN_FILE"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="streamrl"'}
 _URL_CREDENTIALS = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:]*):([^/@\s]*)@")
 
 
@@ -98,39 +96,6 @@ class AuthPolicy:
     @classmethod
     def from_env(cls, protect_agent_routes: bool = False) -> "AuthPolicy":
         return cls(load_api_token(), protect_agent_routes)
-
-
-def verify_bearer(header: str | None, expected: str) -> None:
-    """Check an Authorization header against ``expected``: 401 if missing or malformed, 403 if wrong."""
-    if not header:
-        raise HTTPError(401, "missing Authorization header: send 'Authorization: Bearer <token>'",
-                        type_="authentication_error", headers=_CHALLENGE)
-    scheme, _, presented = header.strip().partition(" ")
-    presented = presented.strip()
-    if scheme.lower() != "bearer" or not presented:
-        raise HTTPError(401, "malformed Authorization header: expected 'Bearer <token>'",
-                        type_="authentication_error", headers=_CHALLENGE)
-    if not hmac.compare_digest(presented.encode(), expected.encode()):
-        raise HTTPError(403, "the bearer token is not valid for this service", type_="permission_error")
-
-
-def _policy(request: Request) -> AuthPolicy:
-    policy = getattr(request.app.state, "auth", None)
-    return policy if policy is not None else AuthPolicy(None)
-
-
-async def require_control_token(request: Request) -> None:
-    """FastAPI dependency of every control route."""
-    policy = _policy(request)
-    if policy.token:
-        verify_bearer(request.headers.get("authorization"), policy.token)
-
-
-async def require_agent_token(request: Request) -> None:
-    """FastAPI dependency of the agent-facing routes (checked only with auth.protect_agent_routes)."""
-    policy = _policy(request)
-    if policy.token and policy.protect_agent_routes:
-        verify_bearer(request.headers.get("authorization"), policy.token)
 
 
 def redact_url(url: str) -> str:

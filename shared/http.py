@@ -4,10 +4,16 @@ Request bodies are decoded with msgspec straight into Structs (no ``await reques
 so a bad request gets a 400 whose message and ``param`` name the offending field. Every service
 installs `install_error_handlers` once; errors have OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
+
+Bearer-token checks are FastAPI dependencies here too: `require_control_token` on every control
+route, `require_agent_token` on agent-facing routes; both read the `shared.auth.AuthPolicy` on
+``app.state.auth``. Missing or malformed header: 401 with ``WWW-Authenticate: Bearer``; wrong
+token: 403; the comparison is `hmac.compare_digest` (constant time) and no message echoes a token.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 from typing import Any, TypeVar
@@ -17,10 +23,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from shared.auth import AuthPolicy
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _AT = re.compile(r"^(.*) - at `\$((?:[.\[][^`]*)?)`$")
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="streamrl"'}
 
 
 class HTTPError(Exception):
@@ -96,3 +105,36 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         msg = f"{first.get('msg', 'invalid request')} at field '{loc}'" if loc else first.get("msg", "invalid request")
         return JSONResponse(error_payload(400, msg, loc, "invalid_request_error"), status_code=400)
+
+
+def verify_bearer(header: str | None, expected: str) -> None:
+    """Check an Authorization header against ``expected``: 401 if missing or malformed, 403 if wrong."""
+    if not header:
+        raise HTTPError(401, "missing Authorization header: send 'Authorization: Bearer <token>'",
+                        type_="authentication_error", headers=_CHALLENGE)
+    scheme, _, presented = header.strip().partition(" ")
+    presented = presented.strip()
+    if scheme.lower() != "bearer" or not presented:
+        raise HTTPError(401, "malformed Authorization header: expected 'Bearer <token>'",
+                        type_="authentication_error", headers=_CHALLENGE)
+    if not hmac.compare_digest(presented.encode(), expected.encode()):
+        raise HTTPError(403, "the bearer token is not valid for this service", type_="permission_error")
+
+
+def _policy(request: Request) -> AuthPolicy:
+    policy = getattr(request.app.state, "auth", None)
+    return policy if policy is not None else AuthPolicy(None)
+
+
+async def require_control_token(request: Request) -> None:
+    """FastAPI dependency of every control route."""
+    policy = _policy(request)
+    if policy.token:
+        verify_bearer(request.headers.get("authorization"), policy.token)
+
+
+async def require_agent_token(request: Request) -> None:
+    """FastAPI dependency of the agent-facing routes (checked only with auth.protect_agent_routes)."""
+    policy = _policy(request)
+    if policy.token and policy.protect_agent_routes:
+        verify_bearer(request.headers.get("authorization"), policy.token)

@@ -8,8 +8,10 @@ instant; each service imports its heavy libraries after `load_service_config` su
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
+from shared.auth import check_bind, is_loopback, load_api_token
 from shared.config import ConfigError, load
 from shared.logs import setup_logging
 from shared.run_config import RunConfig
@@ -25,10 +27,22 @@ def parse_service_args(service: str, description: str, argv: list[str] | None = 
 
 
 def load_service_config(service: str, args: argparse.Namespace) -> RunConfig | None:
-    """Set up logging and load the run config; on a config error print it and return None."""
+    """Set up logging, load the run config and check the service may bind its address (an open
+    control plane only on loopback, see `shared.auth`); on an error print it and return None."""
     setup_logging(service)
     try:
-        return load(RunConfig, args.config, args.overrides)
+        cfg = load(RunConfig, args.config, args.overrides)
+        token = load_api_token()
+        host = getattr(cfg, service).host
+        check_bind(host, f"{service}.host", token, cfg.auth.allow_open_bind)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return None
+    log = logging.getLogger(f"services.{service}")
+    if token:
+        log.info("control routes require the API token%s", " (agent routes too)" if cfg.auth.protect_agent_routes else "")
+    elif is_loopback(host):
+        log.info("no API token set: control routes are open on loopback %s", host)
+    else:
+        log.warning("no API token set and auth.allow_open_bind: control routes on %s are open to its network", host)
+    return cfg

@@ -38,8 +38,8 @@ from services.generator.routes_openai import router as openai_router
 from services.generator.runtime import Runtime
 from services.generator.serving import GenerationService
 from services.generator.weights import WeightSync
-from shared.auth import AuthPolicy, require_agent_token
-from shared.http import install_error_handlers
+from shared.auth import AuthPolicy
+from shared.http import install_error_handlers, require_agent_token
 from shared.keys import RunKeys
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask

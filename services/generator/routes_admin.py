@@ -20,8 +20,7 @@ from fastapi.responses import Response
 
 from services.generator.runtime import Runtime
 from services.generator.weights import LoadOrder
-from shared.auth import require_control_token
-from shared.http import HTTPError, MsgspecJSON, read_body
+from shared.http import HTTPError, MsgspecJSON, read_body, require_control_token
 from shared.metrics import CONTENT_TYPE
 from shared.openai_api import GeneratorState, LoadWeightsRequest, PauseRequest
 

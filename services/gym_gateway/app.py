@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 
 from shared import keys as K
-from shared.auth import AuthPolicy, client_headers, require_agent_token
-from shared.http import HTTPError, install_error_handlers, read_body
+from shared.auth import AuthPolicy, client_headers
+from shared.http import HTTPError, install_error_handlers, read_body, require_agent_token
 from shared.metrics import CONTENT_TYPE, ServiceMetrics
 from shared.openai_api import ChatCompletionRequest, CompletionRequest
 from shared.protocol import Heartbeat

@@ -10,7 +10,7 @@
     GET  /health, /ready, /metrics   (open: probes and scrapes)
 
 Every other route is a control route: with an API token set it requires the bearer token
-(`shared.auth`).
+(`shared.http.require_control_token`).
 
 Built by `build_app` around a TrainerRuntime (which owns all state); started by __main__.
 """
@@ -22,8 +22,8 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from shared.auth import AuthPolicy, require_control_token
-from shared.http import HTTPError, decode_body, install_error_handlers
+from shared.auth import AuthPolicy
+from shared.http import HTTPError, decode_body, install_error_handlers, require_control_token
 from shared.metrics import CONTENT_TYPE
 from services.trainer.observe import TrainerMetrics
 from services.trainer.runtime import TrainerRuntime
