@@ -2,6 +2,7 @@
 
 import uuid
 
+import msgspec
 import pytest
 
 from shared import keys as K
@@ -61,6 +62,34 @@ async def test_idle_pending_entries_are_reclaimed_by_another_consumer(clients):
     assert sorted(d.msg.prompt_index for d in reclaimed) == [0, 1, 2]
     info = await b.redis.xpending_range(keys.tasks, K.GATEWAYS_GROUP, "-", "+", 10)
     assert {i["consumer"] for i in info} == {b"worker-b"}
+
+
+async def test_a_result_is_published_once_even_when_its_task_was_taken_over(clients):
+    a, b, keys = clients
+    await a.publish(keys.tasks, _task(1))
+    (mine,) = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=1, block_ms=100)
+    (theirs,) = await b.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task, min_idle_ms=0)  # a looked dead
+    # the slow first owner finishes late: nothing is published and b's claim stays pending
+    assert await a.publish_and_ack(keys.trajectories, _task(101), keys.tasks, K.GATEWAYS_GROUP, mine.entry_id) is None
+    assert await a.redis.xlen(keys.trajectories) == 0
+    assert (await a.redis.xpending(keys.tasks, K.GATEWAYS_GROUP))["pending"] == 1
+    out = await b.publish_and_ack(keys.trajectories, _task(102), keys.tasks, K.GATEWAYS_GROUP, theirs.entry_id)
+    assert out is not None and await a.redis.xlen(keys.trajectories) == 1
+    assert (await a.redis.xpending(keys.tasks, K.GATEWAYS_GROUP))["pending"] == 0
+    # and a second publish for the same, now acked, entry does nothing
+    assert await b.publish_and_ack(keys.trajectories, _task(103), keys.tasks, K.GATEWAYS_GROUP, theirs.entry_id) is None
+
+
+async def test_requeue_hands_held_entries_back_for_any_consumer(clients):
+    a, b, keys = clients
+    await a.publish_many(keys.tasks, [_task(i) for i in range(2)])
+    held = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=2, block_ms=100)
+    n = await a.requeue(keys.tasks, K.GATEWAYS_GROUP, held, bump=lambda t: msgspec.structs.replace(t, attempt=7))
+    assert n == 2 and (await a.redis.xpending(keys.tasks, K.GATEWAYS_GROUP))["pending"] == 0
+    again = await b.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10, block_ms=100)
+    assert sorted(d.msg.prompt_index for d in again) == [0, 1] and {d.msg.attempt for d in again} == {7}
+    # entries no longer held by this consumer are not re-added twice
+    assert await a.requeue(keys.tasks, K.GATEWAYS_GROUP, held) == 0
 
 
 async def test_bad_entries_are_dead_lettered_acked_and_consumer_carries_on(clients):

@@ -66,3 +66,12 @@ SHIPPED = sorted(p for p in (ROOT / "deploy" / "configs").rglob("*.yaml") if p.n
 def test_every_shipped_config_loads(path):
     cfg = load(RunConfig, path, env={})
     assert cfg.grpo.num_generations_per_prompt >= 2
+
+
+def test_backfill_comes_from_the_policy_or_nemo_rls_flag():
+    from shared.run_config import EnvSection, NemoGymSection, backfills_failures
+
+    assert not backfills_failures(EnvSection())
+    assert not backfills_failures(EnvSection(failure_policy="retry"))
+    assert backfills_failures(EnvSection(failure_policy="backfill"))
+    assert backfills_failures(EnvSection(nemo_gym=NemoGymSection(backfill_failed_rollouts=True)))

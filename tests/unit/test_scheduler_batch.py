@@ -91,6 +91,35 @@ def test_prefix_break_row_is_masked_but_kept_in_the_group():
     assert batch.stats["num_prefix_breaks"] == 1 and [r.task_id for r in batch.trainable] == ["g/1"]
 
 
+def test_new_sample_policy_trains_the_turns_after_a_break_as_another_row():
+    t1 = make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[4], generated_logprobs=[-0.1], weight_version=0)
+    t2 = make_turn(prompt_ids=[9], context_len=2, generated_ids=[8, 7], generated_logprobs=[-0.3, -0.4], weight_version=0)
+    t3 = make_turn(prompt_ids=[6], context_len=5, generated_ids=[5], generated_logprobs=[-0.5], weight_version=0)
+    ok = make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[5], generated_logprobs=[-0.2], weight_version=0)
+    g = Group("g", 0, 2, 0, rows={0: _traj("g/0", [t1, t2, t3], reward=1.0), 1: _traj("g/1", [ok], reward=0.0)})
+    batch = build_step_batch([g], max_len=100, leave_one_out=True, normalize=False, on_prefix_break="new_sample")
+    head, fine, tail = batch.rows
+    assert head.input_ids.tolist() == [1, 2, 3, 4] and head.sample_mask == 1.0 and head.prefix_break
+    # the second sample: the kept context [1, 2] is prompt, then turn 2 and turn 3 continue it
+    assert tail.input_ids.tolist() == [1, 2, 9, 8, 7, 6, 5]
+    assert tail.token_mask.tolist() == [0, 0, 0, 1, 1, 0, 1]
+    np.testing.assert_allclose(tail.gen_logprobs, [0, 0, 0, -0.3, -0.4, 0, -0.5], rtol=1e-6)
+    assert head.advantage == tail.advantage == pytest.approx(1.0) and fine.advantage == pytest.approx(-1.0)
+    assert batch.stats["num_prefix_breaks"] == 1 and batch.stats["num_prefix_break_samples"] == 1
+    assert [r.task_id for r in batch.trainable] == ["g/0", "g/1", "g/0"]
+
+
+def test_failure_reasons_are_counted_per_step():
+    ok = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[5], generated_logprobs=[-0.2], weight_version=0)
+    failed = _traj("g/0", [], reward=0.0, status="failed")
+    failed.fallback_reason = "sandbox: container did not start"
+    cut = _traj("g/1", [ok], reward=0.0, status="truncated")
+    cut.fallback_reason = "model_refused: context full"
+    batch = build_step_batch([Group("g", 0, 2, 0, rows={0: failed, 1: cut})], max_len=100, leave_one_out=True,
+                             normalize=False)
+    assert batch.stats["rollout_failures/sandbox"] == 1 and batch.stats["rollout_failures/model_refused"] == 1
+
+
 def test_failed_rollout_is_a_placeholder_without_loss():
     ok = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[5], generated_logprobs=[-0.2], weight_version=0)
     g = Group("g", 0, 2, 0, rows={0: _traj("g/0", [], reward=0.0, status="failed"), 1: _traj("g/1", [ok], reward=1.0)})
