@@ -3,6 +3,8 @@
     POST /sessions/{session_id}/v1/chat/completions   OpenAI chat, recorded per rollout
     POST /sessions/{session_id}/v1/completions        OpenAI completions (text or token-id prompts)
     GET  /sessions/{session_id}/v1/models             the model list of the session's generator
+    POST /sessions/{session_id}/v1/responses, /ng-rollout/{session_id}/...   NeMo-Gym's model
+                                                      server per rollout (nemo_gym_routes)
     GET  /health, /ready, /metrics
 
 `build_app` creates the long-lived clients (Redis, HTTP client, proxy, worker) in named steps and keeps
@@ -34,6 +36,7 @@ from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
 from services.gym_gateway.metrics import RolloutOutcomes
+from services.gym_gateway.nemo_gym_routes import router as nemo_gym_router
 from services.gym_gateway.proxy import GeneratorPool, SessionProxy
 from services.gym_gateway.worker import GatewayWorker
 
@@ -97,15 +100,12 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
     install_error_handlers(app)
     app.state.auth = auth
     agent_auth = [Depends(require_agent_token)]
+    app.include_router(nemo_gym_router, dependencies=agent_auth)  # NeMo-Gym's model-server paths per rollout
     metrics.registry.register(RolloutOutcomes(lambda: getattr(app.state, "worker", None)))
     g_active = Gauge("streamrl_gateway_active_rollouts", "Rollouts running", registry=metrics.registry)
-    g_done = Gauge("streamrl_gateway_completed_rollouts_total", "Rollouts published", registry=metrics.registry)
-    g_failed = Gauge("streamrl_gateway_failed_rollouts_total", "Failed rollouts by reason", ["reason"], registry=metrics.registry)
     g_calls = Gauge("streamrl_gateway_model_calls_total", "Model calls through the proxy", registry=metrics.registry)
     g_breaks = Gauge("streamrl_gateway_prefix_breaks_total", "Calls whose prompt broke the session's token prefix",
                      ["env"], registry=metrics.registry)
-    g_retried = Gauge("streamrl_gateway_retried_rollouts_total", "Rollout attempts run again by reason", ["reason"],
-                      registry=metrics.registry)
     g_released = Gauge("streamrl_gateway_released_tasks_total", "Tasks handed back to the group on drain",
                        registry=metrics.registry)
     g_failovers = Gauge("streamrl_gateway_failovers_total", "Session moves off a dead generator", registry=metrics.registry)
@@ -146,15 +146,10 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
     async def prometheus() -> Response:
         worker, proxy = app.state.worker, app.state.proxy
         g_active.set(len(worker.active))
-        g_done.set(worker.completed)
-        for reason, n in worker.failed.items():
-            g_failed.labels(reason=reason).set(n)
         g_calls.set(proxy.calls_total)
         for env, n in proxy.prefix_breaks_by_env.items():
             g_breaks.labels(env=env).set(n)
         g_failovers.set(proxy.failovers_total)
-        for reason, n in worker.retried.items():
-            g_retried.labels(reason=reason).set(n)
         g_released.set(worker.released)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

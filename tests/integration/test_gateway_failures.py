@@ -102,8 +102,8 @@ async def test_retry_policy_reruns_infra_failures_up_to_the_limit(gateway_stack,
     assert bad.fallback_reason.startswith("sandbox: container for always")
     assert env.attempts == {"once": 2, "always": 3}
     assert worker.retried == {"sandbox": 3} and worker.failed == {"sandbox": 1}
-    assert 'streamrl_gateway_retried_rollouts_total{reason="sandbox"} 3.0' in metrics
-    assert 'streamrl_gateway_failed_rollouts_total{reason="sandbox"} 1.0' in metrics
+    assert 'streamrl_gateway_rollouts_retried_total{reason="sandbox"} 3.0' in metrics
+    assert 'streamrl_gateway_rollouts_failed_total{reason="sandbox"} 1.0' in metrics
 
 
 async def test_fail_fast_publishes_the_first_infra_failure_without_retrying(gateway_stack, registered_env):
