@@ -127,16 +127,18 @@ def run_tree(model_dir, redis_url: str, out_dir, run_id: str, **sections: dict) 
 
 @pytest.fixture
 def gateway_stack(tiny_model_dir, redis_url, tmp_path):
-    """Factory: ``gateway_stack(num_generators=1, drain_timeout_s=5, **sections)`` where sections
-    (``env={...}``, ``gym_gateway={...}``) update the run config."""
+    """Factory: ``gateway_stack(num_generators=1, drain_timeout_s=5, model_dir=None, **sections)`` where
+    sections (``env={...}``, ``gym_gateway={...}``) update the run config and ``model_dir`` replaces
+    the tiny model (as the policy and as weights v0)."""
     from services.generator.app import build_app as build_generator
     from services.gym_gateway.app import build_app as build_gateway
 
     @contextlib.asynccontextmanager
-    async def _stack(num_generators: int = 1, drain_timeout_s: float = 5.0, **sections: dict):
+    async def _stack(num_generators: int = 1, drain_timeout_s: float = 5.0, model_dir=None, **sections: dict):
+        model_dir = model_dir or tiny_model_dir
         run_id = f"gw-{uuid.uuid4().hex[:8]}"
         path = tmp_path / f"{run_id}.yaml"
-        path.write_text(yaml.safe_dump(run_tree(tiny_model_dir, redis_url, tmp_path, run_id, **sections)))
+        path.write_text(yaml.safe_dump(run_tree(model_dir, redis_url, tmp_path, run_id, **sections)))
         cfg = load(RunConfig, path, env={})
         redis = connect(redis_url)
         streams = StreamClient(redis, K.RunKeys(run_id), "test-trainer")
@@ -147,8 +149,8 @@ def gateway_stack(tiny_model_dir, redis_url, tmp_path):
                 port = free_port()
                 gens.append(_Served(build_generator(cfg, f"gen-{i}", port), port))
                 await gens[-1].start()
-            ann = WeightAnnouncement(version=0, path=str(tiny_model_dir), checksum=checksum_dir(tiny_model_dir),
-                                     num_bytes=dir_num_bytes(tiny_model_dir))
+            ann = WeightAnnouncement(version=0, path=str(model_dir), checksum=checksum_dir(model_dir),
+                                     num_bytes=dir_num_bytes(model_dir))
             await streams.publish(streams.keys.weights, ann)
             for i in range(num_generators):
                 await wait_ack(streams, 0, f"gen-{i}")
