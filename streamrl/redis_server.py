@@ -39,11 +39,13 @@ class RedisServer:
         port: int | None = None,
         binary: str | None = None,
         appendonly: bool = False,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()  # the server chdirs into it: relative paths would break
         self.port = port or free_port()
         self.binary = binary or valkey_binary()
         self.appendonly = appendonly
+        self.extra_args = list(extra_args or [])  # e.g. ["--requirepass", ...]: url then carries no password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -61,6 +63,7 @@ class RedisServer:
             "--appendonly", "yes" if self.appendonly else "no",
             "--protected-mode", "yes",
             "--logfile", str(self.data_dir / "server.log"),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
@@ -78,7 +81,9 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                reply = s.recv(64)
+                # A server with a password answers -NOAUTH before AUTH: it is up all the same.
+                return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
         except OSError:
             return False
 
