@@ -335,7 +335,16 @@ class GeneratorSection(_Section):
     num_workers: Annotated[int, D("generator processes started by `streamrl up`")] = 1
     turn_terminator: Annotated[str | None, D("token that ends a chat turn; null: the tokenizer's EOS")] = None
     weight_load_timeout_s: Annotated[float, D("deadline for loading one weight version")] = 120.0
-    drain_timeout_s: Annotated[float, D("deadline to finish in-flight requests before a drained refit")] = 60.0
+    drain_timeout_s: Annotated[
+        float, D("deadline to finish in-flight requests before a drained refit, and for the drain at SIGTERM")
+    ] = 60.0
+    drain_session_idle_s: Annotated[
+        float,
+        D(
+            "at SIGTERM the generator keeps serving sessions it already has (new ones go elsewhere) until none has "
+            "called for this long; raise it for agents whose tools run long between turns"
+        ),
+    ] = 3.0
     max_concurrent_requests: Annotated[int, D("requests admitted at once; more wait (backpressure)")] = 512
 
 

@@ -2,9 +2,11 @@
 
 Parses the command line, sets the environment vLLM needs *before* anything imports it, loads the
 run config (file, environment, dotted overrides), binds the port (0: any free port; the bound
-port is logged and registered) and serves the app with uvicorn. SIGTERM: the generator reports
-"draining", uvicorn finishes open requests (up to generator.drain_timeout_s), then the lifespan
-closes the engine and deregisters. Readiness: GET /ready answers 200.
+port is logged and registered) and serves the app with uvicorn. SIGTERM (scale-down): the
+generator reports "draining" and, still listening, serves the sessions it already has until none
+has called for generator.drain_session_idle_s (new sessions get 503 and go elsewhere), at most
+generator.drain_timeout_s (`shared.serve`); then uvicorn stops and the lifespan closes the engine
+and deregisters. A second signal stops at once. Readiness: GET /ready answers 200.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from services.generator.app import begin_drain, build_app
+    from shared.serve import DrainFirstServer
 
     app = build_app(cfg, worker_id, port)
+    gen_cfg = cfg.generator
 
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            begin_drain(app)
-            super().handle_exit(sig, frame)
+    async def drain() -> None:
+        begin_drain(app)  # "draining" in the registry at once: gateways stop routing new sessions here
+        await app.state.runtime.drain_sessions(gen_cfg.drain_session_idle_s, gen_cfg.drain_timeout_s)
 
     config = uvicorn.Config(
         app,
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_keep_alive=120,
     )
     log.info("generator %s listening on %s:%d (backend %s)", worker_id, host, port, cfg.policy.generation.backend)
-    DrainingServer(config).run(sockets=[sock])
+    DrainFirstServer(config, drain, drain_timeout_s=gen_cfg.drain_timeout_s + 5.0).run(sockets=[sock])
     return 0
 
 

@@ -9,12 +9,18 @@ Lifecycle (``state``)::
     starting --engine up, initial weights loaded--> ready <--resume-- paused (admin pause)
                                                     ready --refit--> loading --ok--> ready
     any --failed load / failed cache reset / engine died--> failed      (503 for generation)
-    any --SIGTERM--> draining                                           (503 for new requests)
+    any --SIGTERM--> draining      (503 for new sessions; sessions already here are still served)
 
 Admission: a request waits while the gate is closed (a pause or a refit is under way), then for
 one of ``generator.max_concurrent_requests`` slots; the weight version is read when it is
 admitted. Pauses are kept per reason ("admin", "refit"), so ending one does not end the other;
 the engine resumes when no reason is left.
+
+Draining (scale-down, SIGTERM): the registry shows "draining", so gateways stop routing new
+sessions here; a request of a session this generator has already served is still admitted (a
+multi-turn rollout finishes where its prefix cache is), any other gets 503 and its gateway fails
+over. `drain_sessions` returns once nothing is in flight and no call came for
+``generator.drain_session_idle_s``, or at ``generator.drain_timeout_s``; then the server stops.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from shared.http import HTTPError
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0
+# Sessions are remembered this long after their last call (to keep serving them while draining).
+_SESSION_MEMORY_S = 600.0
+_SESSION_PRUNE_EVERY = 1024
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class Runtime:
         self._pause_reasons: set[str] = set()
         self._pause_lock = asyncio.Lock()
         self._tokens: deque[tuple[float, int]] = deque()
+        self._sessions: dict[str, float] = {}  # session id -> last admission (monotonic)
+        self.last_activity = 0.0  # monotonic time a request was last admitted or finished
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -95,19 +106,45 @@ class Runtime:
             err = self.error or "the engine died"
             raise HTTPError(503, f"generator {self.worker_id} failed: {err}", type_="service_unavailable")
 
-    def check_serving(self) -> None:
-        """503 unless new requests may be admitted."""
+    def check_serving(self, session_id: str | None = None) -> None:
+        """503 unless a request of ``session_id`` may be admitted (while draining: only a session
+        this generator has served)."""
         self.check_not_failed()
         state = self.state
-        if state in ("starting", "draining"):
+        if state == "starting" or (state == "draining" and session_id not in self._sessions):
             raise HTTPError(503, f"generator {self.worker_id} is {state}", type_="service_unavailable")
+
+    def _note_session(self, session_id: str | None) -> None:
+        now = time.monotonic()
+        self.last_activity = now
+        if session_id is None:
+            return
+        self._sessions[session_id] = now
+        if len(self._sessions) % _SESSION_PRUNE_EVERY == 0:
+            self._sessions = {k: t for k, t in self._sessions.items() if now - t < _SESSION_MEMORY_S}
+
+    async def drain_sessions(self, idle_s: float, timeout_s: float) -> bool:
+        """Stop taking new sessions and keep serving the ones here until nothing is in flight or
+        waiting and no call came for ``idle_s``; at most ``timeout_s``. True if it went quiet."""
+        self.draining = True
+        t0 = time.monotonic()
+        log.info("draining: serving the sessions already here until %.1fs pass without a call (at most %.0fs)",
+                 idle_s, timeout_s)
+        while time.monotonic() - t0 < timeout_s:
+            if not self.in_flight and not self.waiting and time.monotonic() - self.last_activity >= idle_s:
+                log.info("drained in %.1fs after %d request(s)", time.monotonic() - t0, self.requests_total)
+                return True
+            await asyncio.sleep(0.05)
+        log.warning("drain deadline (generator.drain_timeout_s = %.0fs) passed with %d request(s) in flight",
+                    timeout_s, self.in_flight)
+        return False
 
     # -- admission -----------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def admission(self) -> AsyncIterator[Ticket]:
+    async def admission(self, session_id: str | None = None) -> AsyncIterator[Ticket]:
         """Hold one request slot while the body runs; 503 when not serving."""
-        self.check_serving()
+        self.check_serving(session_id)
         self.waiting += 1
         try:
             while True:
@@ -121,10 +158,12 @@ class Runtime:
         self.in_flight += 1
         self.requests_total += 1
         try:
-            self.check_serving()
+            self.check_serving(session_id)
+            self._note_session(session_id)
             yield Ticket(weight_version=self.weight_version, admitted_at=time.monotonic())
         finally:
             self.in_flight -= 1
+            self.last_activity = time.monotonic()
             self._slots.release()
 
     def record_tokens(self, n: int) -> None:

@@ -109,7 +109,8 @@ class GenerationService:
         stop_ids |= {self.renderer.terminator_id}
         if self.renderer.eos_id is not None:
             stop_ids.add(int(self.renderer.eos_id))
-        self.runtime.check_serving()
+        session_id = req.streamrl.session_id if req.streamrl else None
+        self.runtime.check_serving(session_id)
         prompt = self.renderer.chat_prompt(
             req.messages,
             tools=req.tools,
@@ -121,7 +122,7 @@ class GenerationService:
         budget = gate.output_budget(cap, len(prompt.prompt_ids), self.max_model_len)
         params = _params(resolved, budget, req, stop_ids, stop_texts, top_n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        out = await self._generate(prompt.prompt_ids, params, request_id)
+        out = await self._generate(prompt.prompt_ids, params, request_id, session_id)
         choices = [
             self._chat_choice(c, prompt.prompt_ids, stop_ids, stop_texts, bool(req.tools), req.logprobs)
             for c in out.choices
@@ -176,7 +177,8 @@ class GenerationService:
         top_n = gate.check_choices(req.n, req.logprobs)
         cap = gate.requested_max_tokens(self.generation, req.max_tokens)
         stop_ids, stop_texts = self._stops(req.stop)
-        self.runtime.check_serving()
+        session_id = req.streamrl.session_id if req.streamrl else None
+        self.runtime.check_serving(session_id)
         if isinstance(req.prompt, str):
             prompt_ids = list(self.renderer.tokenizer.encode(req.prompt))
         else:
@@ -187,7 +189,7 @@ class GenerationService:
         budget = gate.output_budget(cap, len(prompt_ids), self.max_model_len)
         params = _params(resolved, budget, req, stop_ids, stop_texts, top_n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        out = await self._generate(prompt_ids, params, request_id)
+        out = await self._generate(prompt_ids, params, request_id, session_id)
         choices = [
             CompletionChoice(
                 index=c.index,
@@ -249,9 +251,11 @@ class GenerationService:
                 texts.append(s)
         return ids, tuple(texts)
 
-    async def _generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> Generated:
+    async def _generate(
+        self, prompt_ids: list[int], params: GenerationParams, request_id: str, session_id: str | None = None
+    ) -> Generated:
         rt = self.runtime
-        async with rt.admission() as ticket:
+        async with rt.admission(session_id) as ticket:
             try:
                 choices = await rt.engine.generate(prompt_ids, params, request_id)
             except HTTPError:
