@@ -95,6 +95,16 @@ class RunKeys:
         return self._k("trainer:incarnation")
 
     @property
+    def scale_request(self) -> str:
+        """The latest ScaleRequest of `streamrl scale` for the run's `streamrl up` supervisor."""
+        return self._k("scale:request")
+
+    @property
+    def scale_status(self) -> str:
+        """The supervisor's ScaleStatus for the latest scale request."""
+        return self._k("scale:status")
+
+    @property
     def stop(self) -> str:
         """Set when the run has finished; workers drain and exit."""
         return self._k("stop")

@@ -12,6 +12,8 @@ Who writes what:
     generator-> weight_acks  WeightAck           (read by the trainer while it waits on a refit)
     any      -> registry     Heartbeat           (worker registry, see `shared.registry`)
     any      -> deadletter   DeadLetter          (entries that failed to decode or validate)
+    CLI      -> scale:request ScaleRequest       (`streamrl scale`, read by the `streamrl up` supervisor)
+    supervisor -> scale:status ScaleStatus       (its progress on the latest request)
 """
 
 from __future__ import annotations
@@ -184,7 +186,28 @@ class DeadLetter(_Message, tag="deadletter"):
     at: float = msgspec.field(default_factory=time.time)
 
 
-Message = Union[Task, Trajectory, WeightAnnouncement, WeightAck, Heartbeat, DeadLetter]
+class ScaleRequest(_Message, tag="scale_request"):
+    """`streamrl scale` to a running `streamrl up`: the wanted number of workers per service
+    ("generator", "gym-gateway"); services left out keep their count. The latest request wins."""
+
+    request_id: str
+    targets: dict[str, int]
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class ScaleStatus(_Message, tag="scale_status"):
+    """The supervisor's progress on the latest ScaleRequest, counts per service."""
+
+    request_id: str
+    phase: Literal["scaling", "done", "failed"]
+    ready: dict[str, int]  # started and answering /ready
+    starting: dict[str, int] = msgspec.field(default_factory=dict)  # started, not ready yet
+    stopping: dict[str, int] = msgspec.field(default_factory=dict)  # signalled, still draining
+    error: str | None = None
+    at: float = msgspec.field(default_factory=time.time)
+
+
+Message = Union[Task, Trajectory, WeightAnnouncement, WeightAck, Heartbeat, DeadLetter, ScaleRequest, ScaleStatus]
 M = TypeVar("M", bound=_Message)
 
 
