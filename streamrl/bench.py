@@ -8,11 +8,14 @@
    versus the same payload as msgpack lists of numbers (the baseline the design rejects).
 3. The generator (`streamrl.bench_generator`): HTTP layer against the raw vLLM engine in tokens/s,
    the cost of the prefix splice, and refit latency against a plain safetensors save + load.
-4. Pipeline efficiency (`streamrl.bench_pipeline`): the real trainer, buffer, streams and gateways
+4. The gym gateway (`streamrl.bench_gateway`): 256 concurrent multi-turn sessions through the
+   session proxy against the same conversations sent straight to the generator: errors, latency,
+   proxy overhead per call, memory per session.
+5. Pipeline efficiency (`streamrl.bench_pipeline`): the real trainer, buffer, streams and gateways
    with simulated rollout and training times, at lag 0/1/2, against an ideal zero-overhead
    schedule of the same durations; and sequence-packing efficiency against padding.
 Ratios are measured in the same run on the same machine, so noise from other load cancels out.
-``--only generator`` or ``--only pipeline`` runs one section and rewrites only it in BENCHMARKS.md.
+``--only generator|gateway|pipeline`` runs one section and rewrites only it in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from shared import keys as K
 from shared.protocol import Trajectory, encode, make_turn
 from shared.streams import StreamClient, connect
 from streamrl import bench_pipeline, bench_pipeline_report
+from streamrl import bench_gateway
 from streamrl.bench_generator import HEADING as GENERATOR_HEADING
 from streamrl.bench_generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
 
-SECTIONS = ("generator", "pipeline")
+SECTIONS = ("generator", "gateway", "pipeline")
 
 
 def _trajectory(i: int, rng: np.random.Generator, prompt_len: int = 600, gen_len: int = 300) -> Trajectory:
@@ -126,7 +130,7 @@ def demo_benchmark(out_dir: Path) -> dict:
             "staleness_mean": statistics.mean(col("staleness_mean")) if steps else 0.0}
 
 
-def render(demo: dict, streams: dict, machine: str, generator: dict, pipeline: dict) -> str:
+def render(demo: dict, streams: dict, machine: str, generator: dict, gateway: dict, pipeline: dict) -> str:
     s = demo["summary"]
     lines = [
         "# Benchmarks",
@@ -167,7 +171,8 @@ def render(demo: dict, streams: dict, machine: str, generator: dict, pipeline: d
     ratio = streams["packed"]["consume_per_s"] / streams["lists"]["consume_per_s"]
     e2e = streams["packed"]["end_to_end_per_s"] / streams["lists"]["end_to_end_per_s"]
     lines += ["", f"Packed over lists, same run: consume {ratio:.2f}x, end to end {e2e:.2f}x.", ""]
-    return "\n".join(lines) + "\n" + render_section(generator) + "\n" + bench_pipeline_report.render_pipeline(pipeline)
+    return ("\n".join(lines) + "\n" + render_section(generator) + "\n" + bench_gateway.render_section(gateway) + "\n"
+            + bench_pipeline_report.render_pipeline(pipeline))
 
 
 def run_benchmarks(out: Path, only: str | None = None) -> int:
@@ -182,21 +187,26 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     try:
         streams = stream_benchmark(server.url) if only is None else None
         generator = generator_benchmark(tmp / "generator", server.url, machine) if only in (None, "generator") else None
+        gateway = bench_gateway.gateway_benchmark(tmp / "gateway", server.url, machine) if only in (None, "gateway") else None
     finally:
         server.stop()
     pipeline = bench_pipeline.run_pipeline_benchmark(tmp / "pipeline") if only in (None, "pipeline") else None
     results_path = tmp / "bench.json"
     if only is None:
-        text = render(demo, streams, machine, generator, pipeline)
-        results = {"demo": demo, "streams": streams, "generator": generator, "pipeline": pipeline}
+        text = render(demo, streams, machine, generator, gateway, pipeline)
+        results = {"demo": demo, "streams": streams, "generator": generator, "gateway": gateway, "pipeline": pipeline}
     else:
         text = out.read_text() if out.is_file() else "# Benchmarks\n"
         if generator is not None:
             text = replace_section(text, render_section(generator), GENERATOR_HEADING)
+        if gateway is not None:
+            text = replace_section(text, bench_gateway.render_section(gateway), bench_gateway.HEADING,
+                                   after=GENERATOR_HEADING)
         if pipeline is not None:
             text = replace_section(text, bench_pipeline_report.render_pipeline(pipeline), bench_pipeline_report.HEADING)
         results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-        results.update({k: v for k, v in (("generator", generator), ("pipeline", pipeline)) if v is not None})
+        results.update({k: v for k, v in (("generator", generator), ("gateway", gateway), ("pipeline", pipeline))
+                        if v is not None})
     out.write_text(text)
     results_path.write_text(json.dumps(results, indent=2))
     print(text)

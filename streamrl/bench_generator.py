@@ -546,13 +546,18 @@ def render_section(g: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def replace_section(text: str, section: str, heading: str = HEADING) -> str:
+def replace_section(text: str, section: str, heading: str = HEADING, after: str | None = None) -> str:
     """``text`` with the section starting with ``heading`` (to the next ``## `` heading) replaced by
-    ``section``, or ``section`` appended when there is none."""
+    ``section``; when there is none, ``section`` goes after the section headed ``after`` (if given
+    and present), else at the end."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
     if start is None:
-        return text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        prev = next((i for i, line in enumerate(lines) if after and line.startswith(after)), None)
+        if prev is None:
+            return text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+        start = end = next((i for i in range(prev + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     rest = lines[end:]
     return "\n".join(lines[:start] + section.rstrip("\n").splitlines() + ([""] + rest if rest else [])) + "\n"

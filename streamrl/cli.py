@@ -2,13 +2,17 @@
 
     streamrl up CONFIG [key=value ...]     run a job on this machine (embedded Valkey unless REDIS_URL)
     streamrl demo                          build + warm-start the tiny model, then a short async GRPO run
-    streamrl status|pause|resume|validate  talk to a running trainer's REST API
+    streamrl status                        services, queues and step of a run, from Redis
+    streamrl pause|resume|validate         talk to a running trainer's REST API
+    streamrl report RUN_DIR                plot reward, validation, staleness and timing to PNG
     streamrl model init DIR                build the tiny Qwen3 model + tokenizer
     streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
     streamrl config check|explain          validate a config / list every key with its description
-    streamrl bench [--only generator|pipeline]  run the benchmarks and rewrite BENCHMARKS.md (or one section)
+    streamrl bench [--only generator|gateway|pipeline]  run the benchmarks and rewrite BENCHMARKS.md (or one section)
 
-Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant.
+Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant. Calls to
+control routes send ``Authorization: Bearer`` with the API token when STREAMRL_API_TOKEN or
+STREAMRL_API_TOKEN_FILE is set.
 """
 
 from __future__ import annotations
@@ -84,9 +88,16 @@ def _trainer_url(url: Optional[str], run_dir: Optional[Path]) -> str:
 def _call(method: str, path: str, url: Optional[str], run_dir: Optional[Path], body: Optional[dict] = None) -> dict:
     import httpx
 
+    from shared.auth import client_headers, load_api_token
+    from shared.config import ConfigError
+
     base = _trainer_url(url, run_dir)
     try:
-        r = httpx.request(method, f"{base}{path}", json=body, timeout=10.0)
+        headers = client_headers(load_api_token())
+    except ConfigError as exc:
+        _fail(f"config error: {exc}")
+    try:
+        r = httpx.request(method, f"{base}{path}", json=body, headers=headers, timeout=10.0)
     except httpx.HTTPError as exc:
         _fail(f"cannot reach the trainer at {base}: {exc}", 1)
     if r.status_code >= 400:
@@ -99,26 +110,38 @@ RUN_DIR = typer.Option(None, "--run-dir", help="output folder of a `streamrl up`
 
 
 @app.command()
-def status(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR, as_json: bool = typer.Option(False, "--json")) -> None:
-    """Show the run: step, state, buffer, staleness, workers."""
-    s = _call("GET", "/status", url, run_dir)
-    if as_json:
-        typer.echo(json.dumps(s, indent=2))
-        return
-    from rich.console import Console
-    from rich.table import Table
+def status(
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Redis of the run (default: REDIS_URL, then run.json)"),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="run id (default: run.json, or the only run in Redis)"),
+    run_dir: Optional[Path] = RUN_DIR,
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Services (state, weight version, in flight, heartbeat age), queues and the step, from Redis."""
+    from shared.config import ConfigError
+    from streamrl.status import StatusError, run_status
 
-    t = Table(title=f"run {s['run_id']}: step {s['step']}/{s['max_num_steps']} ({s['state']})")
-    for col in ("worker", "kind", "state", "weight version", "in flight"):
-        t.add_column(col)
-    for w in s["workers"]:
-        t.add_row(w["id"], w["kind"], w["state"], str(w["weight_version"]), str(w["in_flight"]))
-    Console().print(t)
-    last = s.get("last") or {}
-    typer.echo(f"weight version {s['weight_version']}  buffer {s['buffer_depth']}  in flight {s['in_flight_groups']}  "
-               f"pause {s['pause'] or '-'}  reward {last.get('reward_mean', float('nan')):.3f}")
-    if s.get("error"):
-        typer.secho(f"error: {s['error']}", fg="red")
+    try:
+        text = run_status(redis_url, run_id, run_dir, as_json)
+    except (StatusError, ConfigError) as exc:
+        _fail(str(exc), 1)
+    if text is not None:
+        typer.echo(text)
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="output folder of a run (holds metrics.jsonl)"),
+           out: Optional[Path] = typer.Option(None, help="folder for the PNG files (default: RUN_DIR/report)")) -> None:
+    """Plot reward, validation, staleness and timing curves of a run to PNG files."""
+    from streamrl.report import ReportError, build_report
+
+    try:
+        written, skipped = build_report(run_dir, out)
+    except ReportError as exc:
+        _fail(str(exc), 1)
+    for path in written.values():
+        typer.echo(str(path))
+    for name in skipped:
+        typer.echo(f"{name}: no data in this run, skipped", err=True)
 
 
 @app.command()
@@ -208,7 +231,7 @@ def config_explain() -> None:
 @app.command()
 def bench(
     out: Path = typer.Option(Path("BENCHMARKS.md"), help="file to (re)write"),
-    only: Optional[str] = typer.Option(None, help="run one section and rewrite only it in OUT: generator or pipeline"),
+    only: Optional[str] = typer.Option(None, help="run one section and rewrite only it in OUT: generator, gateway or pipeline"),
 ) -> None:
     """Run the benchmarks and write their tables to BENCHMARKS.md."""
     from streamrl.bench import SECTIONS, run_benchmarks

@@ -1,0 +1,326 @@
+"""The gateway section of ``streamrl bench``: what the session proxy costs per model call.
+
+One vLLM generator process (tiny model) and one gym-gateway process over an embedded Valkey. Two
+ways of running the same multi-turn conversations, ``SESSIONS`` at once, alternated over
+``ROUNDS`` so machine drift hits both:
+
+* **through the proxy**: tasks of the ``bench_chat`` environment go through the tasks stream; the
+  gateway's worker runs each in a session (`/sessions/<id>/v1/chat/completions`), the proxy
+  attaches the token history, forwards, records the turns; trajectories come back on the stream.
+  The environment times each call from its own client; the proxy records the upstream time of the
+  same call (``Turn.latency_s``): their difference is the proxy's overhead per call.
+* **direct**: this process sends the same conversations straight to the generator with aiohttp,
+  carrying the token history itself (``required_prefix_token_ids``), as the proxy does.
+
+Reported: errors on both sides (target: zero), call latency p50/p99 both ways, proxy overhead per
+call p50/p99, and the gateway's memory per open session: its RSS with every session of a round
+open (the environment holds all of them at a barrier after their last call and reads the RSS of
+its own process there) minus its RSS before the round, over the number of sessions.
+
+``python -m streamrl.bench_gateway serve-gateway ARGS`` is the gateway process: the service's own
+entry point with the bench environment registered. Called by `streamrl.bench`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADING = "## Gym gateway"
+ENV_NAME = "bench_chat"
+SESSIONS = 256
+TURNS = 3
+MAX_TOKENS = 8
+ROUNDS = 2
+BARRIER_TIMEOUT_S = 120.0
+
+
+def _rss_kb(pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _messages(i: int, turn: int, replies: list[str]) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": f"Session {i}: count the apples and the pears."}]
+    for k, text in enumerate(replies[:turn]):
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Go on ({k + 1})."}]
+    return msgs
+
+
+class BenchChatEnv:
+    """TURNS chat calls per rollout, each timed from the client; then all rollouts of a round wait
+    at a barrier (sessions still open) and read this process's RSS."""
+
+    name = ENV_NAME
+
+    def __init__(self) -> None:
+        self.arrived: dict[str, int] = {}
+        self.released: dict[str, asyncio.Event] = {}
+        self.rss_kb: dict[str, int] = {}
+
+    def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
+        return [{"i": i, "round": "r", "sessions": n} for i in range(n)]
+
+    async def rollout(self, instance: dict[str, Any], llm, *, max_turns: int):
+        from services.gym_gateway.envs.base import Outcome
+
+        replies: list[str] = []
+        metrics: dict[str, float] = {}
+        for turn in range(TURNS):
+            t0 = time.perf_counter()
+            r = await llm.chat(_messages(instance["i"], turn, replies), max_tokens=MAX_TOKENS)
+            metrics[f"client_s_{turn}"] = time.perf_counter() - t0
+            replies.append(r.choices[0].message.content or "")
+        rnd = instance["round"]
+        event = self.released.setdefault(rnd, asyncio.Event())
+        self.arrived[rnd] = self.arrived.get(rnd, 0) + 1
+        if self.arrived[rnd] == instance["sessions"]:
+            self.rss_kb[rnd] = _rss_kb()
+            event.set()
+        await asyncio.wait_for(event.wait(), BARRIER_TIMEOUT_S)
+        metrics["rss_open_kb"] = float(self.rss_kb[rnd])
+        return Outcome(reward=1.0, metrics=metrics)
+
+
+def serve_gateway(argv: list[str]) -> int:
+    from services.gym_gateway import envs
+    from services.gym_gateway.__main__ import main
+
+    with envs.registered(BenchChatEnv()):
+        return main(argv)
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def config_tree(model_dir: Path, redis_url: str, run_id: str, out: Path) -> dict:
+    from streamrl.bench_generator import config_tree as generator_tree
+
+    tree = generator_tree(model_dir, redis_url, run_id)
+    vllm = tree["policy"]["generation"]["vllm_cfg"]
+    vllm.update(max_num_seqs=SESSIONS, max_model_len=2048)
+    tree["policy"]["generation"]["max_new_tokens"] = MAX_TOKENS
+    tree["run"]["output_dir"] = str(out)
+    tree["env"] = {"name": ENV_NAME, "max_turns": TURNS}
+    tree["gym_gateway"] = {"max_concurrent_rollouts": SESSIONS, "rollout_timeout_s": 600,
+                           "request_timeout_s": 300, "reclaim_idle_s": 3600}
+    return tree
+
+
+async def _publish_weights(redis_url: str, run_id: str, model_dir: Path) -> None:
+    from shared import keys as K
+    from shared.protocol import WeightAck, WeightAnnouncement
+    from shared.streams import StreamClient, connect
+    from shared.weights_format import checksum_dir, dir_num_bytes
+
+    redis = connect(redis_url)
+    streams = StreamClient(redis, K.RunKeys(run_id), "bench")
+    try:
+        await streams.publish(streams.keys.weights, WeightAnnouncement(
+            version=0, path=str(model_dir), checksum=checksum_dir(model_dir), num_bytes=dir_num_bytes(model_dir)))
+        deadline = time.monotonic() + 300
+        cursor = "0-0"
+        while time.monotonic() < deadline:
+            for d in await streams.read_after(streams.keys.weight_acks, cursor, WeightAck, block_ms=500):
+                cursor = d.entry_id
+                if d.msg.version == 0:
+                    if not d.msg.ok:
+                        raise RuntimeError(f"generator refused weights v0: {d.msg.error}")
+                    return
+        raise RuntimeError("generator did not confirm weights v0")
+    finally:
+        await redis.aclose()
+
+
+async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n: int) -> dict[str, Any]:
+    """``n`` bench_chat tasks through the gateway; per-call client and upstream times."""
+    from shared import keys as K
+    from shared.protocol import SamplingParams, Task, Trajectory
+    from shared.streams import StreamClient, connect
+
+    redis = connect(redis_url)
+    streams = StreamClient(redis, K.RunKeys(run_id), "bench-trainer")
+    await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
+    rss_before = _rss_kb(gateway_pid)
+    sampling = SamplingParams(temperature=0.8, top_p=1.0, max_tokens=MAX_TOKENS)
+    tasks = [Task(task_id=f"{rnd}-{i}/0", group_id=f"{rnd}-{i}", index_in_group=0, group_size=1, prompt_index=i,
+                  env=ENV_NAME, instance={"i": i, "round": rnd, "sessions": n}, kind="train", target_step=0,
+                  sampling=sampling, deadline_s=600.0) for i in range(n)]
+    t0 = time.perf_counter()
+    await streams.publish_many(streams.keys.tasks, tasks)
+    got: list[Trajectory] = []
+    deadline = time.monotonic() + 900
+    while len(got) < n and time.monotonic() < deadline:
+        for d in await streams.read_group(streams.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=512, block_ms=500):
+            got.append(d.msg)
+            await streams.ack(streams.keys.trajectories, K.TRAINER_GROUP, [d.entry_id])
+    wall = time.perf_counter() - t0
+    await redis.aclose()
+    ok = [t for t in got if t.status == "ok" and len(t.turns) == TURNS]
+    client = [t.metrics[f"client_s_{k}"] for t in ok for k in range(TURNS)]
+    upstream = [turn.latency_s for t in ok for turn in t.turns]
+    overhead = [t.metrics[f"client_s_{k}"] - t.turns[k].latency_s for t in ok for k in range(TURNS)]
+    breaks = sum(t.metrics.get("prefix_breaks", 0) for t in got)
+    rss_open = max((t.metrics.get("rss_open_kb", 0) for t in ok), default=0)
+    return {"errors": n - len(ok) + int(breaks), "calls": len(client), "wall_s": wall, "client_s": client,
+            "upstream_s": upstream, "overhead_s": overhead, "rss_before_kb": rss_before, "rss_open_kb": rss_open}
+
+
+async def direct_round(url: str, n: int) -> dict[str, Any]:
+    """The same conversations straight to the generator, token history carried by the client."""
+    import aiohttp
+    import msgspec
+
+    from shared.openai_api import ChatCompletionResponse
+
+    decoder = msgspec.json.Decoder(ChatCompletionResponse)
+    lat: list[float] = []
+    errors = 0
+    conn = aiohttp.TCPConnector(limit=4 * n, keepalive_timeout=30.0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as http:
+
+        async def conversation(i: int) -> None:
+            nonlocal errors
+            replies: list[str] = []
+            context: list[int] = []
+            for turn in range(TURNS):
+                body: dict[str, Any] = {"messages": _messages(i, turn, replies), "max_tokens": MAX_TOKENS,
+                                        "temperature": 0.8, "top_p": 1.0, "streamrl": {"kind": "train"}}
+                if context:
+                    body["required_prefix_token_ids"] = context
+                t0 = time.perf_counter()
+                async with http.post(f"{url}/v1/chat/completions", data=msgspec.json.encode(body),
+                                     headers={"content-type": "application/json"}) as r:
+                    raw = await r.read()
+                    if r.status != 200:
+                        errors += 1
+                        return
+                out = decoder.decode(raw)
+                lat.append(time.perf_counter() - t0)
+                msg = out.choices[0].message
+                context = list(out.prompt_token_ids) + list(msg.generation_token_ids)
+                replies.append(msg.content or "")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[conversation(i) for i in range(n)])
+        wall = time.perf_counter() - t0
+    return {"errors": errors, "calls": len(lat), "wall_s": wall, "client_s": lat}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def gateway_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any]:
+    """Both ways over ROUNDS alternated rounds; a JSON-able dict for `render_section`."""
+    import shutil
+
+    import aiohttp
+
+    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.demo import MODEL_DIR
+    from streamrl.model_builder import build_tiny_model, is_model_dir
+    from streamrl.redis_server import free_port
+
+    if not is_model_dir(MODEL_DIR):
+        build_tiny_model(MODEL_DIR)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    run_id = f"bench-gw-{uuid.uuid4().hex[:6]}"
+    config = work / "run.yaml"
+    config.write_text(yaml.safe_dump(config_tree(MODEL_DIR, redis_url, run_id, work)))
+    gen = GeneratorProcess(config, free_port(), work / "generator.log")
+    gw_port = free_port()
+    gw_log = open(work / "gateway.log", "wb")
+    gateway = subprocess.Popen([sys.executable, "-m", "streamrl.bench_gateway", "serve-gateway", "--config", str(config),
+                                "--port", str(gw_port), "--worker-id", "gw-bench"],
+                               cwd=ROOT, stdout=gw_log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def run() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as http:
+            await gen.wait_ready(http)
+        await _publish_weights(redis_url, run_id, MODEL_DIR.resolve())
+        await proxy_round(redis_url, run_id, "warmup", gateway.pid, 32)  # imports, pools, caches
+        await direct_round(gen.url, 32)
+        rounds: dict[str, list[dict[str, Any]]] = {"proxy": [], "direct": []}
+        for k in range(ROUNDS):
+            rounds["direct"].append(await direct_round(gen.url, SESSIONS))
+            rounds["proxy"].append(await proxy_round(redis_url, run_id, f"r{k}", gateway.pid, SESSIONS))
+        return rounds
+
+    try:
+        rounds = asyncio.run(run())
+    finally:
+        gateway.terminate()
+        try:
+            gateway.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(gateway.pid, 9)
+        gw_log.close()
+        gen.stop()
+    return summarize(rounds, machine)
+
+
+def summarize(rounds: dict[str, list[dict[str, Any]]], machine: str) -> dict[str, Any]:
+    flat = lambda side, key: [x for r in rounds[side] for x in r.get(key, [])]  # noqa: E731
+    proxy, direct = rounds["proxy"], rounds["direct"]
+    per_session_kb = [(r["rss_open_kb"] - r["rss_before_kb"]) / SESSIONS for r in proxy if r["rss_open_kb"]]
+    return {
+        "date": time.strftime("%Y-%m-%d"), "machine": machine, "sessions": SESSIONS, "turns": TURNS,
+        "max_tokens": MAX_TOKENS, "rounds": len(proxy),
+        "errors_proxy": sum(r["errors"] for r in proxy), "errors_direct": sum(r["errors"] for r in direct),
+        "calls_proxy": sum(r["calls"] for r in proxy), "calls_direct": sum(r["calls"] for r in direct),
+        "latency": {side: {"p50": _pct(flat(side, "client_s"), 0.5), "p99": _pct(flat(side, "client_s"), 0.99)}
+                    for side in ("proxy", "direct")},
+        "overhead": {"p50": _pct(flat("proxy", "overhead_s"), 0.5), "p99": _pct(flat("proxy", "overhead_s"), 0.99)},
+        "wall_s": {side: statistics.median(r["wall_s"] for r in rounds[side]) for side in ("proxy", "direct")},
+        "memory_per_session_kb": statistics.median(per_session_kb) if per_session_kb else float("nan"),
+        "rss_open_mb": max((r["rss_open_kb"] for r in proxy), default=0) / 1024,
+    }
+
+
+def render_section(g: dict[str, Any]) -> str:
+    lat, ov = g["latency"], g["overhead"]
+    ratio50 = lat["proxy"]["p50"] / lat["direct"]["p50"]
+    lines = [
+        f"{HEADING} (`streamrl bench --only gateway`: {g['sessions']} concurrent sessions x {g['turns']} chat turns, "
+        f"{g['max_tokens']} tokens per call, vLLM generator on the tiny model, {g['rounds']} rounds each way, "
+        f"alternated; {g['date']}, {g['machine']})",
+        "",
+        "| | through the session proxy | direct to the generator |",
+        "|---|---|---|",
+        f"| calls / errors | {g['calls_proxy']} / {g['errors_proxy']} | {g['calls_direct']} / {g['errors_direct']} |",
+        f"| call latency p50 (ms) | {lat['proxy']['p50'] * 1e3:.0f} | {lat['direct']['p50'] * 1e3:.0f} |",
+        f"| call latency p99 (ms) | {lat['proxy']['p99'] * 1e3:.0f} | {lat['direct']['p99'] * 1e3:.0f} |",
+        f"| round wall time, median (s) | {g['wall_s']['proxy']:.1f} | {g['wall_s']['direct']:.1f} |",
+        "",
+        f"Proxy overhead per call (the environment's client time minus the upstream time the proxy recorded "
+        f"for the same call): p50 {ov['p50'] * 1e3:.1f} ms, p99 {ov['p99'] * 1e3:.1f} ms. "
+        f"Latency through the proxy over direct, p50: {ratio50:.2f}x. "
+        f"Gateway memory per open session: {g['memory_per_session_kb']:.0f} KiB "
+        f"(RSS {g['rss_open_mb']:.0f} MiB with all {g['sessions']} open). "
+        f"Target: zero errors; {'met' if g['errors_proxy'] == 0 and g['errors_direct'] == 0 else 'NOT met'}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "serve-gateway":
+        sys.exit(serve_gateway(sys.argv[2:]))
+    sys.exit("usage: python -m streamrl.bench_gateway serve-gateway --config RUN.yaml [--port N]")
