@@ -9,6 +9,7 @@
     streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
     streamrl config check|explain          validate a config / list every key with its description
     streamrl bench [--only generator|gateway|pipeline]  run the benchmarks and rewrite BENCHMARKS.md (or one section)
+    streamrl scale generator=N gym-gateway=M  resize a run's workers (--backend local|compose|k8s)
 
 Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant. Calls to
 control routes send ``Authorization: Bearer`` with the API token when STREAMRL_API_TOKEN or
@@ -177,6 +178,50 @@ def validate(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR,
         if time.monotonic() > deadline:
             _fail(f"validation {queued['validation_id']} still {entry['status']} after {timeout:.0f}s", 1)
         time.sleep(1.0)
+
+
+@app.command(name="scale")
+def scale_cmd(
+    targets: Optional[list[str]] = typer.Argument(None, help="SERVICE=COUNT, SERVICE: generator or gym-gateway"),
+    backend: str = typer.Option("local", help="local (a `streamrl up` job), compose or k8s"),
+    run_dir: Optional[Path] = RUN_DIR,
+    redis_url: Optional[str] = typer.Option(None, help="local: the run's Redis (default REDIS_URL, else run.json)"),
+    timeout: float = typer.Option(900.0, help="seconds to wait for new workers to be ready and removed ones gone"),
+    show: bool = typer.Option(False, "--show", help="only print the current counts"),
+    compose_file: Path = typer.Option(Path("docker-compose.yml"), help="compose: the project's compose file"),
+    project_name: Optional[str] = typer.Option(None, help="compose: project name (default: compose's own)"),
+    compose_bin: Optional[str] = typer.Option(None, help="compose: 'docker compose' or a docker-compose binary"),
+    namespace: Optional[str] = typer.Option(None, help="k8s: namespace (default: the kubeconfig context's, or in-cluster)"),
+    kubeconfig: Optional[str] = typer.Option(None, help="k8s: kubeconfig (default: in-cluster, else KUBECONFIG or ~/.kube/config)"),
+    context: Optional[str] = typer.Option(None, help="k8s: kubeconfig context"),
+    selector: str = typer.Option("app.kubernetes.io/name=streamrl", help="k8s: labels of the run's Deployments"),
+    generator_deployment: Optional[str] = typer.Option(None, help="k8s: generator Deployment (default: found by label)"),
+    gateway_deployment: Optional[str] = typer.Option(None, help="k8s: gateway Deployment (default: found by label)"),
+) -> None:
+    """Scale a run's generators and gym-gateway workers; waits until new ones are ready and removed ones drained."""
+    from streamrl.scale import ScaleError, make_backend, parse_targets
+
+    deployments = {k: v for k, v in (("generator", generator_deployment), ("gym-gateway", gateway_deployment)) if v}
+    try:
+        be = make_backend(backend, run_dir=run_dir or _find_run_dir(), redis_url=redis_url, compose_file=compose_file,
+                          project_name=project_name, compose_bin=compose_bin, namespace=namespace, kubeconfig=kubeconfig,
+                          context=context, selector=selector, deployments=deployments)
+        if show:
+            typer.echo(", ".join(f"{k}: {v}" for k, v in be.counts().items()))
+            return
+        wanted = parse_targets(targets or [])
+        typer.echo(f"scaling ({be.name}): " + ", ".join(f"{k}={v}" for k, v in wanted.items()))
+        result = be.scale(wanted, timeout_s=timeout)
+    except ScaleError as exc:
+        _fail(str(exc), 1)
+    typer.echo(result.describe())
+
+
+def _find_run_dir() -> Path:
+    for d in [Path("runs/demo"), *sorted(Path("runs").glob("*"))]:
+        if (d / "run.json").is_file():
+            return d
+    return Path("runs/demo")
 
 
 @model_app.command("init")

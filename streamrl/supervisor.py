@@ -1,13 +1,19 @@
 """``streamrl up``: run a whole job on one machine as child processes.
 
     embedded Valkey (unless REDIS_URL/redis.url) -> generator(s) -> wait /ready -> gateway(s)
-    -> trainer -> progress display until the trainer exits -> stop everything (by pid)
+    -> trainer -> progress display and scale requests until the trainer exits -> stop everything
+    (by pid)
 
 Each child gets the same config file and overrides (so they agree on the run), its own port and
 a stable worker id, and logs to ``<output_dir>/logs/<name>.log``. If any child dies while the
 trainer runs, the job stops loudly with that child's log tail. Ctrl-C stops the trainer first (it
 drains), then the workers, then Redis. ``run.json`` in the output folder records the URLs and pids
-for ``streamrl status``/``pause``/``resume``/``validate``.
+for ``streamrl status``/``pause``/``resume``/``validate``/``scale`` (rewritten when workers change).
+
+Generators and gateway workers live in one `WorkerPool` per service; ``streamrl scale`` changes
+their size while the job runs, through the `ScaleChannel` the supervisor reads every second
+(`streamrl.worker_pool`): new workers start on new ports, removed ones (newest first) get SIGTERM,
+drain, and are killed only past their stop limit.
 """
 
 from __future__ import annotations
@@ -22,13 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
+from shared import keys as K
 from shared.config import load
 from shared.run_config import RunConfig
 from streamrl.progress import Progress
 from streamrl.redis_server import RedisServer, free_port
+from streamrl.worker_pool import ScaleChannel, WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
+# A gateway drains up to 30 s (services.gym_gateway.__main__) and then closes its clients.
+GATEWAY_STOP_TIMEOUT_S = 45.0
 
 
 class JobFailed(RuntimeError):
@@ -60,6 +71,16 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting: the service drains and exits on its own."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: engine subprocesses too
+            self.proc.wait()
+
     def stop(self, timeout_s: float) -> None:
         if not self.alive():
             return
@@ -88,32 +109,50 @@ class Supervisor:
         self.cfg = load(RunConfig, config_path, overrides)  # fail on a bad config before starting anything
         self.out = Path(self.cfg.run.output_dir)
         self.logs = self.out / "logs"
-        self.children: list[Child] = []
+        self.trainer: Child | None = None
         self.redis: RedisServer | None = None
         self.show_progress = progress
+        cfg = self.cfg
+        self.pools = {
+            "generator": WorkerPool("generator", self._generator, stop_timeout_s=cfg.generator.drain_timeout_s + 30.0,
+                                    ready_timeout_s=600.0),
+            "gym-gateway": WorkerPool("gym-gateway", self._gateway, stop_timeout_s=GATEWAY_STOP_TIMEOUT_S,
+                                      ready_timeout_s=120.0),
+        }
+        self.channel: ScaleChannel | None = None
+
+    @property
+    def children(self) -> list[Child]:
+        """Every child, in start order (generators, gateways, trainer), stopping ones included."""
+        workers = [c for pool in self.pools.values() for c in pool.children()]
+        return workers + ([self.trainer] if self.trainer else [])
 
     def _child(self, name: str, module: str, port: int, extra: list[str]) -> Child:
         args = ["-m", module, "--config", self.config_path, "--port", str(port), *extra, *self.overrides]
-        c = Child(name, args, self.logs / f"{name}.log", port, env={"REDIS_URL": self.redis_url})
-        self.children.append(c)
-        return c
+        return Child(name, args, self.logs / f"{name}.log", port, env={"REDIS_URL": self.redis_url})
+
+    def _generator(self, index: int) -> Child:
+        # Members added by `streamrl scale` take any free port, never one a configured range may hold.
+        port = _port(self.cfg.generator.port, index) if index < self.cfg.generator.num_workers else free_port()
+        return self._child(f"generator-{index}", "services.generator", port, ["--worker-id", f"generator-{index}"])
+
+    def _gateway(self, index: int) -> Child:
+        port = _port(self.cfg.gym_gateway.port, index) if index < self.cfg.gym_gateway.num_workers else free_port()
+        return self._child(f"gateway-{index}", "services.gym_gateway", port, ["--worker-id", f"gateway-{index}"])
 
     def run(self) -> int:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         try:
             self._start_redis()
-            gens = [self._child(f"generator-{i}", "services.generator", _port(cfg.generator.port, i), ["--worker-id", f"generator-{i}"])
-                    for i in range(cfg.generator.num_workers)]
-            for g in gens:
-                g.start()
-            self._wait_ready(gens, timeout_s=600)
-            gws = [self._child(f"gateway-{i}", "services.gym_gateway", _port(cfg.gym_gateway.port, i), ["--worker-id", f"gateway-{i}"])
-                   for i in range(cfg.gym_gateway.num_workers)]
-            for g in gws:
-                g.start()
-            trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
+            self._wait_ready(self.pools["generator"].start_initial(cfg.generator.num_workers), timeout_s=600)
+            self.pools["generator"].mark_ready()
+            gateways = self.pools["gym-gateway"].start_initial(cfg.gym_gateway.num_workers)
+            self.trainer = trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
             trainer.start()
+            self._wait_ready(gateways, timeout_s=120)  # while the trainer loads its policy
+            self.pools["gym-gateway"].mark_ready()
+            self.channel = ScaleChannel(redis.Redis.from_url(self.redis_url), K.RunKeys(cfg.run.run_id), self.pools)
             self._write_run_file(trainer)
             return self._watch(trainer)
         except KeyboardInterrupt:
@@ -153,6 +192,9 @@ class Supervisor:
             "trainer_url": trainer.url,
             "redis_url": self.redis_url,
             "children": {c.name: {"pid": c.proc.pid if c.proc else None, "url": c.url, "log": str(c.log_path)} for c in self.children},
+            # `streamrl scale` writes ScaleRequests here and reads ScaleStatus (streamrl.worker_pool).
+            "scale": {"request_key": K.RunKeys(self.cfg.run.run_id).scale_request,
+                      "status_key": K.RunKeys(self.cfg.run.run_id).scale_status},
         }
         (self.out / "run.json").write_text(json.dumps(info, indent=2))
 
@@ -160,8 +202,9 @@ class Supervisor:
         progress = Progress(trainer.url, self.cfg, enabled=self.show_progress)
         with progress:
             while trainer.alive():
-                for c in self.children:
-                    if c is not trainer and not c.alive() and c.proc.returncode not in (0, -15):
+                self._scale_tick(trainer)
+                for pool in self.pools.values():
+                    for c in pool.crashed():
                         raise JobFailed(f"{c.name} died (code {c.proc.returncode}) while the trainer ran:\n{c.tail()}")
                 progress.update()
                 time.sleep(1.0)
@@ -171,10 +214,18 @@ class Supervisor:
             print(f"trainer exited with code {code}; last log lines:\n{trainer.tail(40)}", file=sys.stderr)
         return code
 
+    def _scale_tick(self, trainer: Child) -> None:
+        try:
+            changed = self.channel.tick()
+        except redis.RedisError as exc:  # Redis briefly away: the next turn retries
+            print(f"scale channel: {exc}", file=sys.stderr)
+            return
+        if changed:
+            self._write_run_file(trainer)
+
     def shutdown(self) -> None:
-        trainer = [c for c in self.children if c.name == "trainer"]
-        others = [c for c in self.children if c.name != "trainer"]
-        for c in trainer + list(reversed(others)):
+        others = [c for c in self.children if c is not self.trainer]
+        for c in ([self.trainer] if self.trainer else []) + list(reversed(others)):
             c.stop(timeout_s=40.0)
         if self.redis is not None:
             self.redis.stop()

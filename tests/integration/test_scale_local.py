@@ -1,0 +1,170 @@
+"""The local scale backend end to end except for the services themselves: `streamrl scale`'s end
+(`LocalBackend`) and the supervisor's end (`ScaleChannel` over `WorkerPool`s) talk through a real
+Valkey, and the pool members are real child processes (a small HTTP worker that answers /ready and
+drains half a second on SIGTERM). The real services are scaled in tests/e2e/test_scale_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from shared import keys as K
+from streamrl.redis_server import free_port
+from streamrl.scale import ScaleError
+from streamrl.scale_local import LocalBackend
+from streamrl.supervisor import Child
+from streamrl.worker_pool import ScaleChannel, WorkerPool
+
+pytestmark = pytest.mark.integration
+
+WORKER = """
+import signal, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+port, name, mode, marks = int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
+if mode == "crash":
+    print("cannot load the model", flush=True)
+    sys.exit(3)
+
+class Ready(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/ready" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", port), Ready)
+
+def on_term(sig, frame):
+    (marks / name).write_text("sigterm")
+    if mode != "stubborn":  # a stubborn worker never finishes its drain
+        threading.Thread(target=lambda: (time.sleep(0.5), server.shutdown())).start()
+
+signal.signal(signal.SIGTERM, on_term)
+server.serve_forever()
+"""
+
+
+class Rig:
+    """A supervisor's scaling loop over fake workers, ticking in a thread like `streamrl up`."""
+
+    def __init__(self, tmp: Path, redis_url: str, modes: dict[int, str] | None = None, stop_timeout_s: float = 10.0):
+        self.tmp, self.modes = tmp, modes or {}
+        self.script = tmp / "worker.py"
+        self.script.write_text(WORKER)
+        (tmp / "marks").mkdir()
+        self.run_id = f"scale-{uuid.uuid4().hex[:6]}"
+        self.pool = WorkerPool("generator", self._child, stop_timeout_s=stop_timeout_s, ready_timeout_s=20.0)
+        gateways = WorkerPool("gym-gateway", self._child, stop_timeout_s=stop_timeout_s, ready_timeout_s=20.0)
+        for pool in (self.pool, gateways):
+            pool.start_initial(1)
+        self.channel = ScaleChannel(redis.Redis.from_url(redis_url), K.RunKeys(self.run_id), {"generator": self.pool,
+                                                                                             "gym-gateway": gateways})
+        (tmp / "run.json").write_text(json.dumps({"run_id": self.run_id, "redis_url": redis_url, "scale": {}}))
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20  # `streamrl up` answers scale requests once its workers are up
+        while self.channel._published is None or self.channel._published.phase != "done":
+            assert time.monotonic() < deadline, "the initial workers did not come up"
+            time.sleep(0.05)
+
+    def _child(self, index: int) -> Child:
+        port = free_port()
+        mode = self.modes.get(index, "ok")
+        args = [str(self.script), str(port), f"w{index}", mode, str(self.tmp / "marks")]
+        return Child(f"w{index}", args, self.tmp / f"w{index}.log", port)
+
+    def _loop(self) -> None:
+        while not self.stopped.is_set():
+            self.channel.tick()
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join(5)
+        for pool in self.channel.pools.values():
+            for c in pool.children():
+                c.kill()
+
+    def marked(self) -> set[str]:
+        return {p.name for p in (self.tmp / "marks").iterdir()}
+
+
+@pytest.fixture
+def rig_factory(tmp_path, redis_url):
+    rigs = []
+
+    def make(**kw) -> Rig:
+        rigs.append(Rig(tmp_path, redis_url, **kw))
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.close()
+
+
+def test_scale_up_starts_ready_workers_on_new_ports_then_down_drains_the_newest(rig_factory, tmp_path):
+    rig = rig_factory()
+    cli = LocalBackend(tmp_path)
+    up = cli.scale({"generator": 3}, timeout_s=30)
+    assert up.before == {"generator": 1, "gym-gateway": 1} and up.after == {"generator": 3, "gym-gateway": 1}
+    members = rig.pool.children()
+    assert [c.name for c in members] == ["w0", "w1", "w2"] and len({c.port for c in members}) == 3
+    assert all(httpx.get(f"{c.url}/ready").status_code == 200 for c in members)
+
+    t0 = time.monotonic()
+    down = cli.scale({"generator": 1}, timeout_s=30)
+    assert down.after == {"generator": 1, "gym-gateway": 1}
+    assert time.monotonic() - t0 >= 0.5  # "done" only once the removed workers finished draining
+    assert rig.marked() == {"w1", "w2"}  # the newest got SIGTERM; the first one keeps serving
+    assert not members[1].alive() and not members[2].alive() and members[0].alive()
+    assert cli.counts() == {"generator": 1, "gym-gateway": 1}
+
+
+def test_a_worker_that_does_not_drain_in_time_is_killed(rig_factory, tmp_path):
+    rig = rig_factory(modes={1: "stubborn"}, stop_timeout_s=1.5)
+    cli = LocalBackend(tmp_path)
+    cli.scale({"generator": 2}, timeout_s=30)
+    stubborn = rig.pool.children()[1]
+    t0 = time.monotonic()
+    cli.scale({"generator": 1}, timeout_s=30)
+    assert "w1" in rig.marked() and not stubborn.alive()
+    assert stubborn.proc.returncode == -9 and time.monotonic() - t0 >= 1.5
+
+
+def test_a_new_worker_that_dies_at_start_fails_the_request_with_its_log(rig_factory, tmp_path):
+    rig_factory(modes={1: "crash"})
+    cli = LocalBackend(tmp_path)
+    with pytest.raises(ScaleError, match="(?s)w1 exited while starting.*cannot load the model"):
+        cli.scale({"generator": 2}, timeout_s=30)
+    assert cli.counts() == {"generator": 1, "gym-gateway": 1}  # the run keeps its workers
+
+
+def test_an_unknown_service_is_refused_by_name(rig_factory, tmp_path):
+    rig_factory()
+    cli = LocalBackend(tmp_path)
+    cli.request({"trainer": 2})
+    deadline = time.monotonic() + 10
+    while (st := cli.status()).phase != "failed":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert "trainer=2" in st.error
+
+
+def test_no_supervisor_is_a_clear_error(tmp_path, redis_url):
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "nobody-here", "redis_url": redis_url, "scale": {}}))
+    with pytest.raises(ScaleError, match="no supervisor"):
+        LocalBackend(tmp_path).counts()
+    with pytest.raises(ScaleError, match="no .*run.json"):
+        LocalBackend(tmp_path / "elsewhere")
