@@ -111,6 +111,8 @@ def redact_url(url: str) -> str:
         if sep:  # a bare "name@" is a user name, not a secret
             netloc = f"{user}:***@{host}"
     query = re.sub(r"(?i)((?:^|&)password=)[^&]*", r"\1***", parts.query)
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url  # nothing to mask (and unix:///path keeps its form)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 

@@ -116,4 +116,15 @@ def load(
 
 
 def to_yaml(cfg: msgspec.Struct) -> str:
-    return yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False)
+    """The resolved tree as YAML, with the password of every URL masked (a Redis URL from REDIS_URL
+    may carry one): dumps end up in logs and terminals."""
+    from shared.auth import redact_url
+
+    def redact(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: redact(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [redact(v) for v in node]
+        return redact_url(node) if isinstance(node, str) else node
+
+    return yaml.safe_dump(redact(msgspec.to_builtins(cfg)), sort_keys=False)

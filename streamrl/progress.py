@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from shared.auth import client_headers, load_api_token
 from shared.run_config import RunConfig
 
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -42,6 +43,7 @@ class Progress:
         self.last_step = -1
         self.status: dict = {}
         self._live: Live | None = None
+        self._headers = client_headers(load_api_token())  # /status is a control route
 
     def __enter__(self) -> "Progress":
         if self.live_mode:
@@ -57,9 +59,12 @@ class Progress:
         if not self.enabled:
             return
         try:
-            self.status = httpx.get(f"{self.url}/status", timeout=2.0).json()
-        except (httpx.HTTPError, ValueError):
+            r = httpx.get(f"{self.url}/status", headers=self._headers, timeout=2.0)
+        except httpx.HTTPError:
             return
+        if r.status_code != 200:
+            return
+        self.status = r.json()
         last = self.status.get("last") or {}
         if last and last.get("step", -1) != self.last_step:
             self.last_step = last["step"]

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from shared.auth import redact_url
 from shared import keys as K
 from shared.config import load
 from shared.run_config import RunConfig
@@ -190,7 +191,7 @@ class Supervisor:
         info = {
             "run_id": self.cfg.run.run_id,
             "trainer_url": trainer.url,
-            "redis_url": self.redis_url,
+            "redis_url": redact_url(self.redis_url),  # no password on disk: `streamrl status` then needs REDIS_URL
             "children": {c.name: {"pid": c.proc.pid if c.proc else None, "url": c.url, "log": str(c.log_path)} for c in self.children},
             # `streamrl scale` writes ScaleRequests here and reads ScaleStatus (streamrl.worker_pool).
             "scale": {"request_key": K.RunKeys(self.cfg.run.run_id).scale_request,

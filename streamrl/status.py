@@ -1,0 +1,142 @@
+"""``streamrl status``: what a run is doing, read from Redis (and the trainer, when it answers).
+
+    Redis URL:  --redis-url, else REDIS_URL, else the run file (run.json of ``streamrl up``)
+    run id:     --run-id, else the run file, else the only run found in that Redis
+    -> snapshot (shared.queue_stats): services with state, weight version, in flight, heartbeat
+       age; stream lengths; pending entries per group and consumer; the trainer's step and pauses
+    -> the trainer's GET /status (bearer token sent when set) for the step budget, buffer and
+       reward, if its registered URL answers within 2 s
+    -> a table (or ``--json``)
+
+Nothing is written to Redis. Called by `streamrl.cli`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from shared.auth import client_headers, load_api_token, redact_url
+from shared.queue_stats import RunSnapshot, find_runs, snapshot
+
+
+class StatusError(RuntimeError):
+    """The run cannot be found or reached; the message says what to set."""
+
+
+def read_run_file(run_dir: Path | None) -> dict[str, Any]:
+    """run.json of ``run_dir`` (or of runs/demo, then any folder under runs/); {} if none."""
+    candidates = [run_dir] if run_dir else [Path("runs/demo"), *sorted(Path("runs").glob("*"))]
+    for d in candidates:
+        f = Path(d) / "run.json"
+        if f.is_file():
+            return json.loads(f.read_text())
+    if run_dir:
+        raise StatusError(f"no run.json in {run_dir} (is it the output folder of `streamrl up`?)")
+    return {}
+
+
+def resolve_redis_url(option: str | None, run_file: dict[str, Any]) -> str:
+    url = option or os.environ.get("REDIS_URL") or run_file.get("redis_url")
+    if not url:
+        raise StatusError("no Redis to read: pass --redis-url, set REDIS_URL, or point --run-dir at a run")
+    if "***" in url:
+        raise StatusError(f"the run file records {url} without its password: set REDIS_URL")
+    return url
+
+
+async def gather(redis_url: str, run_id: str | None) -> RunSnapshot:
+    from shared.streams import connect
+
+    redis = connect(redis_url, socket_timeout_s=5.0)
+    try:
+        if run_id is None:
+            runs = await find_runs(redis)
+            if len(runs) != 1:
+                found = ", ".join(runs) if runs else "none"
+                raise StatusError(f"pass --run-id: runs in Redis at {redact_url(redis_url)}: {found}")
+            run_id = runs[0]
+        return await snapshot(redis, run_id)
+    except StatusError:
+        raise
+    except Exception as exc:
+        raise StatusError(f"cannot read Redis at {redact_url(redis_url)}: {type(exc).__name__}: {exc}") from None
+    finally:
+        await redis.aclose()
+
+
+def trainer_status(snap: RunSnapshot, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The trainer's own /status, or None when no trainer is registered or it does not answer."""
+    import httpx
+
+    trainers = [w.heartbeat for w in snap.workers if w.heartbeat.kind == "trainer"]
+    if not trainers:
+        return None
+    try:
+        r = httpx.get(f"{trainers[0].url}/status", headers=client_headers(load_api_token()), timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+def to_json(snap: RunSnapshot, trainer: dict[str, Any] | None) -> str:
+    data = dataclasses.asdict(snap)
+    data["workers"] = [{**msgspec.to_builtins(w.heartbeat), "heartbeat_age_s": w.age_s} for w in snap.workers]
+    data["trainer"] = trainer
+    return json.dumps(data, indent=2, default=str)
+
+
+def render(snap: RunSnapshot, trainer: dict[str, Any] | None, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    step = "-" if snap.step is None else str(snap.step)
+    if trainer:
+        step += f"/{trainer['max_num_steps']} ({trainer['state']})"
+    console.print(f"run {snap.run_id}: step {step}  pause {', '.join(snap.pause) or '-'}")
+    services = Table(title="services")
+    for col in ("kind", "id", "url", "state", "weight version", "in flight", "heartbeat age"):
+        services.add_column(col)
+    for w in snap.workers:
+        hb = w.heartbeat
+        services.add_row(hb.kind, hb.worker_id, hb.url, hb.state + (f" ({hb.error})" if hb.error else ""),
+                         "-" if hb.kind == "gym_gateway" else str(hb.weight_version), str(hb.in_flight), f"{w.age_s:.1f}s")
+    console.print(services)
+    queues = Table(title="queues")
+    for col in ("stream", "length", "group", "pending", "lag", "pending per consumer"):
+        queues.add_column(col)
+    groups = {g.stream: g for g in snap.groups}
+    for name, length in snap.streams.items():
+        g = groups.get(name)
+        per = ", ".join(f"{c.name}={c.pending}" for c in g.consumers if c.pending) if g else ""
+        queues.add_row(name, str(length), g.group if g else "", str(g.pending) if g else "",
+                       "" if g is None or g.lag is None else str(g.lag), per or ("-" if g else ""))
+    console.print(queues)
+    if trainer:
+        last = trainer.get("last") or {}
+        reward = last.get("reward_mean")
+        console.print(f"trainer: weight version {trainer['weight_version']}  buffer {trainer['buffer_depth']}  "
+                      f"in flight {trainer['in_flight_groups']}  reward {'-' if reward is None else f'{reward:.3f}'}")
+        if trainer.get("error"):
+            console.print(f"[red]error: {trainer['error']}[/red]")
+
+
+def run_status(redis_url: str | None, run_id: str | None, run_dir: Path | None, as_json: bool) -> str | None:
+    """Gather and print; returns the JSON text with ``as_json`` (printed by the caller)."""
+    # A Redis named on the command line or in the environment is not paired with some other run's file.
+    explicit = redis_url or os.environ.get("REDIS_URL")
+    run_file = read_run_file(run_dir) if run_dir or not explicit else {}
+    url = resolve_redis_url(redis_url, run_file)
+    snap = asyncio.run(gather(url, run_id or run_file.get("run_id")))
+    trainer = trainer_status(snap)
+    if as_json:
+        return to_json(snap, trainer)
+    render(snap, trainer)
+    return None
