@@ -13,7 +13,8 @@ fresh copy holding the agent's final files.
         result = await evaluate(instance, ws)        # result.reward, result.statuses
 
 Modules: instance (rows -> Instance), runtime (workspaces, local runtime), container (docker /
-podman), copies (workspace and reward copies), evaluate (test log -> reward).
+podman), copies (workspace and reward copies), evaluate (test log -> reward), tools and agent
+(the built-in tool-calling agent, registered as the ``swe`` environment).
 """
 
 from services.gym_gateway.envs.swe.copies import apply_patch

@@ -172,6 +172,19 @@ async def _read_all(stream: asyncio.StreamReader, buf: _Capped) -> None:
         buf.add(chunk)
 
 
+async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    """Whether ``proc`` exits within ``timeout_s``. Polled: ``proc.wait()`` also waits until its
+    output pipe closes, which a background process holding the pipe would delay to the deadline."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.002
+    while proc.returncode is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    return True
+
+
 def kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -190,15 +203,11 @@ async def spawn(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: f
         raise SandboxError(f"cannot start {argv[0]!r} in {cwd}: {exc}") from exc
     buf = _Capped(max_output_chars)
     reader = asyncio.create_task(_read_all(proc.stdout, buf))
-    timed_out = False
     try:
-        await asyncio.wait_for(proc.wait(), timeout_s)
-    except asyncio.TimeoutError:
-        timed_out = True
+        timed_out = not await _exited(proc, timeout_s)
     finally:
         kill_group(proc.pid)
-        if proc.returncode is None:
-            await asyncio.shield(proc.wait())
+        await _exited(proc, _READ_GRACE_S)
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(reader, _READ_GRACE_S)
     if timed_out and on_timeout is not None:
