@@ -71,6 +71,33 @@ class Launch:
         return getattr(self.cfg, self.service).host
 
 
+_RESULTS: dict[tuple, subprocess.CompletedProcess] = {}
+
+
+def _cache_key(service: str, argv: list[str], env: dict[str, str], cwd: Path) -> tuple:
+    """The same command, environment and file contents give the same answer (many broken copies
+    in the tests change one service and leave the others as they were)."""
+    words = [*argv, *env.values()]
+    files = []
+    for word in words:
+        for candidate in (word, word.split("=", 1)[-1]):
+            path = Path(candidate) if Path(candidate).is_absolute() else cwd / candidate
+            if path.is_file() and path.stat().st_size < 1_000_000:
+                files.append(path.read_bytes())
+    norm = str(cwd)
+    return (service, tuple(a.replace(norm, "<cwd>") for a in argv),
+            tuple(sorted((k, v.replace(norm, "<cwd>")) for k, v in env.items())), tuple(files))
+
+
+def _probe(service: str, argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    key = _cache_key(service, argv, env, cwd)
+    if key not in _RESULTS:
+        proc_env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/"), **env}
+        _RESULTS[key] = subprocess.run([sys.executable, "-c", _PROBE, service, *argv], capture_output=True, text=True,
+                                       cwd=cwd, env=proc_env, timeout=120)
+    return _RESULTS[key]
+
+
 def launch(argv: list[str], env: dict[str, str], *, cwd: Path = ROOT, where: str = "") -> Launch:
     """Parse ``python -m services.<name> ...`` with the service's parser and load its config with
     ``env`` as the whole environment, in ``cwd``."""
@@ -82,9 +109,7 @@ def launch(argv: list[str], env: dict[str, str], *, cwd: Path = ROOT, where: str
         out.problems.append(f"{where}: unknown module {argv[2]!r}")
         return out
     out.service = SERVICE_MODULES[argv[2]]
-    proc_env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/"), **env}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, out.service, *argv[3:]], capture_output=True, text=True,
-                          cwd=cwd, env=proc_env, timeout=120)
+    proc = _probe(out.service, argv[3:], env, cwd)
     if proc.returncode != 0:
         reason = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or proc.stderr.splitlines()[-1:]
         out.problems.append(f"{where}: {out.service} rejects {argv[3:]}: {' | '.join(reason)}")
