@@ -5,7 +5,8 @@
 #      python3 and the host's CA bundle, imported with `docker import`; needs root and debootstrap);
 #   2. puts the torch 2.13.0 CPU wheel from $PIP_FIND_LINKS (if it holds one) into deploy/docker/wheels/
 #      (PyPI's torch is the multi-GB CUDA build);
-#   3. `compose up --build --exit-code-from trainer` on a fresh volume, with a random API token;
+#   3. builds streamrl:local once, then `compose up --exit-code-from trainer` on a fresh volume, with
+#      a random API token;
 #   4. checks what compose's exit code alone does not prove: the image built, `prepare` and `trainer`
 #      containers exited 0, and the run's metrics.jsonl holds every training step;
 #   5. removes the containers and the volume (KEEP=1 keeps them).
@@ -58,10 +59,14 @@ cleanup() { [ "${KEEP:-0}" = 1 ] || dc down -v --remove-orphans >/dev/null 2>&1 
 trap cleanup EXIT
 dc down -v --remove-orphans >/dev/null 2>&1 || true
 
-dc build
+# One build for every service (compose would build the shared image once per service). The tag is
+# removed first, so its presence afterwards proves this build produced it (layers stay cached).
+docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
+docker image rm streamrl:local >/dev/null 2>&1 || true
+docker build -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE" -t streamrl:local .
 docker image inspect streamrl:local >/dev/null || { echo "FAIL: the image streamrl:local was not built" >&2; exit 1; }
 rc=0
-dc up --exit-code-from trainer || rc=$?
+dc up --no-build --exit-code-from trainer || rc=$?
 
 fail=0
 for svc in prepare trainer; do
@@ -77,9 +82,9 @@ from shared.run_config import RunConfig
 cfg = load(RunConfig, "deploy/configs/compose.yaml", env={})
 rows = [json.loads(l) for l in open(cfg.run.output_dir + "/metrics.jsonl")]
 done = sorted({r["step"] for r in rows if r.get("kind") == "train"})
-print(len(done), cfg.grpo.max_num_steps)' 2>/dev/null || echo "0 ?")
+print(len(done), cfg.grpo.max_num_steps)' 2>/dev/null | tail -n 1) || true
 echo "training steps recorded / configured: $steps"
-read -r got want <<<"$steps"
+read -r got want <<<"${steps:-0 ?}"
 [ "$got" = "$want" ] || fail=1
 if [ "$rc" != 0 ] || [ "$fail" != 0 ]; then
   echo "FAIL: compose exit code $rc" >&2
