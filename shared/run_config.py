@@ -255,6 +255,9 @@ class SweSection(_Section):
         str | None, D("PATH of local commands; null: the gateway Python's bin folder, then /usr/local/bin:/usr/bin:/bin")
     ] = None
     container_workdir: Annotated[str, D("where the workspace is mounted inside the container")] = "/testbed"
+    container_engine_args: Annotated[
+        list[str], D("engine flags placed before `run` (e.g. podman's --runtime runc, --root, --storage-driver)")
+    ] = msgspec.field(default_factory=list)
     container_ulimits: Annotated[
         list[str], D("--ulimit flags of every container (podman as root needs limits below the host's)")
     ] = msgspec.field(default_factory=lambda: ["nofile=1024:1024", "nproc=1024:1024"])
