@@ -2,7 +2,7 @@
 
     run.json (run id, Redis URL) -> read ScaleStatus (counts before) -> SET scale:request
     -> poll scale:status until the supervisor reports this request "done" (new workers answer
-       /ready, removed ones drained and exited) or "failed", or the deadline passes
+       /ready, removed ones drained and exited) or "failed", the run ends, or the deadline passes
 
 The supervisor's end of the channel, and why it is a Redis key, is in `streamrl.worker_pool`.
 The Redis URL: ``--redis-url``, else REDIS_URL, else run.json (which holds it without password).
@@ -70,6 +70,8 @@ class LocalBackend:
                 return ScaleResult(before, dict(st.ready))
             if st.request_id == request_id and st.phase == "failed":
                 raise ScaleError(f"scaling failed: {st.error}")
+            if self.redis.exists(self.keys.stop):
+                raise ScaleError(f"run {self.run_id!r} ended before scaling finished")
             if time.monotonic() > deadline:
                 raise ScaleError(
                     f"not done within {timeout_s:.0f}s: ready {st.ready}, starting {st.starting}, stopping {st.stopping} "

@@ -168,3 +168,17 @@ def test_no_supervisor_is_a_clear_error(tmp_path, redis_url):
         LocalBackend(tmp_path).counts()
     with pytest.raises(ScaleError, match="no .*run.json"):
         LocalBackend(tmp_path / "elsewhere")
+
+
+def test_a_run_that_ends_while_scaling_is_reported(tmp_path, redis_url):
+    from shared.protocol import ScaleStatus, encode
+
+    run_id = f"ended-{uuid.uuid4().hex[:6]}"
+    keys, r = K.RunKeys(run_id), redis.Redis.from_url(redis_url)
+    r.set(keys.scale_status, encode(ScaleStatus(request_id="up", phase="done", ready={"generator": 1})))
+    r.set(keys.stop, b"finished")  # the supervisor is gone and will never answer
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": run_id, "redis_url": redis_url, "scale": {}}))
+    t0 = time.monotonic()
+    with pytest.raises(ScaleError, match="ended before scaling finished"):
+        LocalBackend(tmp_path).scale({"generator": 2}, timeout_s=60)
+    assert time.monotonic() - t0 < 5
