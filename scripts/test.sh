@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_openhands.sh  # the OpenHands driver's tests run a real agent in its own virtualenv
 exec .venv/bin/python -m pytest "$@"

@@ -11,6 +11,7 @@ from services.gym_gateway.envs.base import Environment
 from services.gym_gateway.envs.crossing import CrossingEnv
 from services.gym_gateway.envs.echo import EchoEnv
 from services.gym_gateway.envs.guess_number import GuessNumberEnv
+from services.gym_gateway.envs.openhands import OpenHandsEnv
 from services.gym_gateway.envs.swe.agent import SweEnv
 from services.gym_gateway.envs.tool_calc import ToolCalcEnv
 
@@ -19,6 +20,7 @@ _REGISTRY: dict[str, type] = {
     "tool_calc": ToolCalcEnv,
     "guess_number": GuessNumberEnv,
     "echo": EchoEnv,
+    "openhands": OpenHandsEnv,
     "swe": SweEnv,
 }
 
