@@ -5,17 +5,20 @@ ways of running the same multi-turn conversations, ``SESSIONS`` at once, alterna
 ``ROUNDS`` so machine drift hits both:
 
 * **through the proxy**: tasks of the ``bench_chat`` environment go through the tasks stream; the
-  gateway's worker runs each in a session (`/sessions/<id>/v1/chat/completions`), the proxy
-  attaches the token history, forwards, records the turns; trajectories come back on the stream.
-  The environment times each call from its own client; the proxy records the upstream time of the
-  same call (``Turn.latency_s``): their difference is the proxy's overhead per call.
-* **direct**: this process sends the same conversations straight to the generator with aiohttp,
-  carrying the token history itself (``required_prefix_token_ids``), as the proxy does.
+  gateway's worker opens a session for each and the environment hands the session URL to this
+  process (a Redis list), which plays an external agent: it holds the conversation over HTTP
+  against `/sessions/<id>/v1/chat/completions` (the proxy attaches the token history, forwards,
+  records the turns), then tells the environment it is done; trajectories come back on the
+  stream. The agent times each call; the proxy records the upstream time of the same call
+  (``Turn.latency_s``): their difference is the proxy's overhead per call.
+* **direct**: this process sends the same conversations straight to the generator with the same
+  client code, carrying the token history itself (``required_prefix_token_ids``), as the proxy
+  does.
 
 Reported: errors on both sides (target: zero), call latency p50/p99 both ways, proxy overhead per
-call p50/p99, and the gateway's memory per open session: its RSS with every session of a round
-open (the environment holds all of them at a barrier after their last call and reads the RSS of
-its own process there) minus its RSS before the round, over the number of sessions.
+call p50/p99, and the gateway's memory per open session: its RSS once every conversation of a
+round is over but all sessions are still open, minus its RSS before the round, over the number of
+sessions.
 
 ``python -m streamrl.bench_gateway serve-gateway ARGS`` is the gateway process: the service's own
 entry point with the bench environment registered. Called by `streamrl.bench`.
@@ -59,39 +62,36 @@ def _messages(i: int, turn: int, replies: list[str]) -> list[dict[str, Any]]:
     return msgs
 
 
+def _agent_keys(run_id: str, rnd: str) -> tuple[str, str]:
+    """The list the environment pushes session URLs to, and the prefix of its per-session done keys."""
+    return f"bench:{run_id}:{rnd}:sessions", f"bench:{run_id}:{rnd}:done:"
+
+
 class BenchChatEnv:
-    """TURNS chat calls per rollout, each timed from the client; then all rollouts of a round wait
-    at a barrier (sessions still open) and read this process's RSS."""
+    """Hands the rollout's session URL to the external agent (the bench driver) and waits until it
+    says the conversation is over; the session stays open (and recorded) meanwhile."""
 
     name = ENV_NAME
 
     def __init__(self) -> None:
-        self.arrived: dict[str, int] = {}
-        self.released: dict[str, asyncio.Event] = {}
-        self.rss_kb: dict[str, int] = {}
+        self._redis = None
 
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
-        return [{"i": i, "round": "r", "sessions": n} for i in range(n)]
+        return [{"i": i} for i in range(n)]
 
     async def rollout(self, instance: dict[str, Any], llm, *, max_turns: int):
         from services.gym_gateway.envs.base import Outcome
+        from shared.streams import connect
 
-        replies: list[str] = []
-        metrics: dict[str, float] = {}
-        for turn in range(TURNS):
-            t0 = time.perf_counter()
-            r = await llm.chat(_messages(instance["i"], turn, replies), max_tokens=MAX_TOKENS)
-            metrics[f"client_s_{turn}"] = time.perf_counter() - t0
-            replies.append(r.choices[0].message.content or "")
-        rnd = instance["round"]
-        event = self.released.setdefault(rnd, asyncio.Event())
-        self.arrived[rnd] = self.arrived.get(rnd, 0) + 1
-        if self.arrived[rnd] == instance["sessions"]:
-            self.rss_kb[rnd] = _rss_kb()
-            event.set()
-        await asyncio.wait_for(event.wait(), BARRIER_TIMEOUT_S)
-        metrics["rss_open_kb"] = float(self.rss_kb[rnd])
-        return Outcome(reward=1.0, metrics=metrics)
+        if self._redis is None:
+            # one connection per waiting rollout; a wait longer than the default socket timeout
+            self._redis = connect(instance["redis_url"], socket_timeout_s=BARRIER_TIMEOUT_S + 10,
+                                  max_connections=2 * SESSIONS + 8)
+        sessions, done = _agent_keys(instance["run_id"], instance["round"])
+        await self._redis.rpush(sessions, f"{instance['i']} {llm.base_url}")
+        if await self._redis.blpop([done + str(instance["i"])], timeout=BARRIER_TIMEOUT_S) is None:
+            raise TimeoutError("the bench agent never finished its conversation")
+        return Outcome(reward=1.0, metrics={"i": float(instance["i"])})
 
 
 def serve_gateway(argv: list[str]) -> int:
@@ -144,8 +144,48 @@ async def _publish_weights(redis_url: str, run_id: str, model_dir: Path) -> None
         await redis.aclose()
 
 
+async def _conversation(http, base_url: str, i: int, *, direct: bool, decoder) -> list[float] | None:
+    """TURNS chat calls, timed; the token history is carried here only when calling the generator
+    directly (the proxy attaches it itself). None on an error."""
+    import msgspec
+
+    replies: list[str] = []
+    context: list[int] = []
+    lat: list[float] = []
+    for turn in range(TURNS):
+        body: dict[str, Any] = {"messages": _messages(i, turn, replies), "max_tokens": MAX_TOKENS}
+        if direct:
+            body.update(temperature=0.8, top_p=1.0, streamrl={"kind": "train"})
+            if context:
+                body["required_prefix_token_ids"] = context
+        t0 = time.perf_counter()
+        async with http.post(f"{base_url}/chat/completions", data=msgspec.json.encode(body),
+                             headers={"content-type": "application/json"}) as r:
+            raw = await r.read()
+            if r.status != 200:
+                return None
+        out = decoder.decode(raw)
+        lat.append(time.perf_counter() - t0)
+        msg = out.choices[0].message
+        context = list(out.prompt_token_ids) + list(msg.generation_token_ids)
+        replies.append(msg.content or "")
+    return lat
+
+
+def _client(n: int):
+    import aiohttp
+    import msgspec
+
+    from shared.openai_api import ChatCompletionResponse
+
+    conn = aiohttp.TCPConnector(limit=4 * n, keepalive_timeout=30.0)
+    http = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300))
+    return http, msgspec.json.Decoder(ChatCompletionResponse)
+
+
 async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n: int) -> dict[str, Any]:
-    """``n`` bench_chat tasks through the gateway; per-call client and upstream times."""
+    """``n`` bench_chat tasks through the gateway, each conversation held by this process over the
+    session URL the environment hands out; per-call client and upstream times."""
     from shared import keys as K
     from shared.protocol import SamplingParams, Task, Trajectory
     from shared.streams import StreamClient, connect
@@ -153,70 +193,61 @@ async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n
     redis = connect(redis_url)
     streams = StreamClient(redis, K.RunKeys(run_id), "bench-trainer")
     await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
+    sessions_key, done = _agent_keys(run_id, rnd)
     rss_before = _rss_kb(gateway_pid)
     sampling = SamplingParams(temperature=0.8, top_p=1.0, max_tokens=MAX_TOKENS)
     tasks = [Task(task_id=f"{rnd}-{i}/0", group_id=f"{rnd}-{i}", index_in_group=0, group_size=1, prompt_index=i,
-                  env=ENV_NAME, instance={"i": i, "round": rnd, "sessions": n}, kind="train", target_step=0,
-                  sampling=sampling, deadline_s=600.0) for i in range(n)]
+                  env=ENV_NAME, instance={"i": i, "round": rnd, "run_id": run_id, "redis_url": redis_url},
+                  kind="train", target_step=0, sampling=sampling, deadline_s=600.0) for i in range(n)]
+    http, decoder = _client(n)
+    lat: dict[int, list[float] | None] = {}
     t0 = time.perf_counter()
     await streams.publish_many(streams.keys.tasks, tasks)
-    got: list[Trajectory] = []
-    deadline = time.monotonic() + 900
-    while len(got) < n and time.monotonic() < deadline:
-        for d in await streams.read_group(streams.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=512, block_ms=500):
-            got.append(d.msg)
-            await streams.ack(streams.keys.trajectories, K.TRAINER_GROUP, [d.entry_id])
+
+    async def agent(i: int, url: str) -> None:
+        lat[i] = await _conversation(http, url, i, direct=False, decoder=decoder)
+
+    agents = []
+    while len(agents) < n:
+        got = await redis.blpop([sessions_key], timeout=300)
+        if got is None:
+            break
+        i, url = got[1].decode().split(" ", 1)
+        agents.append(asyncio.create_task(agent(int(i), url)))
+    await asyncio.gather(*agents)
     wall = time.perf_counter() - t0
+    rss_open = _rss_kb(gateway_pid)  # every conversation over, every session still open
+    async with redis.pipeline(transaction=False) as pipe:
+        for i in range(n):
+            pipe.rpush(done + str(i), b"1")
+        await pipe.execute()
+    got_t: list[Trajectory] = []
+    deadline = time.monotonic() + 300
+    while len(got_t) < n and time.monotonic() < deadline:
+        for d in await streams.read_group(streams.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=512, block_ms=500):
+            got_t.append(d.msg)
+            await streams.ack(streams.keys.trajectories, K.TRAINER_GROUP, [d.entry_id])
+    await http.close()
     await redis.aclose()
-    ok = [t for t in got if t.status == "ok" and len(t.turns) == TURNS]
-    client = [t.metrics[f"client_s_{k}"] for t in ok for k in range(TURNS)]
+    ok = [t for t in got_t if t.status == "ok" and len(t.turns) == TURNS and lat.get(int(t.metrics["i"]))]
+    client = [x for t in ok for x in lat[int(t.metrics["i"])]]
     upstream = [turn.latency_s for t in ok for turn in t.turns]
-    overhead = [t.metrics[f"client_s_{k}"] - t.turns[k].latency_s for t in ok for k in range(TURNS)]
-    breaks = sum(t.metrics.get("prefix_breaks", 0) for t in got)
-    rss_open = max((t.metrics.get("rss_open_kb", 0) for t in ok), default=0)
+    overhead = [lat[int(t.metrics["i"])][k] - t.turns[k].latency_s for t in ok for k in range(TURNS)]
+    breaks = sum(t.metrics.get("prefix_breaks", 0) for t in got_t)
     return {"errors": n - len(ok) + int(breaks), "calls": len(client), "wall_s": wall, "client_s": client,
             "upstream_s": upstream, "overhead_s": overhead, "rss_before_kb": rss_before, "rss_open_kb": rss_open}
 
 
 async def direct_round(url: str, n: int) -> dict[str, Any]:
     """The same conversations straight to the generator, token history carried by the client."""
-    import aiohttp
-    import msgspec
-
-    from shared.openai_api import ChatCompletionResponse
-
-    decoder = msgspec.json.Decoder(ChatCompletionResponse)
-    lat: list[float] = []
-    errors = 0
-    conn = aiohttp.TCPConnector(limit=4 * n, keepalive_timeout=30.0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as http:
-
-        async def conversation(i: int) -> None:
-            nonlocal errors
-            replies: list[str] = []
-            context: list[int] = []
-            for turn in range(TURNS):
-                body: dict[str, Any] = {"messages": _messages(i, turn, replies), "max_tokens": MAX_TOKENS,
-                                        "temperature": 0.8, "top_p": 1.0, "streamrl": {"kind": "train"}}
-                if context:
-                    body["required_prefix_token_ids"] = context
-                t0 = time.perf_counter()
-                async with http.post(f"{url}/v1/chat/completions", data=msgspec.json.encode(body),
-                                     headers={"content-type": "application/json"}) as r:
-                    raw = await r.read()
-                    if r.status != 200:
-                        errors += 1
-                        return
-                out = decoder.decode(raw)
-                lat.append(time.perf_counter() - t0)
-                msg = out.choices[0].message
-                context = list(out.prompt_token_ids) + list(msg.generation_token_ids)
-                replies.append(msg.content or "")
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*[conversation(i) for i in range(n)])
-        wall = time.perf_counter() - t0
-    return {"errors": errors, "calls": len(lat), "wall_s": wall, "client_s": lat}
+    http, decoder = _client(n)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*[_conversation(http, f"{url}/v1", i, direct=True, decoder=decoder)
+                                     for i in range(n)])
+    wall = time.perf_counter() - t0
+    await http.close()
+    lat = [x for r in results if r for x in r]
+    return {"errors": sum(r is None for r in results), "calls": len(lat), "wall_s": wall, "client_s": lat}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -309,11 +340,12 @@ def render_section(g: dict[str, Any]) -> str:
         f"| call latency p99 (ms) | {lat['proxy']['p99'] * 1e3:.0f} | {lat['direct']['p99'] * 1e3:.0f} |",
         f"| round wall time, median (s) | {g['wall_s']['proxy']:.1f} | {g['wall_s']['direct']:.1f} |",
         "",
-        f"Proxy overhead per call (the environment's client time minus the upstream time the proxy recorded "
+        f"Proxy overhead per call (the agent's time for a call minus the upstream time the proxy recorded "
         f"for the same call): p50 {ov['p50'] * 1e3:.1f} ms, p99 {ov['p99'] * 1e3:.1f} ms. "
         f"Latency through the proxy over direct, p50: {ratio50:.2f}x. "
         f"Gateway memory per open session: {g['memory_per_session_kb']:.0f} KiB "
-        f"(RSS {g['rss_open_mb']:.0f} MiB with all {g['sessions']} open). "
+        f"(RSS {g['rss_open_mb']:.0f} MiB with all {g['sessions']} open). The agent (this process) holds "
+        f"every conversation over HTTP in both columns, with the same client code. "
         f"Target: zero errors; {'met' if g['errors_proxy'] == 0 and g['errors_direct'] == 0 else 'NOT met'}.",
         "",
     ]

@@ -68,11 +68,20 @@ class NoGenerator(RuntimeError):
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix. Slice comparisons run in C: one for the usual case
+    (``b`` continues ``a``), a binary search otherwise; a Python loop per token would cost
+    milliseconds per call at agent context lengths."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # a[:lo] == b[:lo] holds; a[:hi + 1] != b[:hi + 1] is known
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class GeneratorPool:
