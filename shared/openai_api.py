@@ -8,7 +8,8 @@ Extensions, all optional for clients:
     generator then keeps the model's exact earlier tokens (the splice);
   * ``streamrl`` on a request tags it (train or validation) for the sampling gate;
   * responses carry ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` per
-    choice and the ``weight_version`` (at admission and at the last token) that produced them.
+    choice (chat choices also vLLM's ``token_ids``) and the ``weight_version`` (at admission and
+    at the last token) that produced them.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class TokenizeRequest(_Lenient, kw_only=True, omit_defaults=True):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     required_prefix_token_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(msgspec.Struct, kw_only=True):
@@ -138,6 +140,8 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     message: ResponseMessage
     finish_reason: str
     logprobs: ChoiceLogprobs | None = None
+    # vLLM's field: NeMo-Gym's vllm_model expects it whenever prompt_token_ids is in the response.
+    token_ids: list[int] | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):

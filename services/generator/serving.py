@@ -162,7 +162,11 @@ class GenerationService:
             generation_log_probs=c.logprobs,
         )
         return ChatChoice(
-            index=c.index, message=message, finish_reason=finish, logprobs=_chat_logprobs(c) if logprobs else None
+            index=c.index,
+            message=message,
+            finish_reason=finish,
+            logprobs=_chat_logprobs(c) if logprobs else None,
+            token_ids=c.token_ids,
         )
 
     # -- completions ---------------------------------------------------------------------------
@@ -225,6 +229,7 @@ class GenerationService:
             ids = self.renderer.chat_prompt(
                 req.messages or [],
                 tools=req.tools,
+                chat_template_kwargs=req.chat_template_kwargs,
                 required_prefix_token_ids=req.required_prefix_token_ids,
                 add_generation_prompt=req.add_generation_prompt,
             ).prompt_ids

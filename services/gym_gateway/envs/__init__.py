@@ -1,5 +1,5 @@
 """Environment registry: name -> implementation. Built-ins: ``tool_calc`` (multi-turn tool use)
-and ``echo`` (single turn)."""
+and ``echo`` (single turn); drivers of external agents: ``nemo_gym`` (NeMo-Gym agent servers)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from services.gym_gateway.envs.crossing import CrossingEnv
 from services.gym_gateway.envs.echo import EchoEnv
 from services.gym_gateway.envs.guess_number import GuessNumberEnv
 from services.gym_gateway.envs.openhands import OpenHandsEnv
+from services.gym_gateway.envs.nemo_gym import NemoGymEnv
 from services.gym_gateway.envs.swe.agent import SweEnv
 from services.gym_gateway.envs.tool_calc import ToolCalcEnv
 
@@ -22,6 +23,7 @@ _REGISTRY: dict[str, type] = {
     "echo": EchoEnv,
     "openhands": OpenHandsEnv,
     "swe": SweEnv,
+    "nemo_gym": NemoGymEnv,
 }
 
 

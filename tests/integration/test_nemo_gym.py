@@ -1,0 +1,184 @@
+"""NeMo-Gym agents against streamrl: a head server, a resources server and a simple agent written to
+NeMo-Gym's protocol (tests/nemo_gym_servers.py), served on loopback ports, drive rollouts through a
+real gateway (worker, session proxy, NeMo-Gym routes) and a real generator (transformers engine).
+
+The policy is the tiny model fine-tuned to call the ``look`` tool for the row's prompt, and the
+tasks are validation tasks (greedy), so every episode is: model call 1 -> function_call ``look`` ->
+resources server -> model call 2 -> verify. Checked: the reward is the one /verify returned; the
+trajectory's turns hold exactly the token ids and logprobs the gateway returned to the agent; the
+second call continued the first turn's tokens (no prefix break); a dead resources server, an
+unreachable agent and an agent whose model server is not the gateway fail as infrastructure with
+their reasons. NeMo-Gym's vllm_model requests (chat with token ids, /tokenize) work on the rollout
+paths too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+import httpx
+import pytest
+
+from services.generator.chat import normalize_messages
+from services.gym_gateway.responses import chat_request
+from shared.protocol import Task
+from shared.responses_api import ResponsesRequest
+from streamrl.redis_server import free_port
+from tests.gateway_fixtures import collect
+from tests.nemo_gym_servers import (
+    canned_model_app,
+    crossing_resources_app,
+    head_server_app,
+    simple_agent_app,
+)
+
+pytestmark = pytest.mark.integration
+pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
+
+LOOK = {"type": "function", "name": "look", "description": "See the traffic light.", "strict": True,
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
+PARAMS = {"input": [{"role": "developer", "content": "You are a robot at a crossing."},
+                    {"role": "user", "content": "Use the look tool, then reply with one word: stop, wait or go."}],
+          "tools": [LOOK]}
+LOOK_CALL = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
+
+
+def _row(agent: str, **fields) -> dict:
+    return {"responses_create_params": PARAMS, "agent_ref": {"type": "responses_api_agents", "name": agent},
+            "light": "red", **fields}
+
+
+@pytest.fixture(scope="module")
+def look_model(tiny_model_dir, tiny_tokenizer, scripted_model, tmp_path_factory):
+    """The tiny model fine-tuned to answer the row's prompt, as the gateway renders it, with LOOK_CALL."""
+    chat = chat_request(ResponsesRequest(input=PARAMS["input"], tools=PARAMS["tools"]))
+    prompt = tiny_tokenizer.apply_chat_template(normalize_messages(chat.messages), tools=chat.tools,
+                                                add_generation_prompt=True, tokenize=False)
+    prompt_ids = tiny_tokenizer.encode(prompt, add_special_tokens=False)
+    answer_ids = tiny_tokenizer.encode(LOOK_CALL + "<|im_end|>", add_special_tokens=False)
+    return scripted_model(tiny_model_dir, tmp_path_factory.mktemp("look-model"), prompt_ids, answer_ids)
+
+
+def _server(kind: str, impl: str, port: int, **extra) -> dict:
+    return {kind: {impl: {"host": "127.0.0.1", "port": port, **extra}}}
+
+
+def _agent(port: int, resources: str, model: str = "policy_model") -> dict:
+    return _server("responses_api_agents", "simple_agent", port, max_steps=3,
+                   resources_server={"type": "resources_servers", "name": resources},
+                   model_server={"type": "responses_api_models", "name": model})
+
+
+@contextlib.asynccontextmanager
+async def nemo_gym(serve_app, gateway_stack, model_dir):
+    """The gateway stack plus a NeMo-Gym deployment whose policy model server is the gateway:
+    agents ``crossing_agent`` (live resources server), ``broken_agent`` (resources server down) and
+    ``rogue_agent`` (its model server is not the gateway)."""
+    ports = {k: free_port() for k in ("head", "resources", "dead", "crossing", "broken", "rogue", "canned")}
+    config = {
+        "observability_enabled": True,
+        "head_server": {"host": "127.0.0.1", "port": ports["head"]},
+        "crossing_resources": _server("resources_servers", "crossing", ports["resources"]),
+        "dead_resources": _server("resources_servers", "crossing", ports["dead"]),
+        "other_model": _server("responses_api_models", "openai_model", ports["canned"]),
+        "crossing_agent": _agent(ports["crossing"], "crossing_resources"),
+        "broken_agent": _agent(ports["broken"], "dead_resources"),
+        "rogue_agent": _agent(ports["rogue"], "crossing_resources", model="other_model"),
+    }
+    head_url = f"http://127.0.0.1:{ports['head']}"
+    generation = {"backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 32,
+                  "val_temperature": 0.0}
+    async with contextlib.AsyncExitStack() as stack:
+        gw = await stack.enter_async_context(gateway_stack(
+            model_dir=model_dir, policy={"generation": generation},
+            env={"nemo_gym": {"head_server_url": head_url, "connect_timeout_s": 2.0}}))
+        config["policy_model"] = _server("responses_api_models", "streamrl", int(gw.url.rsplit(":", 1)[1]))
+        apps = {"head": head_server_app(config), "resources": crossing_resources_app(),
+                "canned": canned_model_app()}
+        apps.update({k: simple_agent_app(f"{k}_agent", config) for k in ("crossing", "broken", "rogue")})
+        for key, app in apps.items():
+            await stack.enter_async_context(serve_app(app, ports[key]))
+        yield gw, apps
+
+
+def _task(gw, row: dict, i: int = 0) -> Task:
+    gid = f"ng{i}-{uuid.uuid4().hex[:6]}"
+    return Task(task_id=f"{gid}/0", group_id=gid, index_in_group=0, group_size=1, prompt_index=i, env="nemo_gym",
+                instance=row, kind="validation", target_step=0,
+                sampling=gw.cfg.policy.generation.sampling("validation"), deadline_s=120.0)
+
+
+async def test_a_nemo_gym_agent_rollout_is_recorded_token_exact(serve_app, gateway_stack, look_model):
+    async with nemo_gym(serve_app, gateway_stack, look_model) as (gw, apps):
+        await gw.streams.publish(gw.streams.keys.tasks, _task(gw, _row("crossing_agent")))
+        [traj] = await collect(gw.streams, 1, timeout_s=120)
+    assert traj.status == "ok", traj.fallback_reason
+    [verified] = apps["resources"].state.verified
+    assert traj.reward == verified["reward"] >= 0.5  # the model looked: at least half the reward
+    seen = apps["crossing"].state.model_responses
+    assert [o["type"] for o in seen[0]["output"]] == ["function_call"]
+    assert len(traj.turns) == len(seen) == 2
+    for turn, response in zip(traj.turns, seen):
+        last = response["output"][-1]  # the turn's token fields ride on its last item
+        assert list(turn.generated()) == last["generation_token_ids"]
+        assert list(turn.logprobs()) == pytest.approx(last["generation_log_probs"], abs=1e-6)
+        assert last["prompt_token_ids"][turn.context_len:] == list(turn.prompt())
+        assert response["weight_version"] == turn.weight_version == 0
+    first = seen[0]["output"][-1]
+    history = first["prompt_token_ids"] + first["generation_token_ids"]
+    assert seen[1]["output"][-1]["prompt_token_ids"][: len(history)] == history  # spliced, not re-rendered
+    assert traj.turns[1].context_len == len(history) and traj.metrics["prefix_breaks"] == 0.0
+
+
+async def test_infrastructure_failures_are_named(serve_app, gateway_stack, look_model):
+    async with nemo_gym(serve_app, gateway_stack, look_model) as (gw, apps):
+        rows = [_row("broken_agent"), _row("rogue_agent"), _row("crossing_agent", force_failure_kind="agent_timeout")]
+        await gw.streams.publish_many(gw.streams.keys.tasks, [_task(gw, r, i) for i, r in enumerate(rows)])
+        trajs = {t.prompt_index: t for t in await collect(gw.streams, 3, timeout_s=120)}
+    broken, rogue, flagged = trajs[0], trajs[1], trajs[2]
+    assert broken.status == "failed" and broken.fallback_reason.startswith("nemo_gym_resources")
+    assert "dead_resources" in broken.fallback_reason and not broken.turns
+    assert rogue.status == "failed" and rogue.fallback_reason.startswith("nemo_gym_routing")
+    assert flagged.status == "env_flagged" and flagged.mask_sample is True
+    assert flagged.metrics["nemo_gym_failure.agent_timeout"] == 1.0 and len(flagged.turns) == 2
+
+
+async def test_an_unreachable_agent_is_an_infrastructure_failure(gateway_stack):
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with gateway_stack(env={"nemo_gym": {"agent_servers": {"crossing_agent": dead}}}) as gw:
+        await gw.streams.publish(gw.streams.keys.tasks, _task(gw, _row("crossing_agent")))
+        [traj] = await collect(gw.streams, 1)
+    assert traj.status == "failed" and traj.fallback_reason.startswith("nemo_gym_agent")
+    assert dead in traj.fallback_reason
+
+
+async def test_vllm_model_requests_work_on_the_rollout_paths(gateway_stack):
+    """NeMo-Gym's vllm_model with return_token_id_information: chat with logprobs as token ids,
+    the turn replayed with its token fields, and /tokenize with the same template switches."""
+    async with gateway_stack() as gw:
+        session = await gw.gateway.state.proxy.open("vm.1", "train", gw.cfg.policy.generation.sampling("train"))
+        base = f"{gw.url}/ng-rollout/vm.1/training-token-capture"
+        kwargs = {"enable_thinking": False}
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+        capture = {"logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
+                   "chat_template_kwargs": kwargs, "model": "policy"}
+        async with httpx.AsyncClient(timeout=60) as http:
+            first = (await http.post(f"{base}/v1/chat/completions", json={"messages": messages, **capture})).json()
+            tokenized = (await http.post(f"{base}/tokenize", json={"messages": messages, "model": "policy",
+                                                                    "chat_template_kwargs": kwargs})).json()
+            plain = (await http.post(f"{base}/tokenize", json={"messages": messages})).json()
+            choice = first["choices"][0]
+            m = choice["message"]
+            replay = {"role": "assistant", "content": m["content"] or "", "reasoning_content": None,
+                      **{k: m[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}}
+            second = (await http.post(f"{base}/v1/chat/completions", json={
+                "messages": [*messages, replay, {"role": "user", "content": "Again."}], **capture})).json()
+            missing = await http.post(f"{gw.url}/v1/responses", json={"input": "x"})
+    assert choice["token_ids"] == m["generation_token_ids"]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in m["generation_token_ids"]]
+    assert tokenized["tokens"] == first["prompt_token_ids"] != plain["tokens"]
+    history = m["prompt_token_ids"] + m["generation_token_ids"]
+    assert second["prompt_token_ids"][: len(history)] == history
+    assert session.prefix_breaks == 0 and session.turns[1].context_len == len(history)
+    assert missing.status_code == 404 and "observability_enabled" in missing.json()["error"]["message"]
