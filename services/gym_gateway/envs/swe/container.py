@@ -1,13 +1,14 @@
 """The container runtime: every command in a fresh ``docker`` or ``podman`` container.
 
-    <engine> run --rm --name <unique> --network none --ulimit nofile=.. --ulimit nproc=..
+    <engine> [engine args] run --rm --pull never --name <unique> --network none --ulimit nofile=.. --ulimit nproc=..
              -v <workspace>:<workdir> -w <workdir> <image> <shell> -c <command>
 
 Only the workspace folder is mounted, so the hidden tests (kept on the host, outside it) are out
 of the agent's reach, and there is no network. State lives in the workspace's files only: each
 command starts from the image again, as R2E-Gym's ``exec_run`` calls do. At the deadline the
 engine client's process group is killed and the container removed with ``<engine> rm -f``. The
-engine's own failures (exit code 125, or a CLI that is missing) raise `SandboxError`. Images are
+engine's own failures (exit code 125, an OCI runtime that cannot create the container, a missing
+CLI) raise `SandboxError`. Images are
 never pulled (``--pull never``): they must exist locally (built or imported offline).
 Built by ``make_runtime`` for ``env.swe.runtime: docker | podman``.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
 import shutil
 import uuid
 
@@ -25,6 +27,9 @@ from services.gym_gateway.envs.swe.runtime import CommandResult, Runtime, Worksp
 from shared.run_config import SweSection
 
 ENGINE_ERROR_EXIT = 125  # docker and podman: the engine itself failed, not the command
+# 126/127 are also what a shell returns for a command it cannot run, so they are the engine's only
+# with its own message: the OCI runtime could not create the container (e.g. rlimits refused).
+_OCI_FAILURE = re.compile(r"OCI (runtime|permission)|Error response from daemon")
 _counter = itertools.count()
 
 
@@ -45,7 +50,8 @@ class ContainerRuntime(Runtime):
 
     def run_argv(self, ws: Workspace, cmd: str, name: str) -> list[str]:
         """The exact command line of one command's container."""
-        argv = [self.engine, "run", "--rm", "--pull", "never", "--name", name, "--network", "none"]
+        argv = [self.engine, *self.cfg.container_engine_args, "run", "--rm", "--pull", "never", "--name", name,
+                "--network", "none"]
         for limit in self.cfg.container_ulimits:
             argv += ["--ulimit", limit]
         argv += ["-v", f"{ws.path}:{self.cfg.container_workdir}", "-w", self.cfg.container_workdir,
@@ -67,7 +73,8 @@ class ContainerRuntime(Runtime):
         env = self._cli_env()
 
         async def remove() -> None:
-            await spawn([self.engine, "rm", "-f", name], cwd=ws.path, env=env, timeout_s=30.0, max_output_chars=2000)
+            await spawn([self.engine, *self.cfg.container_engine_args, "rm", "-f", name], cwd=ws.path, env=env,
+                        timeout_s=30.0, max_output_chars=2000)
 
         try:
             res = await spawn(self.run_argv(ws, cmd, name), cwd=ws.path, env=env, timeout_s=timeout_s,
@@ -75,7 +82,7 @@ class ContainerRuntime(Runtime):
         except asyncio.CancelledError:
             await asyncio.shield(remove())
             raise
-        if res.exit_code == ENGINE_ERROR_EXIT:
+        if res.exit_code == ENGINE_ERROR_EXIT or (res.exit_code in (126, 127) and _OCI_FAILURE.search(res.output)):
             raise SandboxError(f"{self.engine} could not run the command's container: {res.output[-1000:]}")
         return res
 
@@ -88,8 +95,12 @@ async def engine_problem(engine: str, timeout_s: float = 20.0) -> str | None:
         proc = await asyncio.create_subprocess_exec(engine, "info", stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.STDOUT)
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except (OSError, asyncio.TimeoutError) as exc:
+    except OSError as exc:
         return f"'{engine} info' failed: {exc}"
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return f"'{engine} info' did not answer within {timeout_s:g}s"
     if proc.returncode != 0:
         return f"'{engine} info' exited {proc.returncode}: {out.decode(errors='replace').strip()[-300:]}"
     return None
