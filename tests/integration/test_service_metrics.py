@@ -1,0 +1,141 @@
+"""Every service's GET /metrics, read with Prometheus' own parser after real work: the
+generator's tokens/s after a generation, the gateway's rollout outcomes by reason after real
+rollouts, the trainer's staleness histogram and refit phases from a step record the runtime
+builds, and stream lengths and pending entries per consumer from Redis. Event-loop lag on all."""
+
+from __future__ import annotations
+
+import json
+import types
+import uuid
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import keys as K
+from shared.config import decode_tree
+from shared.protocol import SamplingParams, Task, Trajectory, make_turn
+from shared.run_config import RunConfig
+from tests.gateway_fixtures import collect, make_task
+
+pytestmark = pytest.mark.integration
+pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a Prometheus exposition."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+async def test_generator_metrics_after_a_generation(hf_generator):
+    async with hf_generator(with_redis=False) as gen:
+        r = await gen.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0.8})
+        assert r.status_code == 200, r.text
+        generated = len(r.json()["choices"][0]["message"]["generation_token_ids"])
+        text = (await gen.client.get("/metrics")).text
+    assert value(text, "streamrl_generator_generated_tokens_total") == generated > 0
+    assert value(text, "streamrl_generator_tokens_per_second") > 0
+    assert value(text, "streamrl_generator_in_flight") == 0
+    assert value(text, "streamrl_generator_requests_total", route="chat", status="200") == 1
+    assert 0 <= value(text, "streamrl_event_loop_lag_seconds") < 5
+
+
+async def test_gateway_rollout_outcomes_by_reason(gateway_stack):
+    async with gateway_stack() as st:
+        await st.streams.publish_many(st.streams.keys.tasks, [make_task(0), make_task(1), make_task(2, env="no_such_env")])
+        trajs = await collect(st.streams, 3)
+        assert sorted(t.status for t in trajs) == ["failed", "ok", "ok"]
+        async with httpx.AsyncClient(base_url=st.url, timeout=30) as client:
+            text = (await client.get("/metrics")).text
+    assert value(text, "streamrl_gateway_rollouts_published_total") == 3
+    assert value(text, "streamrl_gateway_rollouts_failed_total", reason="unknown_env") == 1
+    assert not any(name == "streamrl_gateway_rollouts_failed_total" and dict(lb).get("reason") != "unknown_env"
+                   for name, lb in samples(text))
+    assert 0 <= value(text, "streamrl_event_loop_lag_seconds") < 5
+
+
+# ---- trainer ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def trainer(tiny_model_dir, redis_url, tmp_path):
+    from services.trainer.app import build_app
+    from services.trainer.runtime import TrainerRuntime
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
+    cfg = decode_tree({
+        "run": {"run_id": f"obs-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
+        "redis": {"url": redis_url},
+        "data": {"train_path": str(data)},
+        "policy": {"model_name": str(tiny_model_dir)},
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
+                 "async_grpo": {"max_trajectory_age_steps": 2}},
+    }, RunConfig)
+    rt = TrainerRuntime(cfg, worker_id="trainer-obs", url="http://test")
+    await rt.start()
+    app = build_app(rt)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
+        yield rt, client
+    await rt.aclose()
+
+
+def _group(gid: str, target: int, versions: list[int]) -> list[Trajectory]:
+    rows = []
+    for i, v in enumerate(versions):
+        turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=v)
+        rows.append(Trajectory(task_id=f"{gid}/{i}", group_id=gid, index_in_group=i, group_size=len(versions),
+                               prompt_index=0, env="crossing", kind="train", target_step=target, launch_version=v,
+                               reward=float(i), status="ok", turns=[turn]))
+    return rows
+
+
+async def test_trainer_staleness_refit_phases_and_queues(trainer):
+    from services.trainer.refit import RefitReport
+
+    rt, client = trainer
+    step = 3
+    for n, (gid, versions) in enumerate((("a", [1, 2]), ("b", [3, 3]))):
+        for k, t in enumerate(_group(gid, step, versions)):
+            rt.buffer.add(t, f"{n + 1}-{k}")
+    sample = rt.buffer.sample(step, 2)
+    assert len(sample.groups) == 2
+    report = RefitReport(version=step + 1, save_s=0.4, confirm_s=1.5, total_s=1.9, generators=["g0"], checksum_s=0.25)
+    record = rt._step_record(step, sample, types.SimpleNamespace(stats={"reward_mean": 0.5}), {"loss": 0.1}, report,
+                             t0=0.0, t_data=1.0, t_train=3.0)
+    assert record["staleness_counts"] == {"2": 1, "1": 1, "0": 2}
+    rt.metrics.write(record)  # the runtime's writer: JSONL, TensorBoard and the Prometheus sink
+
+    # queues: 3 tasks, 2 delivered to one gateway consumer and not acked
+    tasks = [Task(task_id=f"t{i}/0", group_id=f"t{i}", index_in_group=0, group_size=1, prompt_index=i, env="echo",
+                  instance={}, kind="train", target_step=step, sampling=SamplingParams(max_tokens=4), deadline_s=60.0)
+             for i in range(3)]
+    await rt.streams.publish_many(rt.keys.tasks, tasks)
+    from shared.streams import StreamClient
+
+    await StreamClient(rt.redis, rt.keys, "gw-obs").read_group(rt.keys.tasks, K.GATEWAYS_GROUP, Task, count=2, block_ms=100)
+
+    text = (await client.get("/metrics")).text
+    hist = "streamrl_trainer_trajectory_staleness_steps"
+    assert value(text, f"{hist}_count") == 4 and value(text, f"{hist}_sum") == 3.0
+    assert value(text, f"{hist}_bucket", le="0.0") == 2 and value(text, f"{hist}_bucket", le="1.0") == 3
+    phases = "streamrl_trainer_refit_phase_seconds"
+    assert value(text, f"{phases}_sum", phase="write") == pytest.approx(0.4)
+    assert value(text, f"{phases}_sum", phase="checksum") == pytest.approx(0.25)
+    assert value(text, f"{phases}_sum", phase="confirm") == pytest.approx(1.25)
+    assert value(text, "streamrl_trainer_step_phase_seconds_sum", phase="train") == pytest.approx(2.0)
+    assert value(text, "streamrl_stream_length", stream="tasks") == 3
+    assert value(text, "streamrl_stream_pending", stream="tasks", group=K.GATEWAYS_GROUP) == 2
+    assert value(text, "streamrl_stream_lag", stream="tasks", group=K.GATEWAYS_GROUP) == 1
+    assert value(text, "streamrl_consumer_pending", stream="tasks", group=K.GATEWAYS_GROUP, consumer="gw-obs") == 2
+    assert value(text, "streamrl_stream_pending", stream="trajectories", group=K.TRAINER_GROUP) == 0
+    assert value(text, "streamrl_trainer_step") == 0 and "streamrl_event_loop_lag_seconds" in text
+    rt.metrics.close()
+    assert list((rt.log_dir / "tensorboard").glob("events.out.tfevents.*"))
