@@ -4,6 +4,9 @@
   the test session and stopped by its pid. Set STREAMRL_TEST_REDIS_BIN to use another
   redis-server binary.
 * ``tiny_model_dir``: the tiny Qwen3 model + tokenizer built once per session.
+
+An API token in the calling shell (STREAMRL_API_TOKEN, STREAMRL_API_TOKEN_FILE) is dropped, so the
+suite's services start with open control routes; the auth tests set their own token.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from streamrl.redis_server import RedisServer  # noqa: E402
+
+for _var in ("STREAMRL_API_TOKEN", "STREAMRL_API_TOKEN_FILE"):
+    os.environ.pop(_var, None)
 
 
 @pytest.fixture(scope="session")
