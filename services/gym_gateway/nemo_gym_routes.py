@@ -16,6 +16,11 @@ rollout's session id, so these paths are the session's own:
     GET  /sessions/{id}/stats         model calls the session recorded (the driver's routing check)
     POST /v1/responses                a 404 that says the rollout prefix is missing
 
+A NeMo-Gym config names one model server, but a run may have several gateway workers, each holding
+the sessions of the rollouts it runs. A call for a session this worker does not hold is forwarded
+to the live gateway worker (from the registry) that holds it, once (``x-streamrl-forwarded``);
+the owner found is remembered for the session's next calls.
+
 Registered on the gateway app by `services.gym_gateway.app`; the work is done by
 `services.gym_gateway.responses` and the app's `SessionProxy`.
 """
@@ -23,6 +28,7 @@ Registered on the gateway app by `services.gym_gateway.app`; the work is done by
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 
 import aiohttp
 import msgspec
@@ -32,11 +38,15 @@ from fastapi.responses import Response
 from services.gym_gateway.responses import build_response, chat_request
 from shared.http import HTTPError, MsgspecJSON, read_body
 from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse, TokenizeRequest
+from shared.registry import live_workers
 from shared.responses_api import ResponsesRequest
 
 ROLLOUT_PREFIX = "/ng-rollout/{session_id}"
 CAPTURE_PREFIX = "/ng-rollout/{session_id}/training-token-capture"
 _PREFIXES = ("/sessions/{session_id}", ROLLOUT_PREFIX, CAPTURE_PREFIX)
+
+FORWARDED_HEADER = "x-streamrl-forwarded"
+MAX_REMEMBERED_OWNERS = 4096
 
 router = APIRouter()
 _chat_decoder = msgspec.json.Decoder(ChatCompletionResponse)
@@ -48,20 +58,63 @@ class SessionStats(msgspec.Struct, kw_only=True):
     prefix_breaks: int
 
 
+def _unknown(session_id: str) -> HTTPError:
+    return HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
+
+
 def _session(request: Request, session_id: str):
     s = request.app.state.proxy.sessions.get(session_id)
     if s is None:
-        raise HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
+        raise _unknown(session_id)
     return s
 
 
-async def responses(session_id: str, request: Request) -> MsgspecJSON:
+async def _forwarded(request: Request, session_id: str) -> Response | None:
+    """The answer of the gateway worker holding ``session_id`` when this one does not; None when
+    this worker holds it. A 404 when no live worker does."""
+    app = request.app
+    if session_id in app.state.proxy.sessions:
+        return None
+    if request.headers.get(FORWARDED_HEADER):
+        raise _unknown(session_id)
+    owners: OrderedDict[str, str] | None = getattr(app.state, "session_owners", None)
+    if owners is None:
+        owners = app.state.session_owners = OrderedDict()
+    proxy = app.state.proxy
+    candidates = [owners[session_id]] if session_id in owners else [
+        w.url for w in await live_workers(proxy.pool.redis, proxy.pool.keys, "gym_gateway")
+        if w.worker_id != app.state.worker.gateway_id]
+    body = await request.body()
+    headers = {"content-type": request.headers.get("content-type", "application/json"), FORWARDED_HEADER: "1"}
+    for url in candidates:
+        try:
+            async with proxy.http.request(request.method, f"{url.rstrip('/')}{request.url.path}", data=body,
+                                          headers=headers,
+                                          timeout=aiohttp.ClientTimeout(total=proxy.request_timeout_s)) as resp:
+                status, answer = resp.status, await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            continue  # a worker that went away holds no session we can reach
+        if status == 404 and b'"session_id"' in answer:
+            continue
+        owners[session_id] = url
+        while len(owners) > MAX_REMEMBERED_OWNERS:
+            owners.popitem(last=False)
+        return Response(answer, status_code=status, media_type="application/json")
+    owners.pop(session_id, None)
+    raise _unknown(session_id)
+
+
+async def responses(session_id: str, request: Request) -> Response:
+    if (elsewhere := await _forwarded(request, session_id)) is not None:
+        return elsewhere
     req = await read_body(request, ResponsesRequest)
     body = await request.app.state.proxy.chat(session_id, chat_request(req))
     return MsgspecJSON(build_response(req, _chat_decoder.decode(body)))
 
 
 async def chat(session_id: str, request: Request) -> Response:
+    if (elsewhere := await _forwarded(request, session_id)) is not None:
+        return elsewhere
     req = await read_body(request, ChatCompletionRequest)
     if req.stream:
         raise HTTPError(400, "streaming is not supported by the session proxy", param="stream")
@@ -72,6 +125,8 @@ async def tokenize(session_id: str, request: Request) -> Response:
     """Forwarded as sent: replayed assistant messages carry their token fields, from which the
     generator splices exactly as it did for the chat call (the session's own history has moved
     on by then, so it is not attached here)."""
+    if (elsewhere := await _forwarded(request, session_id)) is not None:
+        return elsewhere
     s = _session(request, session_id)
     req = await read_body(request, TokenizeRequest)
     proxy = request.app.state.proxy
@@ -84,7 +139,9 @@ async def tokenize(session_id: str, request: Request) -> Response:
         raise HTTPError(502, f"generator {s.generator_id} unreachable: {type(exc).__name__}: {exc}") from exc
 
 
-async def stats(session_id: str, request: Request) -> MsgspecJSON:
+async def stats(session_id: str, request: Request) -> Response:
+    if (elsewhere := await _forwarded(request, session_id)) is not None:
+        return elsewhere
     s = _session(request, session_id)
     return MsgspecJSON(SessionStats(session_id=session_id, calls=s.calls, prefix_breaks=s.prefix_breaks))
 

@@ -9,11 +9,12 @@ trajectory's turns hold exactly the token ids and logprobs the gateway returned 
 second call continued the first turn's tokens (no prefix break); a dead resources server, an
 unreachable agent and an agent whose model server is not the gateway fail as infrastructure with
 their reasons. NeMo-Gym's vllm_model requests (chat with token ids, /tokenize) work on the rollout
-paths too.
+paths too, and a call that reaches another gateway worker is forwarded to the session's owner.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 
@@ -182,3 +183,31 @@ async def test_vllm_model_requests_work_on_the_rollout_paths(gateway_stack):
     assert second["prompt_token_ids"][: len(history)] == history
     assert session.prefix_breaks == 0 and session.turns[1].context_len == len(history)
     assert missing.status_code == 404 and "observability_enabled" in missing.json()["error"]["message"]
+
+
+async def test_calls_reaching_another_gateway_worker_are_forwarded_to_the_sessions_owner(gateway_stack, serve_app):
+    """NeMo-Gym's config names one model server; sessions live on the worker running the rollout."""
+    from services.gym_gateway.app import build_app as build_gateway
+    from shared.registry import live_workers
+
+    async with gateway_stack() as gw:
+        port = free_port()
+        other = build_gateway(gw.cfg, worker_id="gw-1", port=port, drain_timeout_s=5)
+        async with serve_app(other, port) as other_url:
+            for _ in range(100):
+                if len(await live_workers(gw.streams.redis, gw.streams.keys, "gym_gateway")) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            session = await gw.gateway.state.proxy.open("fw.1", "train", gw.cfg.policy.generation.sampling("train"))
+            async with httpx.AsyncClient(timeout=60) as http:
+                first = await http.post(f"{other_url}/ng-rollout/fw.1/v1/responses", json={"input": "Say hi."})
+                replay = {"input": [{"role": "user", "content": "Say hi."}, *first.json()["output"],
+                                    {"role": "user", "content": "Again."}]}
+                second = await http.post(f"{other_url}/ng-rollout/fw.1/v1/responses", json=replay)
+                stats = await http.get(f"{other_url}/sessions/fw.1/stats")
+                gone = await http.post(f"{other_url}/ng-rollout/nope.1/v1/responses", json={"input": "x"})
+    assert first.status_code == second.status_code == 200
+    assert first.json()["output"][-1]["generation_token_ids"] == list(session.turns[0].generated())
+    assert session.calls == 2 and session.prefix_breaks == 0 and stats.json()["calls"] == 2
+    assert dict(other.state.session_owners) == {"fw.1": gw.url}
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "session_id"
