@@ -73,6 +73,13 @@ def test_assistant_messages_then_a_user_message_split_turns():
     assert chat.messages[1].content == "first" and chat.messages[1].generation_token_ids == [7, 8]
 
 
+def test_null_token_fields_are_read_as_absent():
+    nulls = dict.fromkeys(TOKENS)
+    [turn] = chat_request(_req(input=[{"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}",
+                                       **nulls}])).messages
+    assert turn.tool_calls[0].id == "c" and turn.prompt_token_ids is None and turn.generation_token_ids is None
+
+
 @pytest.mark.parametrize("item, param", [
     ({"type": "web_search_call", "id": "ws_1"}, "input[0].type"),
     ({"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}", "prompt_token_ids": [1]},
