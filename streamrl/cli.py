@@ -115,14 +115,16 @@ def status(
     redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Redis of the run (default: REDIS_URL, then run.json)"),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="run id (default: run.json, or the only run in Redis)"),
     run_dir: Optional[Path] = RUN_DIR,
+    url: Optional[str] = URL,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Services (state, weight version, in flight, heartbeat age), queues and the step, from Redis."""
+    """Services (state, weight version, in flight, heartbeat age), queues and the step, from Redis
+    (with only a trainer URL: the trainer's own view)."""
     from shared.config import ConfigError
     from streamrl.status import StatusError, run_status
 
     try:
-        text = run_status(redis_url, run_id, run_dir, as_json)
+        text = run_status(redis_url, run_id, run_dir, as_json, trainer_url=url)
     except (StatusError, ConfigError) as exc:
         _fail(str(exc), 1)
     if text is not None:

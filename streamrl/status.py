@@ -5,8 +5,12 @@
     -> snapshot (shared.queue_stats): services with state, weight version, in flight, heartbeat
        age; stream lengths; pending entries per group and consumer; the trainer's step and pauses
     -> the trainer's GET /status (bearer token sent when set) for the step budget, buffer and
-       reward, if its registered URL answers within 2 s
+       reward, if it answers within 2 s (at --url / STREAMRL_TRAINER_URL / run.json, else its
+       registered URL)
     -> a table (or ``--json``)
+
+With no Redis URL anywhere but a trainer URL (a port-forwarded cluster), the trainer's own view
+is shown instead.
 
 Nothing is written to Redis. Called by `streamrl.cli`.
 """
@@ -71,18 +75,46 @@ async def gather(redis_url: str, run_id: str | None) -> RunSnapshot:
         await redis.aclose()
 
 
-def trainer_status(snap: RunSnapshot, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    """The trainer's own /status, or None when no trainer is registered or it does not answer."""
+def fetch_trainer_status(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
+    """GET <url>/status with the API token; StatusError naming the trainer and the refusal."""
     import httpx
 
-    trainers = [w.heartbeat for w in snap.workers if w.heartbeat.kind == "trainer"]
-    if not trainers:
+    try:
+        r = httpx.get(f"{url}/status", headers=client_headers(load_api_token()), timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise StatusError(f"cannot reach the trainer at {url}: {exc}") from None
+    if r.status_code != 200:
+        raise StatusError(f"the trainer at {url} answered {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def trainer_status(snap: RunSnapshot, url: str | None = None) -> dict[str, Any] | None:
+    """The trainer's own /status (at ``url``, else its registered URL), or None when it does not answer."""
+    trainers = [w.heartbeat.url for w in snap.workers if w.heartbeat.kind == "trainer"]
+    url = url or (trainers[0] if trainers else None)
+    if url is None:
         return None
     try:
-        r = httpx.get(f"{trainers[0].url}/status", headers=client_headers(load_api_token()), timeout=timeout_s)
-    except httpx.HTTPError:
+        return fetch_trainer_status(url)
+    except StatusError:
         return None
-    return r.json() if r.status_code == 200 else None
+
+
+def render_trainer_only(trainer: dict[str, Any], console=None) -> None:
+    """Without Redis: the trainer's view (workers from its registry read, no queues)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(f"run {trainer['run_id']}: step {trainer['step']}/{trainer['max_num_steps']} ({trainer['state']})  "
+                  f"pause {', '.join(trainer['pause']) or '-'}  (from the trainer; set REDIS_URL for queues)")
+    t = Table(title="services")
+    for col in ("kind", "id", "state", "weight version", "in flight"):
+        t.add_column(col)
+    for w in trainer["workers"]:
+        t.add_row(w["kind"], w["id"], w["state"], str(w["weight_version"]), str(w["in_flight"]))
+    console.print(t)
+    _trainer_line(trainer, console)
 
 
 def to_json(snap: RunSnapshot, trainer: dict[str, Any] | None) -> str:
@@ -120,22 +152,36 @@ def render(snap: RunSnapshot, trainer: dict[str, Any] | None, console=None) -> N
                        "" if g is None or g.lag is None else str(g.lag), per or ("-" if g else ""))
     console.print(queues)
     if trainer:
-        last = trainer.get("last") or {}
-        reward = last.get("reward_mean")
-        console.print(f"trainer: weight version {trainer['weight_version']}  buffer {trainer['buffer_depth']}  "
-                      f"in flight {trainer['in_flight_groups']}  reward {'-' if reward is None else f'{reward:.3f}'}")
-        if trainer.get("error"):
-            console.print(f"[red]error: {trainer['error']}[/red]")
+        _trainer_line(trainer, console)
 
 
-def run_status(redis_url: str | None, run_id: str | None, run_dir: Path | None, as_json: bool) -> str | None:
-    """Gather and print; returns the JSON text with ``as_json`` (printed by the caller)."""
+def _trainer_line(trainer: dict[str, Any], console) -> None:
+    last = trainer.get("last") or {}
+    reward = last.get("reward_mean")
+    console.print(f"trainer: weight version {trainer['weight_version']}  buffer {trainer['buffer_depth']}  "
+                  f"in flight {trainer['in_flight_groups']}  reward {'-' if reward is None else f'{reward:.3f}'}")
+    if trainer.get("error"):
+        console.print(f"[red]error: {trainer['error']}[/red]")
+
+
+def run_status(redis_url: str | None, run_id: str | None, run_dir: Path | None, as_json: bool,
+               trainer_url: str | None = None) -> str | None:
+    """Gather and print; returns the JSON text with ``as_json`` (printed by the caller). Without
+    any Redis URL but with a trainer URL (--url, STREAMRL_TRAINER_URL) the trainer's view alone."""
     # A Redis named on the command line or in the environment is not paired with some other run's file.
     explicit = redis_url or os.environ.get("REDIS_URL")
-    run_file = read_run_file(run_dir) if run_dir or not explicit else {}
+    trainer_url = trainer_url or os.environ.get("STREAMRL_TRAINER_URL")
+    run_file = read_run_file(run_dir) if run_dir or not (explicit or trainer_url) else {}
+    trainer_url = (trainer_url or run_file.get("trainer_url") or "").rstrip("/")
+    if not (explicit or run_file.get("redis_url")) and trainer_url:
+        trainer = fetch_trainer_status(trainer_url, timeout_s=10.0)
+        if as_json:
+            return json.dumps({"trainer": trainer}, indent=2)
+        render_trainer_only(trainer)
+        return None
     url = resolve_redis_url(redis_url, run_file)
     snap = asyncio.run(gather(url, run_id or run_file.get("run_id")))
-    trainer = trainer_status(snap)
+    trainer = trainer_status(snap, trainer_url or None)
     if as_json:
         return to_json(snap, trainer)
     render(snap, trainer)

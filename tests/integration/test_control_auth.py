@@ -106,7 +106,7 @@ async def test_trainer_control_routes_need_the_token(trainer, caplog):
 
 async def _cli(*args: str, token: str | None = None, token_file: Path | None = None) -> subprocess.CompletedProcess:
     """The CLI as a process, off the event loop (which serves the trainer it calls)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_API_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_API_TOKEN") and k != "REDIS_URL"}
     if token:
         env["STREAMRL_API_TOKEN"] = token
     if token_file:
@@ -133,6 +133,12 @@ async def test_cli_sends_the_token_from_the_environment(trainer, tmp_path):
     assert REDIS_PASSWORD not in out.stdout + out.stderr and TOKEN not in out.stdout + out.stderr
     wrong = await _cli("status", "--redis-url", redis_url, "--run-id", rt.cfg.run.run_id, "--json", token=WRONG)
     assert wrong.returncode == 0 and json.loads(wrong.stdout)["trainer"] is None  # Redis' view without the trainer's
+    # no Redis at hand (a port-forwarded trainer): the trainer's own view, with the token
+    only = await _cli("status", "--url", url, "--json", token=TOKEN)
+    assert only.returncode == 0, only.stderr
+    assert json.loads(only.stdout)["trainer"]["run_id"] == rt.cfg.run.run_id
+    refused = await _cli("status", "--url", url, token=WRONG)
+    assert refused.returncode == 1 and f"the trainer at {url} answered 403" in refused.stderr
 
 
 # ---- generator -------------------------------------------------------------------------------
