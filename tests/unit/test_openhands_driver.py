@@ -222,3 +222,30 @@ async def test_a_missing_interpreter_is_a_sandbox_error_naming_the_key(tmp_path)
     env = OpenHandsEnv(OpenHandsSection(python=str(tmp_path / "nope" / "python")))
     with pytest.raises(SandboxError, match="env.openhands.python"):
         await env.rollout({"prompt": "p", "check": "true"}, _client(), max_turns=1)
+
+
+SHIPPED_SWE = Path(__file__).resolve().parents[2] / "data" / "swe_instances"
+
+
+@pytest.mark.parametrize("fix", [True, False])
+async def test_swe_instance_is_scored_by_its_hidden_tests(tmp_path, fix):
+    """A stand-in agent applies the instance's gold patch (or nothing) in the workspace it is
+    started in; the reward is what the SWE driver's hidden tests say about that workspace."""
+    gold = json.loads((SHIPPED_SWE / "calc-divide-by-zero" / "instance.json").read_text())["gold_patch"]
+    patch = tmp_path / "gold.diff"
+    patch.write_text(gold)
+    prompt_file = tmp_path / "prompt.txt"
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, subprocess, sys\njob = json.load(open(sys.argv[2]))\n"
+        f"open({str(prompt_file)!r}, 'w').write(job['prompt'])\n"
+        + (f"subprocess.run(['git', 'apply', {str(patch)!r}], check=True)\n" if fix else "")
+        + "json.dump({'status': 'finished', 'iterations': 1, 'actions': {}, 'error_kind': None, 'error': None},"
+          " open(sys.argv[3], 'w'))\n"
+    )
+    exe = _fake_runner(tmp_path, f'exec {sys.executable} {script} "$@"')
+    env = OpenHandsEnv(OpenHandsSection(python=str(exe)))
+    out = await env.rollout({"swe": {"instance_id": "calc-divide-by-zero"}}, _client(), max_turns=1)
+    assert out.reward == (1.0 if fix else 0.0) and out.status == "ok"
+    assert out.metrics["tests_expected"] == 3.0 and out.metrics["tests_matched"] == (3.0 if fix else 2.0)
+    assert "cannot divide by zero" in prompt_file.read_text() and str(tmp_path) not in prompt_file.read_text()

@@ -56,8 +56,9 @@ OFFLINE_ENV = {
 }
 _PASS_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "SHELL", "TERM")
 _LOG_TAIL_CHARS = 3000
+# No workspace path: it differs per rollout, and a group's rollouts should share one prompt.
 SWE_PROMPT = (
-    "The repository is in the folder {path}. Make the smallest change to its non-test files that "
+    "The repository is the current folder. Make the smallest change to its non-test files that "
     "resolves the issue below, then finish.\n\n<issue>\n{problem}\n</issue>"
 )
 
@@ -123,7 +124,7 @@ class OpenHandsEnv:
             self._swe_env = SweEnv(self.swe_cfg)
         inst = self._swe_env.resolve(row)
         async with self._swe_env.runtime.workspace(inst) as ws, self._scratch() as scratch:
-            prompt = SWE_PROMPT.format(path=ws.path, problem=inst.problem_statement)
+            prompt = SWE_PROMPT.format(problem=inst.problem_statement)
             run = await self.run_agent(prompt, Path(ws.path), llm, max_turns=max_turns, job_dir=scratch)
             result = await swe.evaluate(inst, ws)
         return self.outcome(run, result.reward, result.metrics)
