@@ -9,8 +9,9 @@ rollout's session id, so these paths are the session's own:
 
     POST /sessions/{id}/v1/responses  and  /ng-rollout/{id}[/training-token-capture]/v1/responses
          Responses API (non-streaming), converted to the session's chat path (recorded, spliced)
-    POST /ng-rollout/{id}[/training-token-capture]/v1/chat/completions
-         the session's chat path, for agents and model adapters that speak chat
+    POST /ng-rollout/{id}[/training-token-capture]/v1/chat/completions, .../v1/completions
+    GET  /ng-rollout/{id}[/training-token-capture]/v1/models
+         the session's own paths, for agents and model adapters that speak chat or completions
     POST /sessions/{id}/tokenize  and  /ng-rollout/{id}[/training-token-capture]/tokenize
          the session generator's /tokenize (NeMo-Gym's vllm_model calls it for prompt ids)
     GET  /sessions/{id}/stats         model calls the session recorded (the driver's routing check)
@@ -37,7 +38,7 @@ from fastapi.responses import Response
 
 from services.gym_gateway.responses import build_response, chat_request
 from shared.http import HTTPError, MsgspecJSON, read_body
-from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse, TokenizeRequest
+from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, TokenizeRequest
 from shared.registry import live_workers
 from shared.responses_api import ResponsesRequest
 
@@ -121,6 +122,23 @@ async def chat(session_id: str, request: Request) -> Response:
     return Response(await request.app.state.proxy.chat(session_id, req), media_type="application/json")
 
 
+async def completions(session_id: str, request: Request) -> Response:
+    if (elsewhere := await _forwarded(request, session_id)) is not None:
+        return elsewhere
+    req = await read_body(request, CompletionRequest)
+    if req.stream:
+        raise HTTPError(400, "streaming is not supported by the session proxy", param="stream")
+    return Response(await request.app.state.proxy.completion(session_id, req), media_type="application/json")
+
+
+async def models(session_id: str, request: Request) -> Response:
+    if (elsewhere := await _forwarded(request, session_id)) is not None:
+        return elsewhere
+    s = _session(request, session_id)
+    async with request.app.state.proxy.http.get(f"{s.generator_url}/v1/models") as resp:
+        return Response(await resp.read(), status_code=resp.status, media_type="application/json")
+
+
 async def tokenize(session_id: str, request: Request) -> Response:
     """Forwarded as sent: replayed assistant messages carry their token fields, from which the
     generator splices exactly as it did for the chat call (the session's own history has moved
@@ -157,5 +175,7 @@ for _prefix in _PREFIXES:
     router.add_api_route(f"{_prefix}/tokenize", tokenize, methods=["POST"])
 for _prefix in (ROLLOUT_PREFIX, CAPTURE_PREFIX):
     router.add_api_route(f"{_prefix}/v1/chat/completions", chat, methods=["POST"])
+    router.add_api_route(f"{_prefix}/v1/completions", completions, methods=["POST"])
+    router.add_api_route(f"{_prefix}/v1/models", models, methods=["GET"])
 router.add_api_route("/sessions/{session_id}/stats", stats, methods=["GET"])
 router.add_api_route("/v1/responses", no_rollout, methods=["POST"])

@@ -156,7 +156,8 @@ async def test_an_unreachable_agent_is_an_infrastructure_failure(gateway_stack):
 
 async def test_vllm_model_requests_work_on_the_rollout_paths(gateway_stack):
     """NeMo-Gym's vllm_model with return_token_id_information: chat with logprobs as token ids,
-    the turn replayed with its token fields, and /tokenize with the same template switches."""
+    the turn replayed with its token fields, /tokenize with the same template switches; then
+    completions continuing the session's tokens and the model list, on the same paths."""
     async with gateway_stack() as gw:
         session = await gw.gateway.state.proxy.open("vm.1", "train", gw.cfg.policy.generation.sampling("train"))
         base = f"{gw.url}/ng-rollout/vm.1/training-token-capture"
@@ -175,6 +176,11 @@ async def test_vllm_model_requests_work_on_the_rollout_paths(gateway_stack):
                       **{k: m[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}}
             second = (await http.post(f"{base}/v1/chat/completions", json={
                 "messages": [*messages, replay, {"role": "user", "content": "Again."}], **capture})).json()
+            m2 = second["choices"][0]["message"]
+            so_far = m2["prompt_token_ids"] + m2["generation_token_ids"]
+            third = (await http.post(f"{base}/v1/completions", json={
+                "prompt": so_far + m["prompt_token_ids"][:3], "max_tokens": 4, "logprobs": 0})).json()
+            listed = (await http.get(f"{base}/v1/models")).json()
             missing = await http.post(f"{gw.url}/v1/responses", json={"input": "x"})
     assert choice["token_ids"] == m["generation_token_ids"]
     assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in m["generation_token_ids"]]
@@ -182,6 +188,9 @@ async def test_vllm_model_requests_work_on_the_rollout_paths(gateway_stack):
     history = m["prompt_token_ids"] + m["generation_token_ids"]
     assert second["prompt_token_ids"][: len(history)] == history
     assert session.prefix_breaks == 0 and session.turns[1].context_len == len(history)
+    assert session.turns[2].context_len == len(so_far) and list(session.turns[2].generated()) == \
+        third["choices"][0]["generation_token_ids"]
+    assert listed["data"][0]["weight_version"] == 0
     assert missing.status_code == 404 and "observability_enabled" in missing.json()["error"]["message"]
 
 
