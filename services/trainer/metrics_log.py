@@ -60,9 +60,7 @@ def write_scalars(writer, record: dict[str, Any]) -> None:
 
 def _numeric(record: dict[str, Any], prefix: str = ""):
     for key, value in record.items():
-        if isinstance(value, bool):
-            yield prefix + key, float(value)
-        elif isinstance(value, (int, float)):
+        if isinstance(value, (bool, int, float)):
             yield prefix + key, float(value)
         elif isinstance(value, dict):
             yield from _numeric(value, f"{prefix}{key}/")
