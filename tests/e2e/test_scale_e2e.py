@@ -1,0 +1,142 @@
+"""Scaling a live run with the local backend: ``streamrl up`` trains while ``streamrl scale`` takes
+generators and gateway workers 1 -> 2 -> 1.
+
+Asserts what a user scaling a run relies on: the command reports the counts before and after and
+returns once the new workers are ready; the trainer's refits include the new generator while it
+runs and only the remaining one after it left (the test scales down once rollouts ran on both new
+workers); the run still trains every step on its full batch with no trajectory id twice (the
+per-step ledger in metrics.jsonl); no task is lost: the removed gateway leaves nothing pending,
+every task of the run's settled steps has its trajectory, and no rollout failed.
+Every service is a process; the generators use the transformers engine on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared import keys as K
+from shared.protocol import Task, Trajectory, decode
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, PROMPTS, GENS = 12, 2, 2
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written
+            break
+    return [r for r in records if r.get("kind") == "train"]
+
+
+def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert proc.poll() is None, f"the run ended while waiting for {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f}s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.5)
+    return found
+
+
+def _scale(out: Path, redis_url: str, *targets: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamrl.cli", "scale", *targets, "--run-dir", str(out),
+                           "--timeout", "240"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "REDIS_URL": redis_url})
+
+
+def _trajectories(redis_url: str, run_id: str) -> list[Trajectory]:
+    r = redis.Redis.from_url(redis_url)
+    return [decode(f[K.ENTRY_FIELD], Trajectory) for _, f in r.xrange(K.RunKeys(run_id).trajectories)]
+
+
+def _new_workers_used(redis_url: str, run_id: str) -> bool:
+    """A rollout ran on the new gateway and a model call was served by the new generator."""
+    trajs = _trajectories(redis_url, run_id)
+    return (any(t.gateway_id == "gateway-1" for t in trajs)
+            and any(turn.generator_id == "generator-1" for t in trajs for turn in t.turns))
+
+
+@pytest.fixture(scope="module")
+def scaled_run(tmp_path_factory, tiny_model_dir, redis_url):
+    out = tmp_path_factory.mktemp("scaled")
+    data = out / "data"
+    subprocess.run([sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(data / "train.jsonl"),
+                    "--n", "200"], check=True, cwd=ROOT)
+    run_id = f"scale-e2e-{os.getpid()}"
+    cmd = [
+        sys.executable, "-m", "streamrl.cli", "up", str(ROOT / "deploy/configs/demo.yaml"), "--no-progress",
+        f"run.run_id={run_id}", f"run.output_dir={out}", f"data.train_path={data / 'train.jsonl'}", "data.val_path=null",
+        f"policy.model_name={tiny_model_dir}", "policy.generation.backend=transformers",
+        "policy.generation.max_new_tokens=8", f"grpo.max_num_steps={STEPS}", f"grpo.num_prompts_per_step={PROMPTS}",
+        f"grpo.num_generations_per_prompt={GENS}", "grpo.val_at_start=false", "grpo.val_at_end=false",
+        "checkpointing.save_period=100", "generator.drain_session_idle_s=1", "logger.plot=false",
+    ]
+    log = out / "up.log"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        _wait_for("first step", lambda: _records(out), proc, log, 300)
+        up = _scale(out, redis_url, "generator=2", "gym-gateway=2")
+        _wait_for("refit confirmed by the new generator",
+                  lambda: any("generator-1" in r["refit_generators"] for r in _records(out)), proc, log, 120)
+        _wait_for("rollouts through the new workers", lambda: _new_workers_used(redis_url, run_id), proc, log, 120)
+        down = _scale(out, redis_url, "generator=1", "gym-gateway=1")
+        steps_at_down = len(_records(out))
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out, run_id, proc.returncode, log, up, down, steps_at_down
+
+
+def test_scale_commands_report_counts_and_return_when_done(scaled_run):
+    _, _, code, log, up, down, steps_at_down = scaled_run
+    assert code == 0, log.read_text()[-4000:]
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "generator: 1 -> 2, gym-gateway: 1 -> 2" in up.stdout
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "generator: 2 -> 1, gym-gateway: 2 -> 1" in down.stdout
+    assert steps_at_down < STEPS, "the run should still be training when scaled down"
+
+
+def test_refits_follow_the_generators_that_serve(scaled_run):
+    out, *_ = scaled_run
+    records = _records(out)
+    assert records[0]["refit_generators"] == ["generator-0"]
+    assert any(r["refit_generators"] == ["generator-0", "generator-1"] for r in records)
+    assert records[-1]["refit_generators"] == ["generator-0"]  # it left; the trainer no longer waits for it
+
+
+def test_every_step_trains_its_full_batch_once_and_no_task_is_lost(scaled_run, redis_url):
+    out, run_id, *_ = scaled_run
+    records = _records(out)
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert all(len(r["consumed_ids"]) == PROMPTS * GENS for r in records)
+    ids = [i for r in records for i in r["consumed_ids"]]
+    assert len(ids) == len(set(ids))  # no trajectory trained twice
+
+    r, keys = redis.Redis.from_url(redis_url), K.RunKeys(run_id)
+    tasks = [decode(f[K.ENTRY_FIELD], Task) for _, f in r.xrange(keys.tasks)]
+    trajs = _trajectories(redis_url, run_id)
+    assert not [t.task_id for t in trajs if t.status == "failed"]
+    # The removed gateway left nothing pending: it finished its rollouts or released them.
+    pending = r.xpending_range(keys.tasks, K.GATEWAYS_GROUP, "-", "+", 1000, consumername="gateway-1")
+    assert pending == []
+    # Every task of the settled steps (long before the run ended) came back as a trajectory.
+    done = {t.task_id for t in trajs}
+    settled = {t.task_id for t in tasks if t.kind == "train" and t.target_step <= STEPS - 3}
+    assert settled and settled <= done, sorted(settled - done)
