@@ -165,6 +165,9 @@ class ScaleChannel:
         self.request_id = "up"  # the start-up counts answer as if requested
         self.request_error: str | None = None
         self._published: ScaleStatus | None = None
+        # A request left by an earlier job of this run id (a resume) is not this job's: the config
+        # decides the start-up counts.
+        self.redis.delete(self.keys.scale_request)
 
     def tick(self) -> bool:
         """Take a new request, move every pool, publish the status; True when membership changed."""

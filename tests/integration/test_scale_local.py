@@ -58,12 +58,13 @@ server.serve_forever()
 class Rig:
     """A supervisor's scaling loop over fake workers, ticking in a thread like `streamrl up`."""
 
-    def __init__(self, tmp: Path, redis_url: str, modes: dict[int, str] | None = None, stop_timeout_s: float = 10.0):
+    def __init__(self, tmp: Path, redis_url: str, modes: dict[int, str] | None = None, stop_timeout_s: float = 10.0,
+                 run_id: str | None = None):
         self.tmp, self.modes = tmp, modes or {}
         self.script = tmp / "worker.py"
         self.script.write_text(WORKER)
         (tmp / "marks").mkdir()
-        self.run_id = f"scale-{uuid.uuid4().hex[:6]}"
+        self.run_id = run_id or f"scale-{uuid.uuid4().hex[:6]}"
         self.pool = WorkerPool("generator", self._child, stop_timeout_s=stop_timeout_s, ready_timeout_s=20.0)
         gateways = WorkerPool("gym-gateway", self._child, stop_timeout_s=stop_timeout_s, ready_timeout_s=20.0)
         for pool in (self.pool, gateways):
@@ -182,3 +183,14 @@ def test_a_run_that_ends_while_scaling_is_reported(tmp_path, redis_url):
     with pytest.raises(ScaleError, match="ended before scaling finished"):
         LocalBackend(tmp_path).scale({"generator": 2}, timeout_s=60)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_request_left_by_an_earlier_job_of_the_run_is_not_applied(rig_factory, tmp_path, redis_url):
+    from shared.protocol import ScaleRequest, encode
+
+    run_id = f"resumed-{uuid.uuid4().hex[:6]}"
+    stale = ScaleRequest(request_id="from-the-last-job", targets={"generator": 3})
+    redis.Redis.from_url(redis_url).set(K.RunKeys(run_id).scale_request, encode(stale))
+    rig = rig_factory(run_id=run_id)
+    time.sleep(1.0)  # several supervisor turns
+    assert len(rig.pool.children()) == 1 and LocalBackend(tmp_path).counts() == {"generator": 1, "gym-gateway": 1}
