@@ -117,8 +117,16 @@ def render_trainer_only(trainer: dict[str, Any], console=None) -> None:
     _trainer_line(trainer, console)
 
 
+def current_step(snap: RunSnapshot, trainer: dict[str, Any] | None) -> int:
+    """Steps done: the trainer writes the key after each step, so none yet (or only its REST view) is 0."""
+    if snap.step is not None:
+        return snap.step
+    return int(trainer["step"]) if trainer else 0
+
+
 def to_json(snap: RunSnapshot, trainer: dict[str, Any] | None) -> str:
     data = dataclasses.asdict(snap)
+    data["step"] = current_step(snap, trainer)
     data["workers"] = [{**msgspec.to_builtins(w.heartbeat), "heartbeat_age_s": w.age_s} for w in snap.workers]
     data["trainer"] = trainer
     return json.dumps(data, indent=2, default=str)
@@ -129,7 +137,7 @@ def render(snap: RunSnapshot, trainer: dict[str, Any] | None, console=None) -> N
     from rich.table import Table
 
     console = console or Console()
-    step = "-" if snap.step is None else str(snap.step)
+    step = str(current_step(snap, trainer))
     if trainer:
         step += f"/{trainer['max_num_steps']} ({trainer['state']})"
     console.print(f"run {snap.run_id}: step {step}  pause {', '.join(snap.pause) or '-'}")

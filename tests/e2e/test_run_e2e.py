@@ -182,3 +182,17 @@ def test_acks_follow_durable_effects(finished_run, redis_url):
     read_tasks = read_tasks[: r.xinfo_groups(keys.tasks)[0]["entries-read"]]
     assert all(tid in published for eid, tid in read_tasks if eid not in pending_tasks)
     assert r.xlen(keys.deadletter) == 0
+
+
+def test_run_outputs_feed_staleness_tensorboard_and_report(finished_run):
+    out, _, _, _ = finished_run
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["kind"] == "train"]
+    for s in steps:  # every consumed trajectory is counted once by its age, within the lag
+        assert sum(s["staleness_counts"].values()) == PROMPTS * GENS
+        assert all(0 <= int(age) <= 1 for age in s["staleness_counts"])
+        assert all(s[f"time_refit_{p}_s"] >= 0 for p in ("write", "checksum", "confirm"))
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    report = _cli("report", str(out))
+    assert report.returncode == 0, report.stderr
+    assert [Path(p).name for p in report.stdout.split()] == ["reward.png", "validation.png", "staleness.png", "timing.png"]
