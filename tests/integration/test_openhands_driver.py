@@ -78,9 +78,10 @@ async def test_episode_from_task_to_trajectory_with_workspace_reward(gateway_sta
 
 
 async def test_sampling_parameters_reach_the_generator(gateway_stack):
-    """The session's profile matches the generator (temperature 1.0, 24 tokens); the agent gets
-    other values through its chat client, so only what the agent itself sends can explain the
-    generator's behaviour."""
+    """The session's profile matches the generator's training parameters (temperature 1.0, top_p
+    1.0, 24 tokens) and the proxy fills only what a request leaves out; the agent gets other values
+    through its chat client, so only what the agent itself sends can explain the generator's
+    refusals and the shorter generations."""
     env = OpenHandsEnv(OpenHandsSection(**OPENHANDS))
     async with gateway_stack(env=_env_section()) as st, aiohttp.ClientSession() as http:
         proxy = st.gateway.state.proxy
@@ -93,7 +94,9 @@ async def test_sampling_parameters_reach_the_generator(gateway_stack):
             return session, await env.rollout(TASK, client, max_turns=1)
 
         with pytest.raises(ModelRequestError, match="temperature"):
-            await run("oh-hot", SamplingParams(temperature=0.5, max_tokens=24))
+            await run("oh-cool", SamplingParams(temperature=0.5, max_tokens=24))
+        with pytest.raises(ModelRequestError, match="top_p"):
+            await run("oh-narrow", SamplingParams(top_p=0.5, max_tokens=24))
         session, outcome = await run("oh-short", SamplingParams(max_tokens=3))
     assert session.turns and all(len(t.generated()) <= 3 for t in session.turns)
     assert outcome.metrics["iterations"] == len(session.turns)
