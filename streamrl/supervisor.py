@@ -228,5 +228,7 @@ class Supervisor:
         others = [c for c in self.children if c is not self.trainer]
         for c in ([self.trainer] if self.trainer else []) + list(reversed(others)):
             c.stop(timeout_s=40.0)
+        if self.channel is not None:
+            self.channel.redis.close()
         if self.redis is not None:
             self.redis.stop()
