@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry never retries a coroutine
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from shared import keys as K
 from shared.protocol import DeadLetter, ProtocolError, decode, encode
@@ -31,8 +31,19 @@ log = logging.getLogger(__name__)
 M = TypeVar("M")
 
 
+# Backoff sleeps 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s, then 2 s per retry: 20 retries span about 33 s.
+REDIS_RECONNECT_BUDGET_S = 33.0
+_RECONNECT_RETRIES = 20
+
+
 def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 256) -> aioredis.Redis:
     """An asyncio Redis client that retries transient connection errors with backoff.
+
+    A command that meets a refused or dropped connection, or a socket timeout, is sent again on a
+    fresh connection with exponential backoff (0.1 s doubling to 2 s) for about
+    REDIS_RECONNECT_BUDGET_S of backoff, plus up to the socket timeout per attempt when Redis
+    accepts connections but does not answer. A Redis restart or failover within that time is
+    ridden out; past it the error reaches the caller (the trainer fails the run loudly).
 
     Works with redis://, rediss:// (TLS) and unix:// URLs, with passwords and ACL users in the URL.
     The pool blocks (up to the socket timeout) when all ``max_connections`` are busy instead of
@@ -47,7 +58,7 @@ def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=5.0,
         health_check_interval=15,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=_RECONNECT_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it

@@ -39,12 +39,18 @@ class RedisServer:
         port: int | None = None,
         binary: str | None = None,
         appendonly: bool = False,
+        appendfsync: str = "everysec",
         extra_args: list[str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()  # the server chdirs into it: relative paths would break
         self.port = port or free_port()
         self.binary = binary or valkey_binary()
         self.appendonly = appendonly
+        # With appendonly: "always" fsyncs every write (nothing acknowledged is lost even on a
+        # kill -9 of the server); "everysec" may lose the last second of writes on a crash.
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
+        self.appendfsync = appendfsync
         self.extra_args = list(extra_args or [])  # e.g. ["--requirepass", ...]: url then carries no password
         self.proc: subprocess.Popen | None = None
 
@@ -61,6 +67,7 @@ class RedisServer:
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
             "--protected-mode", "yes",
             "--logfile", str(self.data_dir / "server.log"),
             *self.extra_args,

@@ -1,0 +1,279 @@
+"""Harness of the fault-injection tests: a real run whose Valkey and services are processes the
+test started itself, so that it can kill (SIGKILL), freeze (SIGSTOP) and restart each of them by
+pid, and then audit what a user would: the trainer's exit code and error, the per-step ledger of
+consumed trajectory ids in metrics.jsonl, and the trajectories published per task id.
+
+* `write_config`: a run config (the demo's, on the tiny model with the transformers engine, which
+  starts in seconds) with dotted overrides.
+* `Service`: one ``python -m services.<name>`` process in its own process group.
+* `FaultRun`: the run's services, its output folder and read-only views of its Redis.
+* `StreamTail`: every entry of a stream as it was published, read as it comes (the run may trim
+  acknowledged entries later), riding out Redis restarts and pauses.
+
+Long variants of the tests are skipped unless STREAMRL_LONG_TESTS=1 (`long_variant`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+
+from shared import keys as K
+from shared.protocol import Heartbeat, Trajectory, decode
+from streamrl.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+long_variant = pytest.mark.skipif(
+    os.environ.get("STREAMRL_LONG_TESTS") != "1", reason="long variant: set STREAMRL_LONG_TESTS=1 to run it"
+)
+
+
+def make_data(folder: Path, n_train: int = 200, n_val: int = 4) -> tuple[Path, Path]:
+    """Train and validation sets of the demo's `crossing` environment."""
+    paths = []
+    for name, n in (("train", n_train), ("val", n_val)):
+        path = folder / f"{name}.jsonl"
+        if not path.is_file():
+            subprocess.run([sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(path), "--n", str(n)],
+                           check=True, cwd=ROOT)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def write_config(folder: Path, *, model_dir: Path, redis_url: str, run_id: str, overrides: dict[str, Any]) -> Path:
+    """The demo config on the tiny model and the transformers engine, without validations, with
+    ``overrides`` (dotted keys) on top; written to ``folder/run.yaml``."""
+    train, val = make_data(folder / "data")
+    tree = yaml.safe_load((ROOT / "deploy/configs/demo.yaml").read_text())
+    base = {
+        "run.run_id": run_id, "run.output_dir": str(folder / "run"), "redis.url": redis_url,
+        "data.train_path": str(train), "data.val_path": str(val), "policy.model_name": str(model_dir),
+        "policy.generation.backend": "transformers", "policy.generation.max_new_tokens": 8,
+        "grpo.val_at_start": False, "grpo.val_at_end": False, "logger.plot": False,
+    }
+    for key, value in {**base, **overrides}.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+@dataclass
+class Service:
+    """A service process (``python -m <module>``) in its own process group, signalled by pid."""
+
+    module: str
+    config: Path
+    worker_id: str
+    log: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> Service:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, "--config", str(self.config), "--port", str(self.port),
+             "--worker-id", self.worker_id],
+            cwd=ROOT, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def kill9(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if not self.alive():
+            return
+        self.signal(signal.SIGCONT)  # a frozen process would never see the SIGTERM
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.is_file() else ""
+
+    def get_json(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def metric(self, name: str) -> float:
+        """One unlabelled sample of the service's Prometheus /metrics."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise KeyError(name)
+
+
+class StreamTail(threading.Thread):
+    """Reads a stream from its start with XREAD (no consumer group: the run does not see it) and
+    keeps every decoded entry; reconnects after Redis errors."""
+
+    def __init__(self, url: str, stream: str, cls: type) -> None:
+        super().__init__(daemon=True, name=f"tail-{stream}")
+        self.url, self.stream, self.cls = url, stream, cls
+        self.entries: list[tuple[str, Any]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        last = "0-0"
+        while not self._halt.is_set():
+            try:
+                with redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2) as r:
+                    while not self._halt.is_set():
+                        for _, rows in r.xread({self.stream: last}, count=500, block=300) or []:
+                            for eid, fields in rows:
+                                last = eid.decode()
+                                self.entries.append((last, decode(fields[K.ENTRY_FIELD], self.cls)))
+            except (OSError, redis.RedisError):
+                time.sleep(0.2)
+
+    def stop(self) -> list[Any]:
+        """Stop after catching up; the messages read, in order."""
+        time.sleep(0.5)
+        self._halt.set()
+        self.join(10)
+        return [m for _, m in self.entries]
+
+
+class FaultRun:
+    """One run's services, output folder and Redis, for a test that injects faults into it."""
+
+    def __init__(self, folder: Path, config: Path) -> None:
+        self.folder = folder
+        self.config = config
+        tree = yaml.safe_load(config.read_text())
+        self.tree = tree
+        self.out = Path(tree["run"]["output_dir"])
+        self.keys = K.RunKeys(tree["run"]["run_id"])
+        self.redis_url = tree["redis"]["url"]
+        self.services: dict[str, Service] = {}
+        self.published = StreamTail(self.redis_url, self.keys.trajectories, Trajectory)
+        self.published.start()
+
+    def start(self, module: str, worker_id: str) -> Service:
+        svc = Service(module, self.config, worker_id, self.folder / f"{worker_id}.log").start()
+        self.services[worker_id] = svc
+        return svc
+
+    def restart(self, worker_id: str) -> Service:
+        """The same command again (same worker id, port and log)."""
+        svc = self.services[worker_id]
+        return svc.start()
+
+    def stop_all(self) -> None:
+        for svc in reversed(list(self.services.values())):
+            svc.stop()
+        if self.published.is_alive():
+            self.published.stop()
+
+    def logs(self, n: int = 2500) -> str:
+        return "\n".join(f"--- {wid} ---\n{svc.tail(n)}" for wid, svc in self.services.items())
+
+    # ---- what a user would check ---------------------------------------------------------------
+
+    def records(self) -> list[dict]:
+        path = self.out / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # the last line while the trainer is still writing it
+                break
+        return records
+
+    def trained_steps(self) -> int:
+        return len({r["step"] for r in self.records() if r.get("kind") == "train"})
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url, socket_timeout=5, socket_connect_timeout=2)
+
+    def pending_tasks(self, consumer: str) -> list[str]:
+        """Entry ids of tasks ``consumer`` has read and not acked (running or held)."""
+        with self.client() as r:
+            rows = r.xpending_range(self.keys.tasks, K.GATEWAYS_GROUP, "-", "+", 10_000, consumername=consumer)
+            return [row["message_id"].decode() for row in rows]
+
+    def task_ids(self, entry_ids: list[str]) -> list[str]:
+        from shared.protocol import Task
+
+        with self.client() as r:
+            return [decode(r.xrange(self.keys.tasks, e, e)[0][1][K.ENTRY_FIELD], Task).task_id for e in entry_ids]
+
+    def live_workers(self) -> dict[str, Heartbeat]:
+        """Registry records whose heartbeat has not expired, by worker id."""
+        with self.client() as r:
+            ids = [i.decode() for i in r.zrangebyscore(self.keys.registry, time.time(), "+inf")]
+            raw = r.hmget(self.keys.registry_info, ids) if ids else []
+        return {wid: decode(data, Heartbeat) for wid, data in zip(ids, raw) if data is not None}
+
+    def wait_for(self, what: str, cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.05,
+                 watch: tuple[str, ...] = ("trainer",)) -> float:
+        """Poll ``cond`` until true; fail with the logs if it times out or a watched service exits.
+        Returns the seconds it took."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                if cond():
+                    return time.monotonic() - t0
+            except (OSError, redis.RedisError):  # a service or Redis that is not up yet
+                pass
+            for wid in watch:
+                svc = self.services.get(wid)
+                if svc is not None and not svc.alive():
+                    pytest.fail(f"{wid} exited ({svc.proc.returncode}) while waiting for {what}\n{self.logs()}")
+            if time.monotonic() - t0 > timeout_s:
+                pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{self.logs()}")
+            time.sleep(poll_s)
+
+
+def ledger(records: list[dict]) -> dict[int, list[str]]:
+    """step -> the trajectory ids the last record of that step consumed."""
+    out: dict[int, list[str]] = {}
+    for r in records:
+        if r.get("kind") == "train":
+            out[r["step"]] = r["consumed_ids"]
+    return out
+
+
+def assert_every_step_trained_once(records: list[dict], steps: int, rows_per_step: int) -> None:
+    """The ledger covers steps 0..steps-1, each with exactly rows_per_step ids, none twice."""
+    book = ledger(records)
+    assert sorted(book) == list(range(steps)), sorted(book)
+    assert {s: len(ids) for s, ids in book.items() if len(ids) != rows_per_step} == {}
+    ids = [i for step_ids in book.values() for i in step_ids]
+    assert len(ids) == len(set(ids)), "a trajectory id was trained twice"
