@@ -41,6 +41,7 @@ from services.generator.weights import WeightSync
 from shared.auth import AuthPolicy
 from shared.http import install_error_handlers, require_agent_token
 from shared.keys import RunKeys
+from shared.openapi import document_bodies
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
@@ -96,6 +97,7 @@ def build_app(cfg: RunConfig, worker_id: str, port: int, *, engine: Engine | Non
     install_error_handlers(app)
     app.include_router(openai_router, dependencies=[Depends(require_agent_token)])
     app.include_router(admin_router)
+    document_bodies(app)
     return app
 
 

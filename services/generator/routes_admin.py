@@ -22,6 +22,7 @@ from services.generator.runtime import Runtime
 from services.generator.weights import LoadOrder
 from shared.http import HTTPError, MsgspecJSON, read_body, require_control_token
 from shared.metrics import CONTENT_TYPE
+from shared.openapi import json_body
 from shared.openai_api import GeneratorState, LoadWeightsRequest, PauseRequest
 
 router = APIRouter()
@@ -54,7 +55,7 @@ async def state(request: Request) -> MsgspecJSON:
     return MsgspecJSON(generator_state(request.app.state))
 
 
-@router.post("/admin/pause", dependencies=CONTROL)
+@router.post("/admin/pause", dependencies=CONTROL, openapi_extra=json_body(PauseRequest))
 async def pause(request: Request) -> MsgspecJSON:
     body = await read_body(request, PauseRequest)
     await _runtime(request).pause("admin", body.mode)
@@ -67,7 +68,7 @@ async def resume(request: Request) -> MsgspecJSON:
     return MsgspecJSON(generator_state(request.app.state))
 
 
-@router.post("/admin/load_weights", dependencies=CONTROL)
+@router.post("/admin/load_weights", dependencies=CONTROL, openapi_extra=json_body(LoadWeightsRequest))
 async def load_weights(request: Request) -> MsgspecJSON:
     body = await read_body(request, LoadWeightsRequest)
     order = LoadOrder(version=body.version, path=body.path, checksum=body.checksum, mode=body.mode)

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 
 from services.generator.serving import GenerationService
 from shared.http import HTTPError, MsgspecJSON, read_body
+from shared.openapi import json_body
 from shared.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, TokenizeRequest
 
 router = APIRouter()
@@ -36,19 +37,19 @@ def _service(request: Request) -> GenerationService:
     return request.app.state.service
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> MsgspecJSON:
     body = await read_body(request, ChatCompletionRequest)
     return await _counted(request, "chat", _service(request).chat(body))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request) -> MsgspecJSON:
     body = await read_body(request, CompletionRequest)
     return await _counted(request, "completions", _service(request).completion(body))
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
 async def tokenize(request: Request) -> MsgspecJSON:
     body = await read_body(request, TokenizeRequest)
     return MsgspecJSON(_service(request).tokenize(body))

@@ -30,6 +30,7 @@ from shared import keys as K
 from shared.auth import AuthPolicy, client_headers
 from shared.http import HTTPError, install_error_handlers, read_body, require_agent_token
 from shared.metrics import CONTENT_TYPE, ServiceMetrics
+from shared.openapi import document_bodies, json_body
 from shared.openai_api import ChatCompletionRequest, CompletionRequest
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
@@ -110,7 +111,8 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
                        registry=metrics.registry)
     g_failovers = Gauge("streamrl_gateway_failovers_total", "Session moves off a dead generator", registry=metrics.registry)
 
-    @app.post("/sessions/{session_id}/v1/chat/completions", dependencies=agent_auth)
+    @app.post("/sessions/{session_id}/v1/chat/completions", dependencies=agent_auth,
+              openapi_extra=json_body(ChatCompletionRequest))
     async def chat(session_id: str, request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest)
         if req.stream:
@@ -118,7 +120,8 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         body = await app.state.proxy.chat(session_id, req)
         return Response(body, media_type="application/json")
 
-    @app.post("/sessions/{session_id}/v1/completions", dependencies=agent_auth)
+    @app.post("/sessions/{session_id}/v1/completions", dependencies=agent_auth,
+              openapi_extra=json_body(CompletionRequest))
     async def completions(session_id: str, request: Request) -> Response:
         req = await read_body(request, CompletionRequest)
         if req.stream:
@@ -153,6 +156,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         g_released.set(worker.released)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    document_bodies(app)
     return app
 
 

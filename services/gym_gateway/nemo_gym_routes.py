@@ -38,6 +38,7 @@ from fastapi.responses import Response
 
 from services.gym_gateway.responses import build_response, chat_request
 from shared.http import HTTPError, MsgspecJSON, read_body
+from shared.openapi import json_body
 from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, TokenizeRequest
 from shared.registry import live_workers
 from shared.responses_api import ResponsesRequest
@@ -171,11 +172,14 @@ async def no_rollout() -> None:
 
 
 for _prefix in _PREFIXES:
-    router.add_api_route(f"{_prefix}/v1/responses", responses, methods=["POST"])
-    router.add_api_route(f"{_prefix}/tokenize", tokenize, methods=["POST"])
+    router.add_api_route(f"{_prefix}/v1/responses", responses, methods=["POST"],
+                         openapi_extra=json_body(ResponsesRequest))
+    router.add_api_route(f"{_prefix}/tokenize", tokenize, methods=["POST"], openapi_extra=json_body(TokenizeRequest))
 for _prefix in (ROLLOUT_PREFIX, CAPTURE_PREFIX):
-    router.add_api_route(f"{_prefix}/v1/chat/completions", chat, methods=["POST"])
-    router.add_api_route(f"{_prefix}/v1/completions", completions, methods=["POST"])
+    router.add_api_route(f"{_prefix}/v1/chat/completions", chat, methods=["POST"],
+                         openapi_extra=json_body(ChatCompletionRequest))
+    router.add_api_route(f"{_prefix}/v1/completions", completions, methods=["POST"],
+                         openapi_extra=json_body(CompletionRequest))
     router.add_api_route(f"{_prefix}/v1/models", models, methods=["GET"])
 router.add_api_route("/sessions/{session_id}/stats", stats, methods=["GET"])
 router.add_api_route("/v1/responses", no_rollout, methods=["POST"])

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from shared.auth import AuthPolicy
 from shared.http import HTTPError, decode_body, install_error_handlers, require_control_token
 from shared.metrics import CONTENT_TYPE
+from shared.openapi import document_bodies, json_body
 from services.trainer.observe import TrainerMetrics
 from services.trainer.runtime import TrainerRuntime
 
@@ -67,7 +68,7 @@ def build_app(runtime: TrainerRuntime, metrics: TrainerMetrics | None = None, *,
         epoch = await ready_runtime().pause.pause("user")
         return {"epoch": epoch}
 
-    @app.post("/resume", dependencies=CONTROL)
+    @app.post("/resume", dependencies=CONTROL, openapi_extra=json_body(ResumeRequest, required=False))
     async def resume(request: Request) -> dict:
         rt = ready_runtime()
         body = await request.body()
@@ -102,4 +103,5 @@ def build_app(runtime: TrainerRuntime, metrics: TrainerMetrics | None = None, *,
             await metrics.update_from_redis(runtime.redis, runtime.keys)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    document_bodies(app)
     return app
