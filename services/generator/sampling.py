@@ -21,6 +21,7 @@ from shared.run_config import GenerationSection
 
 _TOLERANCE = 1e-6
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 128  # OpenAI's own cap on n; more would let one request exhaust the engine's memory
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ def output_budget(max_tokens: int, prompt_len: int, max_model_len: int) -> int:
 
 def check_choices(n: int, top_logprobs: int | None) -> int:
     """Validate ``n`` and ``top_logprobs``; the number of alternatives to report."""
-    if n < 1:
-        raise bad_request(f"n must be >= 1 (got {n})", param="n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be between 1 and {MAX_CHOICES} (got {n})", param="n")
     if top_logprobs is None:
         return 0
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:

@@ -70,6 +70,10 @@ def test_choices_and_top_logprobs():
     with pytest.raises(HTTPError) as err:
         check_choices(1, 21)
     assert err.value.param == "top_logprobs"
+    assert check_choices(128, None) == 0
+    with pytest.raises(HTTPError, match="between 1 and 128") as err:  # found by the schema fuzzer: n=37124000
+        check_choices(37_124_000, None)  # used to allocate that many choices until the process died
+    assert err.value.status == 400 and err.value.param == "n"
 
 
 def test_request_kind_from_tag_or_template_kwargs():
