@@ -6,6 +6,7 @@
 * ``POST /admin/pause {mode}``, ``POST /admin/resume``: pause reason "admin" (a refit keeps its own).
 * ``POST /admin/load_weights {version, path, checksum, mode}``: the watcher's code path
   (`WeightSync.apply`), acked on the weight_acks stream as well; 500 naming the error on failure.
+  A ``path`` without safetensors files is a 400 that leaves the generator serving.
 * ``POST /admin/reset_prefix_cache``: the engine's answer.
 * ``GET /admin/state``: `shared.openai_api.GeneratorState`.
 
@@ -15,14 +16,17 @@ Every ``/admin/*`` route requires the API token when one is set (`shared.auth`);
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from services.generator.runtime import Runtime
 from services.generator.weights import LoadOrder
-from shared.http import HTTPError, MsgspecJSON, read_body, require_control_token
+from shared.http import HTTPError, MsgspecJSON, bad_request, read_body, require_control_token
 from shared.metrics import CONTENT_TYPE
 from shared.openapi import json_body
+from shared.weights_format import safetensors_files
 from shared.openai_api import GeneratorState, LoadWeightsRequest, PauseRequest
 
 router = APIRouter()
@@ -71,6 +75,10 @@ async def resume(request: Request) -> MsgspecJSON:
 @router.post("/admin/load_weights", dependencies=CONTROL, openapi_extra=json_body(LoadWeightsRequest))
 async def load_weights(request: Request) -> MsgspecJSON:
     body = await read_body(request, LoadWeightsRequest)
+    try:  # a wrong path is the caller's error: refused before the load can take the generator out of service
+        await asyncio.to_thread(safetensors_files, body.path)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise bad_request(f"path: {exc}", param="path") from None
     order = LoadOrder(version=body.version, path=body.path, checksum=body.checksum, mode=body.mode)
     ack = await request.app.state.weights.apply(order)
     if not ack.ok:
