@@ -399,6 +399,13 @@ class TrainerSection(_Section):
     backend: Annotated[
         Literal["torch", "megatron"], D("training backend: torch (transformers model) or megatron (megatron-core, GPUs)")
     ] = "torch"
+    stream_retention_s: Annotated[
+        float,
+        D(
+            "acknowledged entries of the tasks and trajectories streams are trimmed after every step once "
+            "older than this (for inspection meanwhile); 0: as soon as acked. Unacked entries are never trimmed"
+        ),
+    ] = 3600.0
 
 
 class RunConfig(_Section):
@@ -460,6 +467,8 @@ class RunConfig(_Section):
             raise ConfigError("data.train_path is required")
         if g.val_num_generations_per_prompt < 1:
             raise ConfigError("grpo.val_num_generations_per_prompt must be >= 1")
+        if self.trainer.stream_retention_s < 0:
+            raise ConfigError("trainer.stream_retention_s must be >= 0")
         if g.stop_at_validation_metric is not None:
             if g.stop_at_validation_threshold is None:
                 raise ConfigError("grpo.stop_at_validation_threshold is required with grpo.stop_at_validation_metric")
