@@ -12,7 +12,10 @@ Membership is read from the registry at every refit, so the set follows scaling:
 for the generators that serve at that moment. One still ``starting`` is not waited for (it loads
 the newest announced version itself before it reports ready), nor one that is ``draining`` (it is
 leaving). A generator that leaves the registry or starts draining while we wait is dropped from
-the set, with a warning, and counted in ``RefitReport.dropped`` and ``dropped_total``.
+the set, with a warning, and counted in ``RefitReport.dropped`` and ``dropped_total``. After Redis
+answered late (frozen, overloaded, failing over), a generator missing from the registry gets
+ABSENCE_GRACE_S to heartbeat again before it is dropped: no heartbeat landed while Redis did not
+answer, so every live worker looks expired until its next one.
 
 Owned by the trainer runtime; the learner's ``save_weights`` is passed in.
 """
@@ -64,6 +67,11 @@ class RefitReport:
 # or is leaving (draining).
 NOT_WAITED_FOR = ("starting", "draining")
 
+# A registry read that took this much longer than asked means Redis was stalled.
+STALL_S = 1.0
+# After a stall, how long a generator missing from the registry may take to heartbeat again.
+ABSENCE_GRACE_S = 3 * K.HEARTBEAT_INTERVAL_S
+
 
 async def refit_members(streams: StreamClient) -> set[str]:
     """Live generators a refit must hear from now."""
@@ -71,12 +79,16 @@ async def refit_members(streams: StreamClient) -> set[str]:
     return {g.worker_id for g in gens if g.state not in NOT_WAITED_FOR}
 
 
-async def wait_for_generators(streams: StreamClient, timeout_s: float) -> list[str]:
+async def wait_for_generators(streams: StreamClient, timeout_s: float,
+                              note_latency: Callable[[float, float], None] | None = None) -> list[str]:
     """Block until at least one generator that a refit waits for has registered; fail loudly at
-    the deadline."""
+    the deadline. ``note_latency(waited_s, asked_s)`` hears how long each registry read took."""
     deadline = time.monotonic() + timeout_s
     while True:
+        t0 = time.monotonic()
         members = await refit_members(streams)
+        if note_latency is not None:
+            note_latency(time.monotonic() - t0, 0.0)
         if members:
             return sorted(members)
         if time.monotonic() > deadline:
@@ -104,6 +116,7 @@ class WeightPublisher:
         self.keep_versions = keep_versions
         self.dropped_total = 0  # generators dropped from a refit they did not confirm
         self._dropped: list[str] = []
+        self._absence_proves_nothing_until = 0.0  # monotonic; set after a stalled Redis read
 
     async def refit(self, version: int, save: Callable[[Path], None], *, wait_for_generators_s: float | None = None) -> RefitReport:
         """Publish ``version`` and wait for every live generator; ``wait_for_generators_s`` bounds
@@ -151,8 +164,23 @@ class WeightPublisher:
         tmp.rename(final)
         return final
 
+    def _note_latency(self, waited_s: float, asked_s: float) -> None:
+        if waited_s > asked_s + STALL_S:
+            self._absence_proves_nothing_until = time.monotonic() + ABSENCE_GRACE_S
+            log.warning("Redis answered after %.1fs; generators missing from the registry get %.0fs to heartbeat "
+                        "again before the refit stops waiting for them", waited_s, ABSENCE_GRACE_S)
+
+    async def _leaving(self, waiting: set[str]) -> set[str]:
+        """Generators of ``waiting`` the refit stops waiting for: those now starting or draining,
+        and those missing from the registry (unless Redis was stalled a moment ago)."""
+        t0 = time.monotonic()
+        gens = {g.worker_id: g.state for g in await live_workers(self.streams.redis, self.streams.keys, "generator")}
+        self._note_latency(time.monotonic() - t0, 0.0)
+        absence_counts = time.monotonic() >= self._absence_proves_nothing_until
+        return {w for w in waiting if (gens[w] in NOT_WAITED_FOR if w in gens else absence_counts)}
+
     async def _announce_and_confirm(self, registration_timeout_s: float, ann: WeightAnnouncement) -> list[str]:
-        expected = set(await wait_for_generators(self.streams, registration_timeout_s))
+        expected = set(await wait_for_generators(self.streams, registration_timeout_s, self._note_latency))
         last = await self.streams.redis.xrevrange(self.streams.keys.weight_acks, count=1)
         cursor = last[0][0].decode() if last else "0-0"
         await self.streams.publish(self.streams.keys.weights, ann, maxlen=K.WEIGHTS_MAXLEN)
@@ -165,7 +193,10 @@ class WeightPublisher:
                     f"weight version {ann.version} not confirmed within {self.timeout_s:.0f}s "
                     f"(trainer.refit_timeout_s) by generator(s): {', '.join(missing)}"
                 )
-            for d in await self.streams.read_after(self.streams.keys.weight_acks, cursor, WeightAck, block_ms=500):
+            t0 = time.monotonic()
+            acks = await self.streams.read_after(self.streams.keys.weight_acks, cursor, WeightAck, block_ms=500)
+            self._note_latency(time.monotonic() - t0, 0.5)
+            for d in acks:
                 cursor = d.entry_id
                 ack = d.msg
                 if ack is None or ack.version != ann.version:
@@ -173,7 +204,7 @@ class WeightPublisher:
                 if not ack.ok:
                     raise RefitError(f"generator {ack.worker_id} failed to load weight version {ann.version}: {ack.error}")
                 confirmed[ack.worker_id] = ack
-            gone = expected - await refit_members(self.streams) - set(confirmed)
+            gone = await self._leaving(expected - set(confirmed))
             if gone:
                 log.warning("generator(s) left or began draining during refit to v%d, not waited for: %s",
                             ann.version, ", ".join(sorted(gone)))

@@ -1,0 +1,80 @@
+"""A refit rides out a Redis that stops answering for longer than the heartbeat TTL.
+
+While Redis is frozen (SIGSTOP) no heartbeat lands, so when it answers again every worker's
+registry entry looks expired until its next heartbeat, up to one interval later. A refit that
+read the registry in that window used to drop every generator that had not confirmed yet and
+fail with "every generator left before confirming". The generator here is played by the test as
+in tests/integration/test_refit_membership.py (the real heartbeat task, and a WeightAck sent
+a while after the announcement, as a generator draining its requests and loading would), against
+a real Valkey the test freezes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from services.trainer.control import PauseControl
+from services.trainer.refit import WeightPublisher
+from shared import keys as K
+from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
+from shared.registry import HeartbeatTask
+from shared.streams import StreamClient, connect
+from streamrl.redis_server import RedisServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+LOAD_S = 1.5  # announcement seen -> ack, longer than the publisher's blocking read of the acks
+
+
+def _save(path):
+    (path / "model.safetensors").write_bytes(b"\x00" * 64)
+
+
+async def _play_generator(streams: StreamClient, worker_id: str, version: int) -> None:
+    while True:
+        latest = await streams.read_latest(streams.keys.weights, WeightAnnouncement)
+        if latest is not None and latest.msg.version == version:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(LOAD_S)
+    await streams.publish(streams.keys.weight_acks, WeightAck(worker_id=worker_id, version=version, ok=True))
+
+
+async def test_a_refit_does_not_drop_generators_that_were_silent_only_because_redis_was(tmp_path):
+    server = RedisServer(tmp_path / "valkey", binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"))
+    server.start()
+    redis = connect(server.url)
+    keys = K.RunKeys("refit-pause")
+    trainer = StreamClient(redis, keys, "trainer")
+    generator = StreamClient(redis, keys, "gen-0")
+    hb = Heartbeat(worker_id="gen-0", kind="generator", url="http://x", pid=os.getpid(), host=socket.gethostname(),
+                   state="ready", weight_version=0)
+    heartbeat = HeartbeatTask(redis, keys, lambda: hb)
+    heartbeat.start()
+    pub = WeightPublisher(trainer, PauseControl(redis, keys), tmp_path / "weights", timeout_s=60.0,
+                          in_flight_updates=False)
+    try:
+        await asyncio.sleep(1.5)  # registered
+        player = asyncio.create_task(_play_generator(generator, "gen-0", 1))
+        refit = asyncio.create_task(pub.refit(1, _save))
+        while b"refit" not in await redis.hkeys(keys.pause):  # the refit has begun
+            await asyncio.sleep(0.005)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        await asyncio.sleep(K.HEARTBEAT_TTL_S + 2)  # the loop keeps running: the heartbeat task is blocked
+        os.kill(server.proc.pid, signal.SIGCONT)
+        report = await asyncio.wait_for(refit, 30)
+        await player
+        assert time.monotonic() - t0 > K.HEARTBEAT_TTL_S
+        assert report.generators == ["gen-0"] and report.dropped == []
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        await heartbeat.aclose("gen-0")
+        await redis.aclose()
+        server.stop()
