@@ -5,6 +5,9 @@ Entries a dead consumer left pending are taken over with XAUTOCLAIM after an idl
 An entry that cannot be decoded or validated is copied to the dead-letter stream with the reason
 and acked, so one bad writer cannot wedge a consumer group and nothing disappears silently.
 
+Work-queue streams are trimmed by acknowledged id (`StreamClient.trim_acked`): entries before the
+oldest one still pending or not yet delivered in any consumer group go, never an unacked one.
+
 Callers: the trainer (tasks out, trajectories in, weights out, weight acks in), the gateway
 (tasks in, trajectories out), the generator (weights in, weight acks out).
 """
@@ -92,6 +95,16 @@ return id
 
 def _id(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = _id_key(entry_id)
+    return f"{ms}-{seq + 1}"
 
 
 class StreamClient:
@@ -194,6 +207,35 @@ class StreamClient:
         if n:
             log.info("released %d entries of %s back to %s", n, stream, group)
         return n
+
+    async def trim_acked(self, stream: str, *, retention_s: float = 0.0) -> int:
+        """Delete the entries of ``stream`` that every consumer group has acknowledged, except those
+        younger than ``retention_s`` (by the Redis server's clock); the number deleted.
+
+        The cut is the oldest entry still pending or not yet delivered in any group (XINFO GROUPS
+        last-delivered-id, XPENDING's smallest id), and XTRIM MINID deletes only entries before
+        it: an unacknowledged entry is never dropped. Entries acked or delivered meanwhile only
+        move the true cut later, so the race with consumers is harmless. A stream without groups
+        is left alone."""
+        try:
+            groups = await self.redis.xinfo_groups(stream)
+        except ResponseError:  # the stream does not exist (yet)
+            return 0
+        if not groups:
+            return 0
+        cut: str | None = None
+        for g in groups:
+            bound = _next_id(_id(g["last-delivered-id"]))
+            if g["pending"]:
+                summary = await self.redis.xpending(stream, g["name"])
+                if summary["pending"]:
+                    bound = min(bound, _id(summary["min"]), key=_id_key)
+            cut = bound if cut is None else min(cut, bound, key=_id_key)
+        if retention_s > 0:
+            sec, usec = await self.redis.time()
+            oldest_kept = f"{max(0, sec * 1000 + usec // 1000 - int(retention_s * 1000))}-0"
+            cut = min(cut, oldest_kept, key=_id_key)
+        return int(await self.redis.xtrim(stream, minid=cut, approximate=False))
 
     async def dead_letter(self, source: str, entry_id: str, payload: bytes, reason: str) -> None:
         self.deadlettered += 1

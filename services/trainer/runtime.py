@@ -15,7 +15,9 @@ the initial validation returns before any training).
 
 A background consumer moves trajectories from the stream into the buffer (or to a running
 validation). Trajectory entries are acked once the step that used them is checkpointed (or when
-they are evicted / duplicates), so a crash between checkpoints re-delivers them on restart.
+they are evicted / duplicates), so a crash between checkpoints re-delivers them on restart. After
+every step the tasks and trajectories streams are trimmed by acknowledged id (never an unacked
+entry; trainer.stream_retention_s of acknowledged history stays), so they stay bounded.
 Any background failure (a fail-fast rollout failure, a decode storm, Redis gone) fails the run
 loudly instead of hanging it.
 """
@@ -238,6 +240,8 @@ class TrainerRuntime:
             # Acked only once durable: a crash before this point re-delivers them on restart.
             await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, self._unacked)
             self._unacked = []
+        for stream in (self.keys.tasks, self.keys.trajectories):  # bounded: acknowledged entries go
+            await self.streams.trim_acked(stream, retention_s=self.cfg.trainer.stream_retention_s)
         return saved
 
     def _step_record(self, step, sample, batch, train_metrics, report, t0, t_data, t_train) -> dict[str, Any]:

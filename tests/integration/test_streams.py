@@ -176,3 +176,59 @@ async def test_a_burst_of_sessions_reads_the_generator_registry_once(redis_url, 
     picks = await asyncio.gather(*[pool.pick() for _ in range(128)])
     assert picks == [("gen-0", "http://g", 3)] * 128 and reads == 1
     await redis.aclose()
+
+
+async def _unacked_ids(redis, stream: str, all_ids: list[str], groups: list[str]) -> set[str]:
+    """Entries some group still needs: pending there, or after its last-delivered id."""
+    from shared.streams import _id_key
+
+    needed: set[str] = set()
+    info = {g["name"].decode(): g for g in await redis.xinfo_groups(stream)}
+    for group in groups:
+        pending = await redis.xpending_range(stream, group, "-", "+", 10_000)
+        needed |= {p["message_id"].decode() for p in pending}
+        last = _id_key(info[group]["last-delivered-id"].decode())
+        needed |= {i for i in all_ids if _id_key(i) > last}
+    return needed
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_trimming_by_acknowledged_id_never_drops_an_unacked_entry(clients, seed):
+    import random
+
+    a, b, keys = clients
+    rng = random.Random(seed)
+    await a.ensure_group(keys.tasks, "audit")  # a second group that reads at its own pace
+    ids: list[str] = []
+    held: dict[str, list[str]] = {K.GATEWAYS_GROUP: [], "audit": []}
+    for _ in range(40):
+        ids += await a.publish_many(keys.tasks, [_task(i) for i in range(rng.randint(0, 4))])
+        for group, client in ((K.GATEWAYS_GROUP, a), ("audit", b)):
+            got = await client.read_group(keys.tasks, group, Task, count=rng.randint(1, 5), block_ms=None)
+            held[group] += [d.entry_id for d in got]
+            done = [i for i in held[group] if rng.random() < 0.5]
+            await client.ack(keys.tasks, group, done)
+            held[group] = [i for i in held[group] if i not in done]
+        needed = await _unacked_ids(a.redis, keys.tasks, ids, list(held))
+        await a.trim_acked(keys.tasks)
+        left = [i.decode() for i, _ in await a.redis.xrange(keys.tasks)]
+        assert needed <= set(left)  # nothing a group still needs is gone
+        # and everything before the oldest needed entry is gone
+        oldest = min(needed, key=ids.index) if needed else None
+        assert left == (ids[ids.index(oldest):] if oldest else [])
+    # held entries can still be re-read with their payloads
+    again = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=1000, pending=True)
+    assert [d.entry_id for d in again] == held[K.GATEWAYS_GROUP]
+
+
+async def test_trimming_keeps_recent_acknowledged_entries_and_skips_streams_without_groups(clients):
+    a, _, keys = clients
+    ids = await a.publish_many(keys.tasks, [_task(i) for i in range(3)])
+    got = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=3, block_ms=None)
+    await a.ack(keys.tasks, K.GATEWAYS_GROUP, [d.entry_id for d in got])
+    assert await a.trim_acked(keys.tasks, retention_s=3600) == 0  # acked, but younger than the retention
+    assert await a.trim_acked(keys.tasks) == 3
+    assert await a.redis.xlen(keys.tasks) == 0 and ids
+    await a.publish(keys.weights, _task(0))  # a stream no group reads
+    assert await a.trim_acked(keys.weights) == 0 and await a.redis.xlen(keys.weights) == 1
+    assert await a.trim_acked(keys._k("no-such-stream")) == 0
