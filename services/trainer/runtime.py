@@ -173,8 +173,9 @@ class TrainerRuntime:
                     self.state = "finished"
                     await self.redis.set(self.keys.stop, b"finished")
                     return
-            await self._issue()
-            await self._lookahead_barrier()
+            if self.step < self.cfg.grpo.max_num_steps:  # resumed from the final checkpoint: nothing to collect
+                await self._issue()
+                await self._lookahead_barrier()
             while self.step < self.cfg.grpo.max_num_steps and not self.early_stopped:
                 await self._step()
             last = self.last_validation
