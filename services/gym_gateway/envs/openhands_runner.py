@@ -22,8 +22,9 @@ Job (JSON object):
 Result (JSON object, written atomically): ``status`` (the conversation's final execution status:
 finished, error, stuck, ...), ``iterations`` (model responses the agent acted on),
 ``actions`` (tool calls by tool name), ``error_kind`` (null, ``model_refused`` for a 4xx from the
-model endpoint, ``transport`` for an unreachable or failing endpoint, ``agent_error`` otherwise)
-and ``error``. Exit status 0 whenever a result was written; anything else is a harness crash.
+model endpoint, ``transport`` for an unreachable or failing endpoint, ``setup_error`` when the
+agent could not be built, e.g. an unknown tool, ``agent_error`` otherwise) and ``error``. Exit
+status 0 whenever a result was written; anything else is a harness crash.
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def build_agent(job: dict[str, Any]):
     )
     tools = []
     for name in job["tools"]:
-        importlib.import_module(f"openhands.tools.{name}")  # registers the tool under its name
+        try:
+            importlib.import_module(f"openhands.tools.{name}")  # registers the tool under its name
+        except ModuleNotFoundError as exc:
+            raise ValueError(f"unknown OpenHands tool {name!r} in env.openhands.tools ({exc})") from exc
         params = {"terminal_type": job["terminal_type"]} if name == "terminal" and job.get("terminal_type") else {}
         tools.append(Tool(name=name, params=params))
     return Agent(llm=llm, tools=tools, include_default_tools=list(job["default_tools"]),
