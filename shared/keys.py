@@ -21,6 +21,31 @@ DEADLETTER_MAXLEN = 100_000
 WEIGHT_ACKS_MAXLEN = 10_000
 WEIGHTS_MAXLEN = 1_000
 
+# Largest encoded entry a reader accepts, per stream (the last part of the key). A larger one is
+# dead-lettered, not decoded: one runaway writer cannot stall a consumer or its memory. Sized for
+# the largest real entry with room to spare: a trajectory of a long multi-turn agent episode
+# (8 bytes per token), a task carrying an SWE instance, small control messages.
+MAX_ENTRY_BYTES = {
+    "tasks": 8 * 2**20,
+    "trajectories": 64 * 2**20,
+    "weights": 64 * 2**10,
+    "weight_acks": 64 * 2**10,
+}
+DEFAULT_MAX_ENTRY_BYTES = 64 * 2**20  # any other stream
+# A dead letter keeps at most this much of the raw payload (an oversized entry is cut to it).
+DEADLETTER_PAYLOAD_MAX_BYTES = 64 * 2**10
+
+
+def stream_name(stream_key: str) -> str:
+    """``streamrl:{run}:tasks`` -> ``tasks``: the stream's name inside its run."""
+    return stream_key.rsplit(":", 1)[-1]
+
+
+def max_entry_bytes(stream_key: str) -> int:
+    """The entry size limit of a stream (MAX_ENTRY_BYTES by name, else the default)."""
+    return MAX_ENTRY_BYTES.get(stream_name(stream_key), DEFAULT_MAX_ENTRY_BYTES)
+
+
 # Pause reasons (fields of RunKeys.pause) that stop gateways from launching new rollouts.
 # Other reasons (e.g. "validation") only stop the trainer from issuing training tasks.
 LAUNCH_GATE_REASONS = ("user", "refit")

@@ -2,8 +2,11 @@
 
 Delivery contract (see DESIGN.md): a consumer acks an entry only once its effect is durable.
 Entries a dead consumer left pending are taken over with XAUTOCLAIM after an idle timeout.
-An entry that cannot be decoded or validated is copied to the dead-letter stream with the reason
-and acked, so one bad writer cannot wedge a consumer group and nothing disappears silently.
+An entry that cannot be decoded or validated (malformed, truncated, another schema version, or
+larger than its stream's ``keys.MAX_ENTRY_BYTES``) is copied to the dead-letter stream with the
+reason and acked, so one bad writer cannot wedge a consumer group and nothing disappears silently;
+readers of the broadcast streams (no group) dead-letter what they skip too. Every client counts
+its dead letters per stream (``deadlettered_by_stream``, served as a metric).
 
 Work-queue streams are trimmed by acknowledged id (`StreamClient.trim_acked`): entries before the
 oldest one still pending or not yet delivered in any consumer group go, never an unacked one.
@@ -115,6 +118,7 @@ class StreamClient:
         self.keys = run_keys
         self.consumer = consumer
         self.deadlettered = 0
+        self.deadlettered_by_stream: dict[str, int] = {}  # stream name (keys.stream_name) -> count
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         """Create ``group`` on ``stream`` (and the stream) unless it exists."""
@@ -239,46 +243,64 @@ class StreamClient:
 
     async def dead_letter(self, source: str, entry_id: str, payload: bytes, reason: str) -> None:
         self.deadlettered += 1
+        name = K.stream_name(source)
+        self.deadlettered_by_stream[name] = self.deadlettered_by_stream.get(name, 0) + 1
         log.warning("dead-lettering %s entry %s: %s", source, entry_id, reason)
-        letter = DeadLetter(source=source, entry_id=entry_id, reason=reason, payload=payload)
+        letter = DeadLetter(source=source, entry_id=entry_id, reason=reason,
+                            payload=payload[: K.DEADLETTER_PAYLOAD_MAX_BYTES])
         await self.publish(self.keys.deadletter, letter, maxlen=K.DEADLETTER_MAXLEN)
 
     async def read_latest(self, stream: str, expected: type[M]) -> Delivery[M] | None:
-        """The newest entry of a broadcast stream (e.g. the latest weight announcement)."""
+        """The newest entry of a broadcast stream (e.g. the latest weight announcement). An
+        unusable one is dead-lettered and raises ProtocolError."""
         reply = await self.redis.xrevrange(stream, count=1)
         if not reply:
             return None
         entry_id, fields = reply[0]
-        return Delivery(_id(entry_id), decode(fields[K.ENTRY_FIELD], expected))
+        return Delivery(_id(entry_id), await self._decode_or_dead_letter(stream, _id(entry_id), fields, expected))
 
     async def read_after(
         self, stream: str, last_id: str, expected: type[M], *, block_ms: int, count: int = 100
     ) -> list[Delivery[M]]:
-        """Read a broadcast stream (no consumer group) after ``last_id``; bad entries are skipped."""
+        """Read a broadcast stream (no consumer group) after ``last_id``. A bad entry is
+        dead-lettered (by every reader that meets it) and comes back as a Delivery whose ``msg``
+        is None, so the caller's cursor still moves past it."""
         reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
         out: list[Delivery[M]] = []
         for entry_id, fields in reply[0][1] if reply else []:
+            eid = _id(entry_id)
             try:
-                out.append(Delivery(_id(entry_id), decode(fields.get(K.ENTRY_FIELD, b""), expected)))
-            except ProtocolError as exc:
-                log.error("skipping bad %s entry %s: %s", stream, _id(entry_id), exc)
-                out.append(Delivery(_id(entry_id), None))  # type: ignore[arg-type]
+                out.append(Delivery(eid, await self._decode_or_dead_letter(stream, eid, fields, expected)))
+            except ProtocolError:
+                out.append(Delivery(eid, None))  # type: ignore[arg-type]
         return out
+
+    async def _decode_or_dead_letter(self, stream: str, entry_id: str, fields, expected: type[M]) -> M:
+        """Decode one entry; an unusable one is dead-lettered with the reason, then ProtocolError."""
+        payload = fields.get(K.ENTRY_FIELD) if fields else None
+        limit = K.max_entry_bytes(stream)
+        if payload is None:
+            reason = f"entry has no {K.ENTRY_FIELD.decode()!r} field"
+        elif len(payload) > limit:
+            reason = (f"entry of {len(payload)} bytes exceeds the {limit}-byte limit of stream "
+                      f"{K.stream_name(stream)!r} (keys.MAX_ENTRY_BYTES); payload cut to "
+                      f"{K.DEADLETTER_PAYLOAD_MAX_BYTES} bytes")
+        else:
+            try:
+                return decode(payload, expected)
+            except ProtocolError as exc:
+                reason = str(exc)
+        await self.dead_letter(stream, entry_id, payload or b"", reason)
+        raise ProtocolError(reason)
 
     async def _decode_entries(self, stream: str, group: str, entries, expected: type[M]) -> list[Delivery[M]]:
         good: list[Delivery[M]] = []
         bad: list[str] = []
         for entry_id, fields in entries:
             eid = _id(entry_id)
-            payload = fields.get(K.ENTRY_FIELD) if fields else None
-            if payload is None:
-                await self.dead_letter(stream, eid, b"", f"entry has no {K.ENTRY_FIELD.decode()!r} field")
-                bad.append(eid)
-                continue
             try:
-                good.append(Delivery(eid, decode(payload, expected)))
-            except ProtocolError as exc:
-                await self.dead_letter(stream, eid, payload, str(exc))
+                good.append(Delivery(eid, await self._decode_or_dead_letter(stream, eid, fields, expected)))
+            except ProtocolError:
                 bad.append(eid)
         if bad:
             await self.ack(stream, group, bad)

@@ -94,6 +94,7 @@ def build_app(cfg: RunConfig, worker_id: str, port: int, *, engine: Engine | Non
     s.redis = s.heartbeat = None
     s.tasks = {}
     s.auth = AuthPolicy.from_env(cfg.auth.protect_agent_routes)  # admin routes check it (routes_admin)
+    metrics.count_dead_letters(lambda: s.weights.streams)  # the weights stream, once the lifespan connects
     install_error_handlers(app)
     app.include_router(openai_router, dependencies=[Depends(require_agent_token)])
     app.include_router(admin_router)

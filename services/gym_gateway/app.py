@@ -103,6 +103,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
     agent_auth = [Depends(require_agent_token)]
     app.include_router(nemo_gym_router, dependencies=agent_auth)  # NeMo-Gym's model-server paths per rollout
     metrics.registry.register(RolloutOutcomes(lambda: getattr(app.state, "worker", None)))
+    metrics.count_dead_letters(lambda: getattr(getattr(app.state, "worker", None), "streams", None))
     g_active = Gauge("streamrl_gateway_active_rollouts", "Rollouts running", registry=metrics.registry)
     g_calls = Gauge("streamrl_gateway_model_calls_total", "Model calls through the proxy", registry=metrics.registry)
     g_breaks = Gauge("streamrl_gateway_prefix_breaks_total", "Calls whose prompt broke the session's token prefix",

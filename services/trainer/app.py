@@ -40,6 +40,7 @@ def build_app(runtime: TrainerRuntime, metrics: TrainerMetrics | None = None, *,
     """The REST app around ``runtime``; ``auth`` defaults to the token in the environment."""
     metrics = metrics if metrics is not None else TrainerMetrics()
     runtime.record_sinks.append(metrics.observe_record)
+    metrics.count_dead_letters(lambda: getattr(runtime, "streams", None))
     app = FastAPI(title="streamrl trainer")
     install_error_handlers(app)
     app.state.runtime, app.state.metrics = runtime, metrics
