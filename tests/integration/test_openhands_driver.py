@@ -102,17 +102,18 @@ async def test_sampling_parameters_reach_the_generator(gateway_stack):
     assert outcome.metrics["iterations"] == len(session.turns)
 
 
-async def test_a_broken_harness_is_an_infrastructure_failure(gateway_stack, tmp_path):
-    # No interpreter at all, and an interpreter without the SDK (the gateway's own Python 3.11).
-    missing = str(tmp_path / "no-venv" / "bin" / "python")
-    without_sdk = str(ROOT / ".venv" / "bin" / "python")
-    for i, python in enumerate([missing, without_sdk]):
-        async with gateway_stack(env=_env_section(python=python)) as st:
-            await st.streams.publish(st.streams.keys.tasks, _task(10 + i, sampling=SamplingParams(max_tokens=8)))
-            [traj] = await collect(st.streams, 1, timeout_s=120)
-        assert traj.status == "failed" and traj.fallback_reason.startswith("sandbox:"), traj.fallback_reason
-        assert traj.turns == [] and traj.metrics["model_calls"] == 0
-    assert "openhands" in traj.fallback_reason.lower()
+@pytest.mark.parametrize(("openhands", "message"), [
+    ({"python": "/nonexistent/venv/bin/python"}, "env.openhands.python"),  # no interpreter at all
+    ({"python": str(ROOT / ".venv" / "bin" / "python")}, "openhands"),  # one without the SDK (3.11)
+    ({"tools": ["terminal", "no_such_tool"]}, "unknown OpenHands tool 'no_such_tool'"),  # the SDK, misconfigured
+])
+async def test_a_broken_harness_is_an_infrastructure_failure(gateway_stack, openhands, message):
+    async with gateway_stack(env=_env_section(**openhands)) as st:
+        await st.streams.publish(st.streams.keys.tasks, _task(10, sampling=SamplingParams(max_tokens=8)))
+        [traj] = await collect(st.streams, 1, timeout_s=120)
+    assert traj.status == "failed" and traj.fallback_reason.startswith("sandbox:"), traj.fallback_reason
+    assert message in traj.fallback_reason
+    assert traj.turns == [] and traj.metrics["model_calls"] == 0
 
 
 @pytest.fixture(scope="module")
