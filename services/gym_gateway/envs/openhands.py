@@ -10,8 +10,8 @@ The SDK needs Python >= 3.12 and its own dependencies, so it runs in its own vir
 (``scripts/setup_openhands.sh``) and process; ``openhands_runner.py`` is the only code that runs
 there. The process gets offline settings (``LITELLM_LOCAL_MODEL_COST_MAP=True``, no telemetry), a
 scrubbed environment, its own HOME and tmux socket folder. When the rollout is cancelled (its
-deadline) or ``env.openhands.timeout_s`` passes, the whole process group is killed, then the tmux
-server on the job's socket folder.
+deadline) or ``env.openhands.timeout_s`` passes, the whole process group is killed, then every
+tmux server with a socket in the job's socket folder (tmux daemonises out of the group).
 
 Task instances (``env: openhands`` rows):
   * ``prompt`` (the user message), ``check`` (a shell command run in the workspace afterwards),
@@ -19,7 +19,9 @@ Task instances (``env: openhands`` rows):
     text}); or
   * ``swe``: a SWE instance row (any format ``swe.instance_from_row`` reads, or
     ``{"instance_id": ...}`` from ``env.swe.instances_path``); the agent works in the SWE runtime's
-    workspace and the reward is ``swe.evaluate`` (hidden tests).
+    workspace and the reward is ``swe.evaluate`` (hidden tests). The agent's own commands run on
+    the gateway's host in that workspace folder, also when ``env.swe.runtime`` is a container
+    engine (then only the hidden tests run in a container).
 
 Failures: the harness cannot start, crashes or writes no result -> `SandboxError`; the model
 endpoint refused a call (4xx) -> `ModelRequestError`; it was unreachable -> `TransportError`.
