@@ -230,7 +230,7 @@ class OpenHandsSection(_Section):
         list[str], D("OpenHands tools by name (terminal, file_editor, task_tracker, glob, grep, apply_patch)")
     ] = msgspec.field(default_factory=lambda: ["terminal", "file_editor"])
     default_tools: Annotated[
-        list[str], D("OpenHands built-in tools kept (FinishTool, ThinkTool); without FinishTool a text reply ends the episode")
+        list[str], D("OpenHands built-in tools kept (FinishTool, ThinkTool); an episode ends at finish or at a reply without tool calls")
     ] = msgspec.field(default_factory=lambda: ["FinishTool", "ThinkTool"])
     terminal_type: Annotated[
         Literal["tmux", "subprocess"] | None, D("backend of the terminal tool; null: tmux when installed")
