@@ -38,9 +38,14 @@ from streamrl.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-long_variant = pytest.mark.skipif(
+_skip_unless_long = pytest.mark.skipif(
     os.environ.get("STREAMRL_LONG_TESTS") != "1", reason="long variant: set STREAMRL_LONG_TESTS=1 to run it"
 )
+
+
+def long_variant(test):
+    """Marks a long variant (``-m long`` selects them) and skips it unless STREAMRL_LONG_TESTS=1."""
+    return pytest.mark.long(_skip_unless_long(test))
 
 
 def make_data(folder: Path, n_train: int = 200, n_val: int = 4) -> tuple[Path, Path]:
@@ -120,6 +125,12 @@ class Service:
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.proc.wait(10)
+
+    def crashed(self) -> bool:
+        """Exited by anything but a clean end (0, or SIGTERM: a gateway leaves a finished run by
+        signalling itself and uvicorn re-raises the signal after its drain), or logged a CRITICAL."""
+        code = self.proc.poll() if self.proc is not None else None
+        return code not in (None, 0, -signal.SIGTERM) or "CRITICAL" in self.tail(10**7)
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.is_file() else ""
