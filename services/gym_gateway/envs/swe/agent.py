@@ -33,10 +33,9 @@ SHIPPED_INSTANCES = Path(__file__).resolve().parents[4] / "data" / "swe_instance
 # No workspace path in the prompt: it differs per rollout, and the same instance should give the
 # same prompt (commands run in the repository; relative paths resolve against it).
 SYSTEM_PROMPT = (
-    "You are a software engineer. Fix the issue the user describes by changing the source files of "
-    "the repository, which is your working folder. Hidden tests will check your fix. Use the tools: "
-    "execute_bash runs a shell command in the repository, str_replace_editor views, creates and "
-    "edits files (paths relative to the repository). Call finish when you are done."
+    "You are a software engineer. Fix the issue the user describes by editing the repository, which "
+    "is your working folder (paths are relative to it). Hidden tests will check the fix. Call finish "
+    "when you are done."
 )
 
 

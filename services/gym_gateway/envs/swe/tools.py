@@ -30,17 +30,16 @@ def _fn(name: str, description: str, properties: dict[str, Any], required: list[
 
 
 TOOLS = [
-    _fn("execute_bash", "Run a bash command in the repository folder and return its output and exit code.",
-        {"command": {"type": "string", "description": "the command line"}}, ["command"]),
-    _fn("str_replace_editor", "View, create or edit a file of the repository.", {
+    _fn("execute_bash", "Run a bash command in the repository.", {"command": {"type": "string"}}, ["command"]),
+    _fn("str_replace_editor", "View, create or edit a file (old_str must be unique).", {
         "command": {"type": "string", "enum": ["view", "create", "str_replace"]},
-        "path": {"type": "string", "description": "file or folder, absolute or relative to the repository"},
-        "file_text": {"type": "string", "description": "create: the new file's content"},
-        "old_str": {"type": "string", "description": "str_replace: the exact text to replace (must be unique)"},
-        "new_str": {"type": "string", "description": "str_replace: the replacement"},
-        "view_range": {"type": "array", "items": {"type": "integer"}, "description": "view: [first, last] line"},
+        "path": {"type": "string"},
+        "file_text": {"type": "string"},
+        "old_str": {"type": "string"},
+        "new_str": {"type": "string"},
+        "view_range": {"type": "array", "items": {"type": "integer"}},
     }, ["command", "path"]),
-    _fn("finish", "Submit: the repository as it is now is your answer.", {}, []),
+    _fn("finish", "Submit the repository as it is now.", {}, []),
 ]
 
 
