@@ -4,6 +4,7 @@ repositories, the agent's copy (no original history, no hidden tests), attempts 
 files reaching the reward run, R2E-Gym and SWE-bench rows, and the command runner (process-group
 kill at the deadline, scrubbed environment, output cap)."""
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -203,6 +204,18 @@ async def test_deadline_kills_the_whole_process_group(runtime):
         quick = await ws.run("sleep 300 & echo $! > bg2.pid; echo started", timeout_s=20.0)
         assert quick.exit_code == 0 and quick.output.strip() == "started" and quick.duration_s < 10
         assert _dies(int((ws.path / "bg2.pid").read_text()))
+
+
+async def test_a_cancelled_command_takes_its_process_group_with_it(runtime):
+    """The worker cancels a rollout at its deadline: nothing the agent started may live on."""
+    async with runtime.workspace(CALC) as ws:
+        task = asyncio.create_task(ws.run("sleep 300 & echo $! > bg.pid; sleep 300"))
+        while not (ws.path / "bg.pid").exists() or not (ws.path / "bg.pid").read_text().strip():
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert _dies(int((ws.path / "bg.pid").read_text()))
 
 
 async def test_commands_get_a_scrubbed_environment_in_the_workspace(runtime, monkeypatch):
