@@ -25,6 +25,7 @@ from typing import Generic, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry never retries a coroutine
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -40,6 +41,19 @@ M = TypeVar("M")
 # Backoff sleeps 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s, then 2 s per retry: 20 retries span about 33 s.
 REDIS_RECONNECT_BUDGET_S = 33.0
 _RECONNECT_RETRIES = 20
+
+
+class _Retry(Retry):
+    """Retries connection errors and timeouts, but not a refused login (a subclass of
+    ConnectionError): no retry fixes a wrong password, and it should be reported at once."""
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        def retryable(exc: Exception) -> bool:
+            if isinstance(exc, (AuthenticationError, AuthorizationError)):
+                return False
+            return is_retryable is None or is_retryable(exc)
+
+        return await super().call_with_retry(do, fail, is_retryable=retryable, with_failure_count=with_failure_count)
 
 
 def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 256) -> aioredis.Redis:
@@ -64,7 +78,7 @@ def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=5.0,
         health_check_interval=15,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=_RECONNECT_RETRIES),
+        retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=_RECONNECT_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it

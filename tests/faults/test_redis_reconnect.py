@@ -1,7 +1,7 @@
 """The services' Redis client (`shared.streams.connect`) rides out a Redis restart: a command sent
 while the server is down completes once it is back, and a stream consumer group survives the
 restart on the append-only file. Past REDIS_RECONNECT_BUDGET_S of backoff the error reaches the
-caller (long variant: it takes that long).
+caller (long variant: it takes that long). A refused login is not retried: it is reported at once.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import time
 
 import pytest
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared import keys as K
@@ -67,3 +68,18 @@ async def test_past_the_budget_the_error_reaches_the_caller():
     finally:
         await redis.aclose()
     assert REDIS_RECONNECT_BUDGET_S - 3 < time.monotonic() - t0 < REDIS_RECONNECT_BUDGET_S + 10
+
+
+async def test_a_wrong_password_is_reported_at_once(tmp_path):
+    server = RedisServer(tmp_path / "valkey", binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
+                         extra_args=["--requirepass", "right-password"])
+    server.start()
+    redis = connect(f"redis://:wrong-password@127.0.0.1:{server.port}/0")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(AuthenticationError):
+            await redis.ping()
+    finally:
+        await redis.aclose()
+        server.stop()
+    assert time.monotonic() - t0 < 5.0
