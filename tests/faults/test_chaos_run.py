@@ -110,8 +110,8 @@ def test_a_killed_gateways_rollouts_are_reclaimed_and_published_once(chaos):
         published = by_task.get(tid, [])
         assert len(published) == 1, (tid, len(published))
         assert published[0].gateway_id == "gateway-0"
-        # Taken over only after the reclaim idle time: the run did not wait for anything longer.
-        assert published[0].started_at - fault.began_at >= RECLAIM_IDLE_S - 0.5
+        # Taken over once idle for gym_gateway.reclaim_idle_s, not left for a later restart.
+        assert published[0].started_at - fault.began_at < RECLAIM_IDLE_S + 30
 
 
 def test_a_killed_generators_sessions_fail_over_and_the_refits_drop_it(chaos):
