@@ -2,8 +2,9 @@
 command-line overrides, decoded strictly into a typed tree.
 
 Unknown keys are errors that name the key (``unknown config key 'grpo.num_prompt_per_step'``);
-type errors name the key and the expected type. The run's schema lives in `shared.run_config`;
-this module only knows how to load into any msgspec Struct tree.
+type errors name the key and the expected type, a bad choice also the allowed values, and a YAML
+syntax error the file, line and column. The run's schema lives in `shared.run_config`; this module
+only knows how to load into any msgspec Struct tree.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect as mi
 import yaml
 
 T = TypeVar("T")
@@ -63,17 +65,25 @@ def load_yaml(path: str | os.PathLike) -> dict:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{_yaml_where(exc)}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
     return data
+
+
+def _yaml_where(exc: yaml.YAMLError) -> str:
+    """' at line L, column C: <problem>' from a PyYAML error, on one line."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{where}: {problem}"
 
 
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$((?:\.[^`]*)?)`)?")
 _AT = re.compile(r"^(.*) - at `\$((?:[.\[][^`]*)?)`$")
 
 
-def _explain(exc: msgspec.ValidationError) -> str:
+def _explain(exc: msgspec.ValidationError, cls: type) -> str:
     msg = str(exc)
     m = _UNKNOWN.search(msg)
     if m:
@@ -82,15 +92,35 @@ def _explain(exc: msgspec.ValidationError) -> str:
         return f"unknown config key {key!r}"
     m = _AT.match(msg)
     if m:
-        return f"config key {m.group(2).lstrip('.')!r}: {m.group(1)}"
+        key = m.group(2).lstrip(".")
+        choices = _choices(cls, key) if m.group(1).startswith("Invalid enum value") else None
+        allowed = f" (one of {', '.join(repr(c) for c in choices)})" if choices else ""
+        return f"config key {key!r}: {m.group(1)}{allowed}"
     return f"invalid config: {msg}"
+
+
+def _choices(cls: type, key: str) -> tuple | None:
+    """The allowed values of the Literal field at dotted ``key`` of ``cls``, if it is one."""
+    t: Any = mi.type_info(cls)
+    for part in key.split("."):
+        while isinstance(t, mi.Metadata):
+            t = t.type
+        field = next((f for f in getattr(t, "fields", ()) if f.encode_name == part), None)
+        if not isinstance(t, mi.StructType) or field is None:
+            return None
+        t = field.type
+    while isinstance(t, mi.Metadata):
+        t = t.type
+    members = t.types if isinstance(t, mi.UnionType) else (t,)
+    values = tuple(v for u in members if isinstance(u, mi.LiteralType) for v in u.values)
+    return values or None
 
 
 def decode_tree(tree: Mapping, cls: type[T]) -> T:
     try:
         return msgspec.convert(tree, cls, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(exc)) from None
+        raise ConfigError(_explain(exc, cls)) from None
 
 
 def load(
