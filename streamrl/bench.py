@@ -14,7 +14,8 @@
 5. Pipeline efficiency (`streamrl.bench_pipeline`): the real trainer, buffer, streams and gateways
    with simulated rollout and training times, at lag 0/1/2, against an ideal zero-overhead
    schedule of the same durations; and sequence-packing efficiency against padding.
-Ratios are measured in the same run on the same machine, so noise from other load cancels out.
+Every figure is reported against a baseline measured in the same run on the same machine (so
+noise from other load cancels out), as a ratio, or with its baseline named in its table.
 ``--only generator|gateway|pipeline`` runs one section and rewrites only it in BENCHMARKS.md.
 """
 
@@ -32,7 +33,9 @@ import msgspec
 import numpy as np
 
 from shared import keys as K
+from shared.config import load
 from shared.protocol import Trajectory, encode, make_turn
+from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
 from streamrl import bench_pipeline, bench_pipeline_report
 from streamrl import bench_gateway
@@ -114,65 +117,91 @@ def stream_benchmark(redis_url: str, n: int = 3000) -> dict[str, dict[str, float
 
 def demo_benchmark(out_dir: Path) -> dict:
     from services.trainer.metrics_log import read_metrics
-    from streamrl.demo import run_demo, summarize
+    from streamrl.demo import CONFIG, run_demo, summarize
 
     import shutil
 
     shutil.rmtree(out_dir, ignore_errors=True)  # time the warm start too
     code = run_demo(out_dir, progress=False)
     steps = [r for r in read_metrics(out_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    cfg = load(RunConfig, CONFIG, env={})
     col = lambda k: [r[k] for r in steps]  # noqa: E731
     stats = {k: {"mean": statistics.mean(col(k)), "p50": statistics.median(col(k)), "max": max(col(k))}
              for k in ("time_wait_data_s", "time_train_s", "time_refit_s", "time_step_s")} if steps else {}
     summary = json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").is_file() else summarize(out_dir)
     return {"exit_code": code, "summary": summary, "timing": stats,
             "trajectories_per_s": steps[-1]["trajectories_per_s"] if steps else 0.0,
-            "staleness_mean": statistics.mean(col("staleness_mean")) if steps else 0.0}
+            "staleness_mean": statistics.mean(col("staleness_mean")) if steps else 0.0,
+            "loop_s": sum(col("time_step_s")), "max_num_steps": cfg.grpo.max_num_steps,
+            "lag": cfg.grpo.async_grpo.max_trajectory_age_steps}
 
 
-def render(demo: dict, streams: dict, machine: str, generator: dict, gateway: dict, pipeline: dict) -> str:
-    s = demo["summary"]
+def _ratio(value: float, base: float, fmt: str = "{:.2f}x") -> str:
+    return fmt.format(value / base) if base else "n/a"
+
+
+def render_demo(demo: dict, streams: dict) -> str:
+    """The demo section: the per-step split as shares of the whole step, and every run figure
+    next to its baseline from the same bench run."""
+    s, timing = demo["summary"], demo["timing"]
+    step = timing.get("time_step_s", {}).get("mean", 0.0)
     lines = [
-        "# Benchmarks",
-        "",
-        f"Written by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to refresh every table.",
-        "",
         "## Demo run (`streamrl demo`: crossing tool-use task, tiny Qwen3, 8 prompts x 8 rollouts per step, lag 1, vLLM on CPU)",
         "",
-        "| per-step wall time | mean (s) | p50 (s) | max (s) |",
-        "|---|---|---|---|",
+        "| per-step wall time | mean (s) | p50 (s) | max (s) | mean / whole step (baseline) |",
+        "|---|---|---|---|---|",
     ]
     names = {"time_wait_data_s": "waiting for data", "time_train_s": "training", "time_refit_s": "refit (publish to all confirmed)",
              "time_step_s": "whole step"}
     for k, label in names.items():
-        if k in demo["timing"]:
-            v = demo["timing"][k]
-            lines.append(f"| {label} | {v['mean']:.2f} | {v['p50']:.2f} | {v['max']:.2f} |")
-    lines += [
-        "",
-        "| run figure | value |",
-        "|---|---|",
-        f"| steps | {s.get('steps', 0)} |",
-        f"| trajectories through the streams per second (whole run, wall clock) | {demo['trajectories_per_s']:.1f} |",
-        f"| mean reward, first 5 steps -> last 5 steps | {s.get('first5_reward', 0):.3f} -> {s.get('last5_reward', 0):.3f} ({s.get('improvement', 0):+.3f}) |",
-        f"| mean staleness of consumed groups (steps) | {demo['staleness_mean']:.2f} |",
-        f"| trajectories trained / trained twice | {s.get('trajectories_trained', 0)} / {s.get('duplicate_ids', 0)} |",
-        f"| validation accuracy (greedy), start -> end | {' -> '.join(f'{a:.3f}' for _, a in s.get('validation_accuracy', []))} |",
-        f"| demo total time incl. data, warm start, engine start (min) | {s.get('total_time_s', 0) / 60:.1f} |",
-        "",
+        if k in timing:
+            v = timing[k]
+            lines.append(f"| {label} | {v['mean']:.2f} | {v['p50']:.2f} | {v['max']:.2f} | {_ratio(v['mean'], step, '{:.1%}')} |")
+    acc = [a for _, a in s.get("validation_accuracy", [])]
+    capacity = streams["packed"]["end_to_end_per_s"]
+    total_s, trained = s.get("total_time_s", 0.0), s.get("trajectories_trained", 0)
+    rows = [
+        ("steps", f"{s.get('steps', 0)}", f"grpo.max_num_steps: {demo['max_num_steps']}",
+         _ratio(s.get("steps", 0), demo["max_num_steps"])),
+        ("trajectories through the streams per second (whole run, wall clock)", f"{demo['trajectories_per_s']:.1f}",
+         f"stream transport capacity, end to end (below): {capacity:.0f}/s", _ratio(demo["trajectories_per_s"], capacity, "{:.2%}")),
+        ("mean reward, last 5 steps", f"{s.get('last5_reward', 0):.3f}", f"first 5 steps: {s.get('first5_reward', 0):.3f}",
+         _ratio(s.get("last5_reward", 0), s.get("first5_reward", 0))),
+        ("mean staleness of consumed groups (steps)", f"{demo['staleness_mean']:.2f}",
+         f"the lag bound (max_trajectory_age_steps): {demo['lag']}", _ratio(demo["staleness_mean"], demo["lag"])),
+        ("trajectories trained twice", f"{s.get('duplicate_ids', 0)}", f"trajectories trained: {trained}",
+         _ratio(s.get("duplicate_ids", 0), trained, "{:.0%}")),
+        ("validation accuracy (greedy) at the end", f"{acc[-1]:.3f}" if acc else "n/a",
+         f"at the start: {acc[0]:.3f}" if acc else "n/a", _ratio(acc[-1], acc[0]) if acc else "n/a"),
+        ("demo total time incl. data, warm start, engine start (min)", f"{total_s / 60:.1f}",
+         f"its training loop (sum of step times): {demo['loop_s'] / 60:.1f} min", _ratio(total_s, demo["loop_s"])),
+    ]
+    lines += ["", "| run figure | value | baseline (same run) | value / baseline |", "|---|---|---|---|"]
+    lines += [f"| {name} | {value} | {base} | {ratio} |" for name, value, base, ratio in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_streams(streams: dict) -> str:
+    lines = [
         "## Stream transport (one Valkey, real StreamClient, 3,000 trajectories of ~1,260 tokens, median of 3)",
         "",
         "| token arrays as | entry bytes | publish /s | consume+decode+ack /s | end to end /s |",
         "|---|---|---|---|---|",
     ]
+    keys = ("bytes", "produce_per_s", "consume_per_s", "end_to_end_per_s")
     for name, label in (("packed", "packed int32/float32 (ours)"), ("lists", "msgpack lists (baseline)")):
         v = streams[name]
-        lines.append(f"| {label} | {v['bytes']:.0f} | {v['produce_per_s']:.0f} | {v['consume_per_s']:.0f} | {v['end_to_end_per_s']:.0f} |")
-    ratio = streams["packed"]["consume_per_s"] / streams["lists"]["consume_per_s"]
-    e2e = streams["packed"]["end_to_end_per_s"] / streams["lists"]["end_to_end_per_s"]
-    lines += ["", f"Packed over lists, same run: consume {ratio:.2f}x, end to end {e2e:.2f}x.", ""]
-    return ("\n".join(lines) + "\n" + render_section(generator) + "\n" + bench_gateway.render_section(gateway) + "\n"
-            + bench_pipeline_report.render_pipeline(pipeline))
+        lines.append(f"| {label} | " + " | ".join(f"{v[k]:.0f}" for k in keys) + " |")
+    packed, lists = streams["packed"], streams["lists"]
+    lines.append("| packed / lists, same run | " + " | ".join(_ratio(packed[k], lists[k]) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render(demo: dict, streams: dict, machine: str, generator: dict, gateway: dict, pipeline: dict) -> str:
+    head = (f"# Benchmarks\n\nWritten by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to "
+            "refresh every table. Every figure stands next to a baseline measured in the same run.\n\n")
+    return (head + render_demo(demo, streams) + "\n" + render_streams(streams) + "\n" + render_section(generator) + "\n"
+            + bench_gateway.render_section(gateway) + "\n" + bench_pipeline_report.render_pipeline(pipeline))
 
 
 def run_benchmarks(out: Path, only: str | None = None) -> int:

@@ -322,6 +322,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], machine: str) -> dict[str
         "wall_s": {side: statistics.median(r["wall_s"] for r in rounds[side]) for side in ("proxy", "direct")},
         "memory_per_session_kb": statistics.median(per_session_kb) if per_session_kb else float("nan"),
         "rss_open_mb": max((r["rss_open_kb"] for r in proxy), default=0) / 1024,
+        "rss_before_mb": min((r["rss_before_kb"] for r in proxy), default=0) / 1024,
     }
 
 
@@ -341,10 +342,12 @@ def render_section(g: dict[str, Any]) -> str:
         f"| round wall time, median (s) | {g['wall_s']['proxy']:.1f} | {g['wall_s']['direct']:.1f} |",
         "",
         f"Proxy overhead per call (the agent's time for a call minus the upstream time the proxy recorded "
-        f"for the same call): p50 {ov['p50'] * 1e3:.1f} ms, p99 {ov['p99'] * 1e3:.1f} ms. "
+        f"for the same call): p50 {ov['p50'] * 1e3:.1f} ms, p99 {ov['p99'] * 1e3:.1f} ms; "
+        f"p50 over the direct call's p50 latency: {ov['p50'] / lat['direct']['p50']:.1%}. "
         f"Latency through the proxy over direct, p50: {ratio50:.2f}x. "
         f"Gateway memory per open session: {g['memory_per_session_kb']:.0f} KiB "
-        f"(RSS {g['rss_open_mb']:.0f} MiB with all {g['sessions']} open). The agent (this process) holds "
+        f"(baseline: RSS {g.get('rss_before_mb', float('nan')):.0f} MiB before the sessions opened, "
+        f"{g['rss_open_mb']:.0f} MiB with all {g['sessions']} open). The agent (this process) holds "
         f"every conversation over HTTP in both columns, with the same client code. "
         f"Target: zero errors; {'met' if g['errors_proxy'] == 0 and g['errors_direct'] == 0 else 'NOT met'}.",
         "",

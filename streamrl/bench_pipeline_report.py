@@ -88,7 +88,8 @@ def render_pipeline(results: dict[str, Any]) -> str:
     lines += [
         "",
         "Where the real runs lose time. Per measured step, the gap between the end of one training and the start of "
-        "the next, split by the trainer's step timers (other: issue, ack, metrics, batch build). Per rollout issued "
+        "the next, against the ideal schedule's gap in the same row (the baseline), and the real gap split by the "
+        "trainer's step timers (other: issue, ack, metrics, batch build). Per rollout issued "
         "after start-up: pickup (task published -> the gateway starts the rollout), session open (-> the environment "
         "starts; the session proxy asks the registry for a generator), the delay until the last rollout of an issue "
         "starts (it stretches the batch's makespan), delivery (rollout done -> trajectory read by the trainer).",
@@ -112,7 +113,8 @@ def render_pipeline(results: dict[str, Any]) -> str:
         "",
         f"The host is shared: a run is repeated (up to {REAL_RUN_ATTEMPTS} attempts, the least disturbed kept) when "
         f"other processes took more than {CONTENDED_OTHER_CPU} cores meanwhile or a training sleep overshot by more "
-        f"than {CONTENDED_OVERSHOOT_S * 1000:.0f} ms (the trainer could not get a core).",
+        f"than {CONTENDED_OVERSHOOT_S * 1000:.0f} ms (the trainer could not get a core). This table describes the "
+        "host during each run, not a result.",
         "",
         "| scenario | lag | attempts | worst training-sleep overshoot (ms) | CPU used by other processes (cores) "
         "| run wall time (s) |",

@@ -1,0 +1,84 @@
+"""BENCHMARKS.md rendering: every figure of the demo, stream and gateway sections stands next to a
+baseline from the same bench run, as a ratio."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl import bench_gateway
+from streamrl.bench import render_demo, render_streams
+
+pytestmark = pytest.mark.unit
+
+STREAMS = {
+    "packed": {"bytes": 8000.0, "produce_per_s": 20000.0, "consume_per_s": 24000.0, "end_to_end_per_s": 12000.0},
+    "lists": {"bytes": 10000.0, "produce_per_s": 25000.0, "consume_per_s": 8000.0, "end_to_end_per_s": 6000.0},
+}
+DEMO = {
+    "exit_code": 0,
+    "summary": {"steps": 40, "first5_reward": 0.4, "last5_reward": 0.9, "improvement": 0.5,
+                "trajectories_trained": 2560, "duplicate_ids": 0, "validation_accuracy": [(0, 0.5), (40, 1.0)],
+                "total_time_s": 300.0},
+    "timing": {"time_wait_data_s": {"mean": 0.5, "p50": 0.0, "max": 2.0},
+               "time_train_s": {"mean": 3.0, "p50": 3.0, "max": 4.0},
+               "time_refit_s": {"mean": 0.5, "p50": 0.5, "max": 0.6},
+               "time_step_s": {"mean": 4.0, "p50": 4.0, "max": 6.0}},
+    "trajectories_per_s": 12.0, "staleness_mean": 0.9, "loop_s": 160.0, "max_num_steps": 40, "lag": 1,
+}
+
+
+def _rows(text: str, header: str) -> dict[str, list[str]]:
+    """Table rows (first cell -> the other cells) of the table whose header starts with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header}"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_demo_step_split_is_shown_as_shares_of_the_whole_step():
+    rows = _rows(render_demo(DEMO, STREAMS), "per-step wall time")
+    assert rows["training"][-1] == "75.0%"
+    assert rows["waiting for data"][-1] == "12.5%"
+    assert rows["whole step"][-1] == "100.0%"
+
+
+def test_every_demo_run_figure_has_a_same_run_baseline_and_ratio():
+    rows = _rows(render_demo(DEMO, STREAMS), "run figure")
+    assert len(rows) == 7
+    assert all(base and ratio not in ("", "n/a") for _, base, ratio in rows.values())
+    assert rows["mean reward, last 5 steps"] == ["0.900", "first 5 steps: 0.400", "2.25x"]
+    # the demo's stream traffic against the stream section's measured capacity
+    assert rows["trajectories through the streams per second (whole run, wall clock)"][-1] == "0.10%"
+    assert rows["validation accuracy (greedy) at the end"][-1] == "2.00x"
+    assert rows["demo total time incl. data, warm start, engine start (min)"][-1] == "1.88x"
+    assert rows["trajectories trained twice"][1:] == ["trajectories trained: 2560", "0%"]
+    assert rows["mean staleness of consumed groups (steps)"][-1] == "0.90x"
+
+
+def test_missing_baselines_read_n_a_instead_of_failing():
+    demo = {**DEMO, "summary": {**DEMO["summary"], "validation_accuracy": [], "first5_reward": 0.0}}
+    rows = _rows(render_demo(demo, STREAMS), "run figure")
+    assert rows["validation accuracy (greedy) at the end"][-1] == "n/a"
+    assert rows["mean reward, last 5 steps"][-1] == "n/a"
+
+
+def test_stream_table_has_a_ratio_row_against_the_lists_baseline():
+    rows = _rows(render_streams(STREAMS), "token arrays as")
+    assert rows["packed / lists, same run"] == ["0.80x", "0.80x", "3.00x", "2.00x"]
+
+
+def test_gateway_section_reports_overhead_and_memory_against_their_baselines():
+    g = {"sessions": 256, "turns": 3, "max_tokens": 8, "rounds": 2, "date": "d", "machine": "m",
+         "calls_proxy": 10, "errors_proxy": 0, "calls_direct": 10, "errors_direct": 0,
+         "latency": {"proxy": {"p50": 0.11, "p99": 0.3}, "direct": {"p50": 0.1, "p99": 0.25}},
+         "overhead": {"p50": 0.005, "p99": 0.02}, "wall_s": {"proxy": 5.0, "direct": 4.8},
+         "memory_per_session_kb": 40.0, "rss_open_mb": 210.0, "rss_before_mb": 200.0}
+    text = bench_gateway.render_section(g)
+    assert "p50 over the direct call's p50 latency: 5.0%" in text
+    assert "Latency through the proxy over direct, p50: 1.10x" in text
+    assert "baseline: RSS 200 MiB before the sessions opened, 210 MiB with all 256 open" in text
