@@ -28,7 +28,7 @@ from shared.protocol import Task, Trajectory, decode
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, PROMPTS, GENS = 12, 2, 2
+STEPS, PROMPTS, GENS = 24, 2, 2
 
 
 def _records(out: Path) -> list[dict]:
@@ -93,8 +93,8 @@ def scaled_run(tmp_path_factory, tiny_model_dir, redis_url):
         _wait_for("refit confirmed by the new generator",
                   lambda: any("generator-1" in r["refit_generators"] for r in _records(out)), proc, log, 120)
         _wait_for("rollouts through the new workers", lambda: _new_workers_used(redis_url, run_id), proc, log, 120)
+        steps_at_down = len(_records(out))  # before the command: it returns once the workers drained
         down = _scale(out, redis_url, "generator=1", "gym-gateway=1")
-        steps_at_down = len(_records(out))
         proc.wait(timeout=400)
     finally:
         if proc.poll() is None:
