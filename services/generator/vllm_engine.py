@@ -15,6 +15,7 @@ vLLM starts worker processes, so the process that builds this engine must run un
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -22,6 +23,18 @@ from services.generator.engine import ChoiceOutput, EngineInfo, EngineStats, Gen
 from shared.run_config import RunConfig
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _vllm_request_types() -> tuple[Any, Any, Any]:
+    """vLLM's per-request types, imported once: ``from vllm import X`` inside the request path
+    goes through vLLM's lazy module ``__getattr__`` and the import machinery on every request,
+    which took most of the API process's CPU at 64 concurrent requests."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams, RequestOutputKind, TokensPrompt
 
 
 class VllmEngine:
@@ -110,9 +123,7 @@ class VllmEngine:
         )
 
     def _sampling_params(self, params: GenerationParams):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
+        SamplingParams, RequestOutputKind, _ = _vllm_request_types()
         return SamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -129,8 +140,7 @@ class VllmEngine:
         )
 
     async def generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> list[ChoiceOutput]:
-        from vllm.inputs import TokensPrompt
-
+        TokensPrompt = _vllm_request_types()[2]
         sp = self._sampling_params(params)
         finals: dict[int, Any] = {}
         # With n > 1 vLLM may deliver the children in several outputs; keep the last per index.
