@@ -70,7 +70,7 @@ NOT_WAITED_FOR = ("starting", "draining")
 # A registry read that took this much longer than asked means Redis was stalled.
 STALL_S = 1.0
 # After a stall, how long a generator missing from the registry may take to heartbeat again.
-ABSENCE_GRACE_S = 3 * K.HEARTBEAT_INTERVAL_S
+ABSENCE_GRACE_S = K.HEARTBEAT_TTL_S  # a loaded machine can take seconds to land the first heartbeat after a stall
 
 
 async def refit_members(streams: StreamClient) -> set[str]:

@@ -80,8 +80,10 @@ def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
     gate = {k.decode() for k in redis.Redis.from_url(redis_url).hkeys(K.RunKeys(run_id).pause)}
     time.sleep(3.0)
     during = json.loads(_cli("status", "--json", "--run-dir", str(out)).stdout)
+    # Requested while paused, so it is queued before the run can end (a --wait poll could find the
+    # trainer already gone once the last step is done); its record is checked in metrics.jsonl.
+    validated = _cli("validate", "--run-dir", str(out))
     resumed = json.loads(_cli("resume", "--epoch", str(paused["epoch"]), "--run-dir", str(out)).stdout)
-    validated = _cli("validate", "--wait", "--timeout", "300", "--run-dir", str(out))
     return {"status": status, "paused": paused, "gate": gate, "during": during, "resumed": resumed,
             "validated": validated}
 
@@ -115,11 +117,10 @@ def test_validations_at_start_on_request_and_on_the_period_after_val_start_at(fi
     out, _, _, c = finished_run
     assert c["validated"].returncode == 0, c["validated"].stdout + c["validated"].stderr
     requested = json.loads(c["validated"].stdout)
-    assert requested["status"] == "done" and requested["result"]["num_samples"] == 4 * 2
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in records if r["kind"] == "validation"]
     by_id = {r["validation_id"]: r for r in vals}
-    assert requested["validation_id"] in by_id
+    assert requested["validation_id"] in by_id and by_id[requested["validation_id"]]["num_samples"] == 4 * 2
     # val_period 2 with val_start_at 3: not after step 2; after step 4 once (val_at_end is the same one)
     assert [r["step"] for r in vals if r["validation_id"] != requested["validation_id"]] == [0, STEPS]
     assert all("pass_k" in r and r["num_samples"] == 8 and r["num_missing"] == 0 for r in vals)
