@@ -28,7 +28,7 @@ from prometheus_client import Gauge
 
 from shared import keys as K
 from shared.auth import AuthPolicy, client_headers
-from shared.http import HTTPError, install_error_handlers, read_body, require_agent_token
+from shared.http import install_error_handlers, read_body, require_agent_token
 from shared.metrics import CONTENT_TYPE, ServiceMetrics
 from shared.openapi import document_bodies, json_body
 from shared.openai_api import ChatCompletionRequest, CompletionRequest
@@ -116,8 +116,6 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
               openapi_extra=json_body(ChatCompletionRequest))
     async def chat(session_id: str, request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest)
-        if req.stream:
-            raise HTTPError(400, "streaming is not supported by the session proxy", param="stream")
         body = await app.state.proxy.chat(session_id, req)
         return Response(body, media_type="application/json")
 
@@ -125,8 +123,6 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
               openapi_extra=json_body(CompletionRequest))
     async def completions(session_id: str, request: Request) -> Response:
         req = await read_body(request, CompletionRequest)
-        if req.stream:
-            raise HTTPError(400, "streaming is not supported by the session proxy", param="stream")
         body = await app.state.proxy.completion(session_id, req)
         return Response(body, media_type="application/json")
 

@@ -177,6 +177,8 @@ class SessionProxy:
         return s
 
     def _sampling_updates(self, s: Session, req) -> dict:
+        if req.stream:
+            raise HTTPError(400, "streaming is not supported by the session proxy", param="stream")
         if req.n != 1:
             raise HTTPError(400, "a session records one trajectory: n must be 1", param="n")
         prof = s.sampling
