@@ -1,15 +1,9 @@
 """The generator section of ``streamrl bench``: what the serving layer costs on top of vLLM.
 
-1. Throughput, side by side: tokens/s of POST /v1/chat/completions on the real generator (a
-   ``python -m services.generator`` process, vLLM backend, requests sent with aiohttp as the
-   gateway sends them) against the raw vLLM ``AsyncLLM`` in this process, built from the engine
-   args and sampling parameters `services.generator.vllm_engine` builds and fed the same prompt
-   ids (``TokensPrompt``), seeds and max_tokens. Both engines stay up and the rounds alternate
-   (raw, HTTP, raw, HTTP, ...) at 1, 16 and 64 concurrent requests, so drift of the machine hits
-   both sides; the ratio is the median of the per-round ratios. Generated tokens are counted
-   from the responses on both sides. This process freezes its start-up heap as the generator
-   does once it is up (`services.generator.app.freeze_startup_heap`), so garbage collection
-   treats both sides alike. Also reported: CPU time per request outside the engine processes.
+1. Throughput, side by side (`streamrl.bench_throughput`): tokens/s of POST /v1/chat/completions
+   on the real generator against the raw vLLM ``AsyncLLM`` with the same engine args, prompt ids,
+   seeds and max_tokens, one engine alive at a time, in alternating blocks; the ratio is the
+   median of the per-round ratios. Also CPU time per request outside the engine processes.
 2. Splice: ``ChatRenderer.chat_prompt`` for a conversation whose last assistant turn carries its
    token ids (two template renders + the splice) against the same conversation without ids (one
    render), for a short and a long conversation.
@@ -35,41 +29,25 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from streamrl.bench_throughput import MAX_TOKENS, ROUNDS_PER_BLOCK, BLOCKS, make_requests, throughput
+from streamrl.bench_throughput import words as words_of
 
 if TYPE_CHECKING:
     import aiohttp
 
     from services.generator.chat import ChatRenderer
     from shared.openai_api import ChatMessage
-    from shared.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Generator"
-CONCURRENCY = (1, 16, 64)
-ROUNDS = 5
-MAX_TOKENS = 64
-PROMPT_WORDS = 16
-REQUESTS_PER_WORKER = 4  # per round; at least MIN_REQUESTS
-MIN_REQUESTS = 8
 TARGET_RATIO = 0.95
 REFITS = 5
-_WORDS = "the answer number tool call value sum river city apple red blue one two three please use compute".split()
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """One chat request, identical on both sides: the HTTP body's messages and seed, and the
-    prompt ids the generator renders them to (what the raw engine is fed)."""
-
-    messages: list[dict[str, Any]]
-    prompt_ids: list[int]
-    seed: int
 
 
 # -- setup -------------------------------------------------------------------------------------
@@ -96,37 +74,6 @@ def config_tree(model_dir: Path, redis_url: str, run_id: str) -> dict:
         },
         "generator": {"host": "127.0.0.1", "drain_timeout_s": 30.0, "weight_load_timeout_s": 60.0},
     }
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
-
-
-def make_requests(renderer: ChatRenderer, n: int, seed: int) -> list[BenchRequest]:
-    """``n`` one-message conversations of PROMPT_WORDS random words (24 tokens with the tiny
-    tokenizer: shorter than one KV block, so no prefix-cache hits, and short enough that 64 new
-    prompts fit one scheduler step, see `check_no_chunked_prefill`)."""
-    import msgspec
-
-    from shared.openai_api import ChatMessage
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        messages = [{"role": "user", "content": _words(rng, PROMPT_WORDS)}]
-        prompt = renderer.chat_prompt(msgspec.convert(messages, list[ChatMessage]))
-        out.append(BenchRequest(messages, prompt.prompt_ids, seed * 1000 + i))
-    return out
-
-
-def check_no_chunked_prefill(requests: list[BenchRequest], concurrency: int, max_batched_tokens: int) -> None:
-    """Refuse prompts that could be prefilled in chunks: vLLM on CPU rewinds a seeded request's
-    torch generator after a partial prefill, which CPU generators do not support, and the engine
-    dies ("CPU Generator does not use offset"). The bench sends seeds, so every step must fit."""
-    worst = concurrency * (max(len(r.prompt_ids) for r in requests) + 1)
-    if worst > max_batched_tokens:
-        raise ValueError(f"{concurrency} prompts of up to {worst // concurrency - 1} tokens may exceed the "
-                         f"engine's {max_batched_tokens} tokens per step and be prefilled in chunks")
 
 
 def perturbed_versions(model_dir: Path, out: Path, n: int) -> list[tuple[Path, dict[str, Any]]]:
@@ -188,152 +135,6 @@ class GeneratorProcess:
                 self.proc.wait(10)
 
 
-# -- 1. throughput -----------------------------------------------------------------------------
-
-
-async def closed_loop(requests: list[BenchRequest], concurrency: int,
-                      one: Callable[[BenchRequest], Awaitable[int]]) -> tuple[int, float]:
-    """``concurrency`` workers send ``requests`` back to back; (generated tokens, seconds)."""
-    it: Iterator[BenchRequest] = iter(requests)
-    total = 0
-
-    async def worker() -> None:
-        nonlocal total
-        for req in it:
-            tokens = await one(req)  # not ``total += await ...``: that reads total before awaiting
-            total += tokens
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*[worker() for _ in range(concurrency)])
-    return total, time.perf_counter() - t0
-
-
-class RawEngine:
-    """vLLM's AsyncLLM with the served engine's args and sampling parameters, called directly."""
-
-    def __init__(self, cfg: RunConfig, stop_ids: tuple[int, ...]) -> None:
-        from services.generator.vllm_engine import VllmEngine
-
-        # The served engine's own builders, so the baseline cannot drift from what is served.
-        self._served = VllmEngine(cfg)
-        self._cfg = cfg
-        self._stop_ids = stop_ids
-        self.llm: Any = None
-
-    async def start(self) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._served._engine_args())
-
-    async def one(self, req: BenchRequest) -> int:
-        from services.generator.engine import GenerationParams
-        from vllm.inputs import TokensPrompt
-
-        gen = self._cfg.policy.generation
-        params = GenerationParams(temperature=gen.temperature, top_p=gen.top_p, max_tokens=MAX_TOKENS, n=1,
-                                  seed=req.seed, stop_token_ids=self._stop_ids, top_logprobs=0)
-        sp = self._served._sampling_params(params)
-        tokens = 0
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_ids), sp,
-                                           request_id=f"raw-{uuid.uuid4().hex}"):
-            tokens = sum(len(c.token_ids) for c in out.outputs)
-        return tokens
-
-    async def aclose(self) -> None:
-        llm, self.llm = self.llm, None
-        await asyncio.to_thread(llm.shutdown)
-
-
-async def http_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, *, check_prompt: bool = False) -> int:
-    """One POST /v1/chat/completions; the generated tokens of its response."""
-    import msgspec
-
-    from shared.openai_api import ChatCompletionResponse
-
-    body = msgspec.json.encode({"messages": req.messages, "max_tokens": MAX_TOKENS, "seed": req.seed})
-    async with session.post(f"{url}/v1/chat/completions", data=body,
-                            headers={"content-type": "application/json"}) as r:
-        raw = await r.read()
-        if r.status != 200:
-            raise RuntimeError(f"generator answered {r.status}: {raw[:500]!r}")
-    resp = msgspec.json.decode(raw, type=ChatCompletionResponse)
-    if check_prompt and resp.prompt_token_ids != req.prompt_ids:
-        raise RuntimeError("the generator rendered a different prompt than the raw engine is fed")
-    return sum(len(c.message.generation_token_ids) for c in resp.choices)
-
-
-async def throughput(cfg: RunConfig, renderer: ChatRenderer, gen: GeneratorProcess) -> dict[str, dict[str, Any]]:
-    """Alternating raw/HTTP rounds at each concurrency; medians per concurrency.
-
-    Also the CPU time outside the engine processes: this process (the raw AsyncLLM front end in
-    raw rounds, the HTTP client in HTTP rounds) and the generator's API process (HTTP rounds).
-    """
-    import aiohttp
-    import psutil  # a dependency of vLLM
-
-    from services.generator.app import freeze_startup_heap
-
-    server = psutil.Process(gen.proc.pid)
-
-    def cpu() -> tuple[float, float]:
-        t = server.cpu_times()
-        return time.process_time(), t.user + t.system
-
-    # The stop ids the generator adds to every chat request: the turn terminator and EOS.
-    stop_ids = {renderer.terminator_id} | ({int(renderer.eos_id)} if renderer.eos_id is not None else set())
-    raw = RawEngine(cfg, tuple(sorted(stop_ids)))
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
-        try:
-            await asyncio.gather(raw.start(), gen.wait_ready(session))
-            freeze_startup_heap()  # what the generator does once it is up, so both sides collect alike
-            budget = int(raw.llm.vllm_config.scheduler_config.max_num_batched_tokens)
-            warm = make_requests(renderer, 2 * max(CONCURRENCY), seed=1)
-            check_no_chunked_prefill(warm, max(CONCURRENCY), budget)
-            await closed_loop(warm, max(CONCURRENCY), raw.one)
-            await closed_loop(warm, max(CONCURRENCY), lambda r: http_one(session, gen.url, r, check_prompt=True))
-            rows: dict[int, list[dict[str, float]]] = {c: [] for c in CONCURRENCY}
-            for rnd in range(ROUNDS):
-                for c in CONCURRENCY:
-                    n = max(MIN_REQUESTS, c * REQUESTS_PER_WORKER)
-                    reqs = make_requests(renderer, n, seed=100 * (rnd + 1) + c)
-                    check_no_chunked_prefill(reqs, c, budget)
-                    cpu0 = cpu()
-                    raw_tok, raw_s = await closed_loop(reqs, c, raw.one)
-                    cpu1 = cpu()
-                    http_tok, http_s = await closed_loop(reqs, c, lambda r: http_one(session, gen.url, r))
-                    cpu2 = cpu()
-                    rows[c].append({
-                        "requests": len(reqs), "raw_tokens": raw_tok, "raw_s": raw_s, "http_tokens": http_tok,
-                        "http_s": http_s, "raw_frontend_cpu_s": cpu1[0] - cpu0[0],
-                        "http_client_cpu_s": cpu2[0] - cpu1[0], "http_server_cpu_s": cpu2[1] - cpu1[1],
-                        "load_avg": os.getloadavg()[0],
-                    })
-        finally:
-            if raw.llm is not None:
-                await raw.aclose()
-    return {str(c): summarize_rounds(rs) for c, rs in rows.items()}
-
-
-def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
-    """Median tokens/s of each side, the median (and range) of the per-round HTTP/raw ratios, CPU per request."""
-    raw = [r["raw_tokens"] / r["raw_s"] for r in rounds]
-    http = [r["http_tokens"] / r["http_s"] for r in rounds]
-    ratios = [h / r for h, r in zip(http, raw, strict=True)]
-    return {
-        "raw_tok_s": statistics.median(raw),
-        "http_tok_s": statistics.median(http),
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "raw_tokens": sum(r["raw_tokens"] for r in rounds),
-        "http_tokens": sum(r["http_tokens"] for r in rounds),
-        **{f"{k[:-2]}_ms_per_request": statistics.median(1e3 * r[k] / r["requests"] for r in rounds)
-           for k in ("raw_frontend_cpu_s", "http_server_cpu_s", "http_client_cpu_s")},
-        "rounds": rounds,
-    }
-
-
 # -- 2. splice ---------------------------------------------------------------------------------
 
 
@@ -344,10 +145,10 @@ def conversation(renderer: ChatRenderer, turns: int, words: int) -> tuple[list[C
     from shared.openai_api import ChatMessage
 
     rng = random.Random(turns)
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant. " + _words(rng, words)}]
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant. " + words_of(rng, words)}]
     for _ in range(turns):
-        msgs += [{"role": "user", "content": _words(rng, words)}, {"role": "assistant", "content": _words(rng, words)}]
-    msgs.append({"role": "user", "content": _words(rng, words)})
+        msgs += [{"role": "user", "content": words_of(rng, words)}, {"role": "assistant", "content": words_of(rng, words)}]
+    msgs.append({"role": "user", "content": words_of(rng, words)})
     plain = msgspec.convert(msgs, list[ChatMessage])
     last = len(plain) - 2
     prompt_ids = renderer.chat_prompt(plain[:last]).prompt_ids
@@ -387,13 +188,17 @@ def splice_benchmark(renderer: ChatRenderer) -> dict[str, dict[str, float]]:
 # -- 3. refit ----------------------------------------------------------------------------------
 
 
-async def refit_rounds(redis_url: str, run_id: str, versions: list[Path]) -> list[dict[str, float]]:
-    """Publish versions 1..N one after another; seconds from publish to the generator's ack."""
+async def refit_rounds(redis_url: str, run_id: str, gen: GeneratorProcess, versions: list[Path]) -> list[dict[str, float]]:
+    """Once ``gen`` is ready, publish versions 1..N one after another; seconds from publish to its ack."""
+    import aiohttp
+
     from shared import keys as K
     from shared.protocol import WeightAck, WeightAnnouncement
     from shared.streams import StreamClient, connect
     from shared.weights_format import checksum_dir, dir_num_bytes
 
+    async with aiohttp.ClientSession() as session:
+        await gen.wait_ready(session)
     redis = connect(redis_url)
     sc = StreamClient(redis, K.RunKeys(run_id), "bench")
     out = []
@@ -465,11 +270,11 @@ def generator_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, A
     versions = perturbed_versions(MODEL_DIR, work / "weights", REFITS)
     splice = splice_benchmark(renderer)
     baseline = save_load_baseline([sd for _, sd in versions], work / "baseline")
-    gen = GeneratorProcess(config, free_port(), work / "generator.log")
+    log = work / "generator.log"
+    tput = throughput(config, renderer, lambda: GeneratorProcess(config, free_port(), log), work)
+    gen = GeneratorProcess(config, free_port(), log)
     try:
-        tput = asyncio.run(throughput(cfg, renderer, gen))
-        # A fresh event loop: the raw engine's loop keeps vLLM's socket registrations after shutdown.
-        refits = asyncio.run(refit_rounds(redis_url, run_id, [p for p, _ in versions]))
+        refits = asyncio.run(refit_rounds(redis_url, run_id, gen, [p for p, _ in versions]))
     finally:
         gen.stop()
     return {
@@ -477,7 +282,8 @@ def generator_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, A
         "machine": machine,
         "max_tokens": MAX_TOKENS,
         "prompt_tokens": len(make_requests(renderer, 1, seed=0)[0].prompt_ids),
-        "rounds": ROUNDS,
+        "blocks": BLOCKS,
+        "rounds_per_block": ROUNDS_PER_BLOCK,
         "throughput": tput,
         "splice": splice,
         "refit": {
@@ -498,13 +304,16 @@ def render_section(g: dict[str, Any]) -> str:
         f"{HEADING} (tiny Qwen3, vLLM on CPU; `streamrl bench --only generator` refreshes this section alone)",
         "",
         f"Measured on {g['date']} ({g['machine']}). HTTP: POST /v1/chat/completions on a `python -m services.generator` "
-        "process, sent with aiohttp. Raw: vLLM `AsyncLLM` in the bench process with the same engine args, prompt ids, "
-        f"seeds, sampling parameters and max_tokens ({g['max_tokens']}); one-message prompts of "
+        "process, sent with aiohttp. Raw: vLLM `AsyncLLM` in a process of its own with the same engine args, prompt "
+        f"ids, seeds, sampling parameters and max_tokens ({g['max_tokens']}); one-message prompts of "
         f"{g['prompt_tokens']} tokens (short enough that no prefill is split into chunks: vLLM on CPU cannot rewind "
-        "a seeded request's generator after a partial prefill and its engine dies). Rounds alternate raw, HTTP, raw, "
-        f"HTTP ({g['rounds']} of each); tokens/s are medians of the rounds, HTTP / raw is the median of the per-round "
-        "ratios. CPU per request is the CPU time of the processes outside vLLM's engine: the AsyncLLM front end "
-        "(raw), the generator's API process and the client (HTTP). The machine was shared: its 1-minute load "
+        "a seeded request's generator after a partial prefill and its engine dies). One engine is alive at a time: "
+        f"{g['blocks']} blocks per side, each starting its engine, running {g['rounds_per_block']} rounds at every "
+        "concurrency and stopping it, in the order raw, HTTP, HTTP, raw, ... (a second, idle vLLM engine kept alive "
+        "shares the pinned worker core and its busy-waiting processes starved the measured side for seconds at a "
+        "time). Tokens/s are medians of the rounds, HTTP / raw is the median of the ratios of rounds that sent the "
+        "same requests. CPU per request is the CPU time of the processes outside vLLM's engine: the AsyncLLM front "
+        "end (raw), the generator's API process and the client (HTTP). The 1-minute load "
         f"average ranged {min(loads):.1f}-{max(loads):.1f} over the rounds.",
         "",
         "| concurrent requests | raw AsyncLLM tokens/s | HTTP tokens/s | HTTP / raw (range over rounds) | tokens generated, raw / HTTP "

@@ -5,13 +5,13 @@ import asyncio
 
 import pytest
 
-from streamrl.bench_generator import (
-    HEADING,
+from streamrl.bench_generator import HEADING, render_section, replace_section
+from streamrl.bench_throughput import (
     BenchRequest,
     check_no_chunked_prefill,
     closed_loop,
-    render_section,
-    replace_section,
+    pair_rounds,
+    round_plan,
     summarize_rounds,
 )
 
@@ -29,7 +29,8 @@ def _results(ratio_16: float) -> dict:
     tp = {c: summarize_rounds([_round(1.0, 1.0)]) for c in ("1", "64")}
     tp["16"] = summarize_rounds([_round(1.0, 1.0 / ratio_16)])
     return {
-        "date": "2026-01-01", "machine": "x86_64, 2 cores", "max_tokens": 64, "prompt_tokens": 24, "rounds": 1,
+        "date": "2026-01-01", "machine": "x86_64, 2 cores", "max_tokens": 64, "prompt_tokens": 24, "blocks": 1,
+        "rounds_per_block": 1,
         "throughput": {c: tp[c] for c in ("1", "16", "64")},
         "splice": {"short": {"turns": 3, "prompt_tokens": 400, "spliced_us": 2000.0, "plain_us": 1000.0}},
         "refit": {"refit_s": 0.08, "load_s": 0.07, "baseline_s": 0.01, "num_bytes": 4 * 2**20, "n": 5},
@@ -91,3 +92,18 @@ def test_chunked_prefill_guard():
     check_no_chunked_prefill(reqs, 64, 2048)
     with pytest.raises(ValueError, match="prefilled in chunks"):
         check_no_chunked_prefill(reqs, 64, 1024)
+
+
+def test_rounds_are_paired_by_round_and_concurrency_not_by_order():
+    plan = round_plan()
+    assert len({(r, c) for r, c, _ in plan}) == len(plan) and len({s for _, _, s in plan}) == len(plan)
+    raw = [{"round": r, "concurrency": c, "requests": 8, "tokens": 100 * c + r, "seconds": 1.0, "cpu_s": 0.01,
+            "load_avg": 1.0} for r, c, _ in plan]
+    http = [{"round": r, "concurrency": c, "requests": 8, "tokens": 100 * c + r, "seconds": 2.0, "client_cpu_s": 0.0,
+             "server_cpu_s": 0.02, "load_avg": 3.0} for r, c, _ in reversed(plan)]
+    rows = pair_rounds(raw, http)
+    assert sorted(rows) == sorted({c for _, c, _ in plan})
+    for c, rs in rows.items():
+        assert all(row["raw_tokens"] == row["http_tokens"] for row in rs)
+        assert summarize_rounds(rs)["ratio"] == pytest.approx(0.5)
+        assert {row["load_avg"] for row in rs} == {3.0}
