@@ -7,37 +7,24 @@ WeightAck), as in test_refit.py."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 
-from services.trainer.control import PauseControl
-from services.trainer.refit import RefitError, WeightPublisher
-from shared import keys as K
-from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
-from shared.registry import publish_heartbeat, remove_worker
-from shared.streams import StreamClient, connect
+from services.trainer.refit import RefitError
+from shared.protocol import WeightAck, WeightAnnouncement
+from shared.registry import remove_worker
+from shared.streams import StreamClient
+from tests.refit_fixtures import beat as _beat
+from tests.refit_fixtures import publisher_for
+from tests.refit_fixtures import save_dummy as _save
 
 pytestmark = pytest.mark.integration
 
 
-def _save(path):
-    (path / "model.safetensors").write_bytes(b"\x00" * 64)
-
-
 @pytest.fixture
 async def publisher(redis_url, tmp_path):
-    redis = connect(redis_url)
-    keys = K.RunKeys(f"members-{uuid.uuid4().hex[:6]}")
-    streams = StreamClient(redis, keys, "trainer")
-    pub = WeightPublisher(streams, PauseControl(redis, keys), tmp_path / "weights", timeout_s=2.0, in_flight_updates=False)
-    yield pub, streams
-    await redis.aclose()
-
-
-async def _beat(streams: StreamClient, worker_id: str, state: str = "ready") -> None:
-    hb = Heartbeat(worker_id=worker_id, kind="generator", url="http://x", pid=1, host="h", state=state)
-    await publish_heartbeat(streams.redis, streams.keys, hb)
+    async with publisher_for(redis_url, tmp_path, "members", timeout_s=2.0) as pub_streams:
+        yield pub_streams
 
 
 async def _ack_version(streams: StreamClient, worker_id: str, version: int) -> None:
