@@ -246,7 +246,8 @@ def save_load_baseline(state_dicts: list[dict[str, Any]], folder: Path) -> list[
 
 
 def generator_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any]:
-    """All three measurements against one generator process; a JSON-able dict for `render_section`."""
+    """Throughput (generator processes started per block), splice and refit (a generator of its
+    own); a JSON-able dict for `render_section`."""
     from services.generator.__main__ import ENV_DEFAULTS
 
     for key, value in ENV_DEFAULTS.items():  # before anything imports vLLM

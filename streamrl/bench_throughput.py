@@ -124,12 +124,6 @@ async def closed_loop(requests: list[BenchRequest], concurrency: int,
     return total, time.perf_counter() - t0
 
 
-def stop_ids(renderer: ChatRenderer) -> tuple[int, ...]:
-    """The stop ids the generator adds to every chat request: the turn terminator and EOS."""
-    ids = {renderer.terminator_id} | ({int(renderer.eos_id)} if renderer.eos_id is not None else set())
-    return tuple(sorted(ids))
-
-
 # -- raw side (its own process) ----------------------------------------------------------------
 
 
@@ -152,8 +146,9 @@ class RawEngine:
 
     async def one(self, req: BenchRequest) -> int:
         from services.generator.engine import GenerationParams
-        from vllm.inputs import TokensPrompt
+        from services.generator.vllm_engine import vllm_request_types
 
+        TokensPrompt = vllm_request_types()[2]  # imported as the served engine imports it
         gen = self._cfg.policy.generation
         params = GenerationParams(temperature=gen.temperature, top_p=gen.top_p, max_tokens=MAX_TOKENS, n=1,
                                   seed=req.seed, stop_token_ids=self._stops, top_logprobs=0)
@@ -176,7 +171,7 @@ async def _raw_block(config: Path) -> dict[str, Any]:
 
     cfg = load(RunConfig, config, env={})
     renderer = build_renderer(cfg)
-    raw = RawEngine(cfg, stop_ids(renderer))
+    raw = RawEngine(cfg, tuple(sorted(renderer.turn_stop_ids)))  # what the generator adds to every chat request
     await raw.start()
     try:
         freeze_startup_heap()  # what the generator does once it is up, so both sides collect alike

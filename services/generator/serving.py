@@ -106,9 +106,7 @@ class GenerationService:
             self.generation, req.max_tokens if req.max_tokens is not None else req.max_completion_tokens, cap_param
         )
         stop_ids, stop_texts = self._stops(req.stop)
-        stop_ids |= {self.renderer.terminator_id}
-        if self.renderer.eos_id is not None:
-            stop_ids.add(int(self.renderer.eos_id))
+        stop_ids |= self.renderer.turn_stop_ids
         session_id = req.streamrl.session_id if req.streamrl else None
         self.runtime.check_serving(session_id)
         prompt = self.renderer.chat_prompt(

@@ -26,10 +26,9 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def _vllm_request_types() -> tuple[Any, Any, Any]:
+def vllm_request_types() -> tuple[Any, Any, Any]:
     """vLLM's per-request types, imported once: ``from vllm import X`` inside the request path
-    goes through vLLM's lazy module ``__getattr__`` and the import machinery on every request,
-    which took most of the API process's CPU at 64 concurrent requests."""
+    would go through vLLM's lazy module ``__getattr__`` and the import machinery on every request."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -123,7 +122,7 @@ class VllmEngine:
         )
 
     def _sampling_params(self, params: GenerationParams):
-        SamplingParams, RequestOutputKind, _ = _vllm_request_types()
+        SamplingParams, RequestOutputKind, _ = vllm_request_types()
         return SamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -140,7 +139,7 @@ class VllmEngine:
         )
 
     async def generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> list[ChoiceOutput]:
-        TokensPrompt = _vllm_request_types()[2]
+        TokensPrompt = vllm_request_types()[2]
         sp = self._sampling_params(params)
         finals: dict[int, Any] = {}
         # With n > 1 vLLM may deliver the children in several outputs; keep the last per index.
