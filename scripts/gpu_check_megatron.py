@@ -35,8 +35,17 @@ def main() -> int:
 
         model_dir = tmp / "tiny"
         build_tiny_model(model_dir)
-    cfg = load(RunConfig, None, [f"policy.model_name={model_dir}", "data.train_path=unused.jsonl",
-                                 "trainer.backend=megatron", "policy.generation.temperature=1.0"], env={})
+    cfg = load(
+        RunConfig,
+        None,
+        [
+            f"policy.model_name={model_dir}",
+            "data.train_path=unused.jsonl",
+            "trainer.backend=megatron",
+            "policy.generation.temperature=1.0",
+        ],
+        env={},
+    )
     backend = MegatronBackend(cfg.policy, cfg.loss_fn, seed=0)
     assert backend._ddp_config.check_for_nan_in_grad, "check_for_nan_in_grad must default to on"
 
@@ -57,9 +66,17 @@ def main() -> int:
         n = int(rng.integers(16, 64))
         mask = np.zeros(n, np.float32)
         mask[n // 2 :] = 1
-        rows.append(Row(f"t{i}", f"g{i // 4}", rng.integers(10, hf.config.vocab_size, n).astype(np.int64), mask,
-                        (rng.normal(-4, 0.3, n) * mask).astype(np.float32), reward=float(i % 2),
-                        advantage=float(rng.normal())))
+        rows.append(
+            Row(
+                f"t{i}",
+                f"g{i // 4}",
+                rng.integers(10, hf.config.vocab_size, n).astype(np.int64),
+                mask,
+                (rng.normal(-4, 0.3, n) * mask).astype(np.float32),
+                reward=float(i % 2),
+                advantage=float(rng.normal()),
+            )
+        )
     for step in range(3):
         m = backend.train_step(StepBatch(rows))
         print(f"step {step}: loss {m['loss']:.4f} grad_norm {m['grad_norm']:.4f}")

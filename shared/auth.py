@@ -94,7 +94,7 @@ class AuthPolicy:
         return f"AuthPolicy(token={'set' if self.token else None}, protect_agent_routes={self.protect_agent_routes})"
 
     @classmethod
-    def from_env(cls, protect_agent_routes: bool = False) -> "AuthPolicy":
+    def from_env(cls, protect_agent_routes: bool = False) -> AuthPolicy:
         return cls(load_api_token(), protect_agent_routes)
 
 

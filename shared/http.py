@@ -110,13 +110,21 @@ def install_error_handlers(app: FastAPI) -> None:
 def verify_bearer(header: str | None, expected: str) -> None:
     """Check an Authorization header against ``expected``: 401 if missing or malformed, 403 if wrong."""
     if not header:
-        raise HTTPError(401, "missing Authorization header: send 'Authorization: Bearer <token>'",
-                        type_="authentication_error", headers=_CHALLENGE)
+        raise HTTPError(
+            401,
+            "missing Authorization header: send 'Authorization: Bearer <token>'",
+            type_="authentication_error",
+            headers=_CHALLENGE,
+        )
     scheme, _, presented = header.strip().partition(" ")
     presented = presented.strip()
     if scheme.lower() != "bearer" or not presented:
-        raise HTTPError(401, "malformed Authorization header: expected 'Bearer <token>'",
-                        type_="authentication_error", headers=_CHALLENGE)
+        raise HTTPError(
+            401,
+            "malformed Authorization header: expected 'Bearer <token>'",
+            type_="authentication_error",
+            headers=_CHALLENGE,
+        )
     if not hmac.compare_digest(presented.encode(), expected.encode()):
         raise HTTPError(403, "the bearer token is not valid for this service", type_="permission_error")
 

@@ -19,7 +19,7 @@ Who writes what:
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -207,7 +207,7 @@ class ScaleStatus(_Message, tag="scale_status"):
     at: float = msgspec.field(default_factory=time.time)
 
 
-Message = Union[Task, Trajectory, WeightAnnouncement, WeightAck, Heartbeat, DeadLetter, ScaleRequest, ScaleStatus]
+Message = Task | Trajectory | WeightAnnouncement | WeightAck | Heartbeat | DeadLetter | ScaleRequest | ScaleStatus
 M = TypeVar("M", bound=_Message)
 
 
@@ -236,8 +236,7 @@ def decode(data: bytes, expected: type[M]) -> M:
         raise ProtocolError(f"expected a {tag!r} message, got type {header.type!r}")
     if header.v != SCHEMA_VERSION:
         raise ProtocolError(
-            f"{tag!r} message has schema version {header.v}; this reader understands only "
-            f"version {SCHEMA_VERSION}"
+            f"{tag!r} message has schema version {header.v}; this reader understands only version {SCHEMA_VERSION}"
         )
     decoder = _decoders.get(expected)
     if decoder is None:
@@ -255,8 +254,7 @@ def _validate(msg: _Message) -> None:
     if isinstance(msg, Trajectory):
         if not 0 <= msg.index_in_group < msg.group_size:
             raise ProtocolError(
-                f"trajectory {msg.task_id}: index_in_group {msg.index_in_group} outside group of "
-                f"{msg.group_size}"
+                f"trajectory {msg.task_id}: index_in_group {msg.index_in_group} outside group of {msg.group_size}"
             )
         for i, turn in enumerate(msg.turns):
             for name in ("prompt_ids", "generated_ids", "generated_logprobs"):

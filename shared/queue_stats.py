@@ -66,7 +66,7 @@ async def stream_lengths(redis: aioredis.Redis, keys: K.RunKeys) -> dict[str, in
         for name in STREAMS:
             pipe.xlen(getattr(keys, name))
         lengths = await pipe.execute()
-    return dict(zip(STREAMS, (int(n) for n in lengths)))
+    return dict(zip(STREAMS, (int(n) for n in lengths), strict=True))
 
 
 async def group_stats(redis: aioredis.Redis, keys: K.RunKeys) -> list[GroupStats]:
@@ -83,10 +83,17 @@ async def group_stats(redis: aioredis.Redis, keys: K.RunKeys) -> list[GroupStats
                 continue
             consumers = await redis.xinfo_consumers(stream, group)
             lag = info.get("lag")
-            out.append(GroupStats(
-                stream=name, group=group, pending=int(info["pending"]), lag=None if lag is None else int(lag),
-                consumers=[ConsumerStats(_s(c["name"]), int(c["pending"]), int(c["idle"]) / 1000.0) for c in consumers],
-            ))
+            out.append(
+                GroupStats(
+                    stream=name,
+                    group=group,
+                    pending=int(info["pending"]),
+                    lag=None if lag is None else int(lag),
+                    consumers=[
+                        ConsumerStats(_s(c["name"]), int(c["pending"]), int(c["idle"]) / 1000.0) for c in consumers
+                    ],
+                )
+            )
     return out
 
 
@@ -98,7 +105,7 @@ async def worker_views(redis: aioredis.Redis, keys: K.RunKeys) -> list[WorkerVie
         return []
     raw = await redis.hmget(keys.registry_info, [m for m, _ in members])
     views = []
-    for (_, expires_at), data in zip(members, raw):
+    for (_, expires_at), data in zip(members, raw, strict=True):
         if data is None:
             continue
         try:

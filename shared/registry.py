@@ -51,7 +51,7 @@ async def live_workers(redis: aioredis.Redis, run_keys: K.RunKeys, kind: str | N
         return []
     raw = await redis.hmget(run_keys.registry_info, ids)
     out = []
-    for wid, data in zip(ids, raw):
+    for wid, data in zip(ids, raw, strict=True):
         if data is None:
             continue
         try:

@@ -48,7 +48,9 @@ class OptimizerSection(_Section):
     weight_decay: Annotated[float, D("decoupled weight decay")] = 0.0
     betas: Annotated[tuple[float, float], D("Adam betas")] = (0.9, 0.999)
     eps: Annotated[float, D("Adam epsilon")] = 1e-8
-    scheduler: Annotated[Literal["constant", "linear", "cosine"], D("learning-rate decay over the run's updates")] = "constant"
+    scheduler: Annotated[Literal["constant", "linear", "cosine"], D("learning-rate decay over the run's updates")] = (
+        "constant"
+    )
     warmup_steps: Annotated[int, D("optimizer updates of linear warm-up from 0")] = 0
     min_lr_ratio: Annotated[float, D("final learning rate as a fraction of lr (linear/cosine)")] = 0.0
 
@@ -68,7 +70,9 @@ class VllmSection(_Section):
             "sampler cannot rewind a seeded request's generator after a partial prefill)"
         ),
     ] = None
-    max_num_batched_tokens: Annotated[int | None, D("token budget of one engine step; null: the engine's default")] = None
+    max_num_batched_tokens: Annotated[int | None, D("token budget of one engine step; null: the engine's default")] = (
+        None
+    )
     tensor_parallel_size: Annotated[int, D("tensor parallel degree of each engine")] = 1
     enable_expert_parallel: Annotated[
         bool, D("shard MoE experts across the engine's ranks (expert parallel size = tensor_parallel_size)")
@@ -108,7 +112,9 @@ class SequencePackingSection(_Section):
 class MegatronSection(_Section):
     tensor_model_parallel_size: Annotated[int, D("tensor parallel ranks (the backend supports 1 so far)")] = 1
     pipeline_model_parallel_size: Annotated[int, D("pipeline parallel stages (the backend supports 1 so far)")] = 1
-    expert_model_parallel_size: Annotated[int, D("expert parallel ranks of MoE layers (the backend supports 1 so far)")] = 1
+    expert_model_parallel_size: Annotated[
+        int, D("expert parallel ranks of MoE layers (the backend supports 1 so far)")
+    ] = 1
     distributed_data_parallel_config: Annotated[
         dict[str, Any],
         D(
@@ -138,7 +144,9 @@ class PolicySection(_Section):
 
 class AsyncGrpoSection(_Section):
     enabled: Annotated[bool, D("asynchronous GRPO (generation overlaps training)")] = True
-    max_trajectory_age_steps: Annotated[int, D("staleness bound L: tasks issued up to step+L, older groups evicted")] = 1
+    max_trajectory_age_steps: Annotated[
+        int, D("staleness bound L: tasks issued up to step+L, older groups evicted")
+    ] = 1
     in_flight_weight_updates: Annotated[bool, D("refit without draining in-flight generation")] = False
     allow_future_targets: Annotated[bool, D("a step may consume groups staged for later steps")] = True
 
@@ -154,13 +162,20 @@ class GrpoSection(_Section):
     val_at_end: Annotated[bool, D("validate after the last step")] = False
     max_val_samples: Annotated[int | None, D("validation prompts per validation; null: all")] = None
     val_start_at: Annotated[
-        int, D("periodic validation only once this many steps are done (cadence stays on multiples of val_period); -1: no delay")
+        int,
+        D(
+            "periodic validation only once this many steps are done (cadence stays on multiples of val_period); "
+            "-1: no delay"
+        ),
     ] = -1
     val_num_generations_per_prompt: Annotated[int, D("rollouts per validation prompt (k of pass@k)")] = 1
     stop_at_validation_metric: Annotated[
-        str | None, D("stop training once this validation metric reaches the threshold (e.g. accuracy, pass_k); null: never")
+        str | None,
+        D("stop training once this validation metric reaches the threshold (e.g. accuracy, pass_k); null: never"),
     ] = None
-    stop_at_validation_threshold: Annotated[float | None, D("threshold for stop_at_validation_metric (inclusive)")] = None
+    stop_at_validation_threshold: Annotated[float | None, D("threshold for stop_at_validation_metric (inclusive)")] = (
+        None
+    )
     seq_logprob_error_threshold: Annotated[
         float | None,
         D(
@@ -204,8 +219,10 @@ class NemoGymSection(_Section):
     ] = msgspec.field(default_factory=dict)
     head_server_url: Annotated[
         str | None,
-        D("NeMo-Gym head server (e.g. http://127.0.0.1:11000): agents missing from agent_servers, and their "
-          "resources servers, are found in its global config"),
+        D(
+            "NeMo-Gym head server (e.g. http://127.0.0.1:11000): agents missing from agent_servers, and their "
+            "resources servers, are found in its global config"
+        ),
     ] = None
     default_agent: Annotated[str | None, D("agent for rows without agent_ref")] = None
     connect_timeout_s: Annotated[
@@ -213,8 +230,10 @@ class NemoGymSection(_Section):
     ] = 10.0
     infra_failure_kinds: Annotated[
         list[str],
-        D("verify failure_kind values that fail the rollout as an infrastructure error (retried or backfilled); "
-          "other failure kinds are trained masked"),
+        D(
+            "verify failure_kind values that fail the rollout as an infrastructure error (retried or backfilled); "
+            "other failure kinds are trained masked"
+        ),
     ] = msgspec.field(default_factory=list)
 
 
@@ -222,15 +241,25 @@ class OpenHandsSection(_Section):
     """Driver for OpenHands SDK agents run in their own Python environment (``env: openhands`` rows)."""
 
     python: Annotated[
-        str, D("Python of the OpenHands SDK's virtualenv (scripts/setup_openhands.sh); relative to the streamrl source root")
+        str,
+        D(
+            "Python of the OpenHands SDK's virtualenv (scripts/setup_openhands.sh); "
+            "relative to the streamrl source root"
+        ),
     ] = ".venv-openhands/bin/python"
-    model_name: Annotated[str, D("model name the agent sends (as LiteLLM's openai/<name>); the session proxy serves any")] = "policy"
+    model_name: Annotated[
+        str, D("model name the agent sends (as LiteLLM's openai/<name>); the session proxy serves any")
+    ] = "policy"
     max_iterations: Annotated[int | None, D("cap on agent steps (one model call each); null: env.max_turns")] = None
     tools: Annotated[
         list[str], D("OpenHands tools by name (terminal, file_editor, task_tracker, glob, grep, apply_patch)")
     ] = msgspec.field(default_factory=lambda: ["terminal", "file_editor"])
     default_tools: Annotated[
-        list[str], D("OpenHands built-in tools kept (FinishTool, ThinkTool); an episode ends at finish or at a reply without tool calls")
+        list[str],
+        D(
+            "OpenHands built-in tools kept (FinishTool, ThinkTool); an episode ends at finish or at a reply "
+            "without tool calls"
+        ),
     ] = msgspec.field(default_factory=lambda: ["FinishTool", "ThinkTool"])
     terminal_type: Annotated[
         Literal["tmux", "subprocess"] | None, D("backend of the terminal tool; null: tmux when installed")
@@ -238,15 +267,25 @@ class OpenHandsSection(_Section):
     native_tool_calling: Annotated[
         bool, D("tools as the API's tools field (else described in the prompt and parsed from text)")
     ] = True
-    system_prompt: Annotated[str | None, D("system prompt replacing OpenHands' own (tool guidance is still added); null: OpenHands'")] = None
+    system_prompt: Annotated[
+        str | None, D("system prompt replacing OpenHands' own (tool guidance is still added); null: OpenHands'")
+    ] = None
     timeout_s: Annotated[
-        float | None, D("agent time limit; the agent is then stopped and its workspace scored (truncated); null: only the rollout deadline")
+        float | None,
+        D(
+            "agent time limit; the agent is then stopped and its workspace scored (truncated); "
+            "null: only the rollout deadline"
+        ),
     ] = None
     llm_timeout_s: Annotated[float, D("limit of one model call made by the agent")] = 300.0
     num_retries: Annotated[int, D("retries of a failed model call inside the agent (1-4 s apart)")] = 1
     check_timeout_s: Annotated[float, D("limit of a task's check command; past it the reward is 0")] = 60.0
-    workspace_root: Annotated[str | None, D("parent folder of per-rollout workspaces; null: the system temp folder")] = None
-    mask_truncated: Annotated[bool, D("flag rollouts that end without the agent finishing (masked out of the loss)")] = False
+    workspace_root: Annotated[
+        str | None, D("parent folder of per-rollout workspaces; null: the system temp folder")
+    ] = None
+    mask_truncated: Annotated[
+        bool, D("flag rollouts that end without the agent finishing (masked out of the loss)")
+    ] = False
 
 
 class SweSection(_Section):
@@ -258,9 +297,15 @@ class SweSection(_Section):
     ] = "local"
     image: Annotated[str, D("container image for instances whose row names no docker_image (docker/podman)")] = ""
     instances_path: Annotated[
-        str, D("folder of instance folders, or a JSON/JSONL file of rows, that task rows name by instance_id; '': the shipped set")
+        str,
+        D(
+            "folder of instance folders, or a JSON/JSONL file of rows, that task rows name by instance_id; "
+            "'': the shipped set"
+        ),
     ] = ""
-    workspace_root: Annotated[str | None, D("parent folder of per-rollout workspaces; null: the system temp folder")] = None
+    workspace_root: Annotated[
+        str | None, D("parent folder of per-rollout workspaces; null: the system temp folder")
+    ] = None
     git_init_workspace: Annotated[
         bool, D("give the agent's copy a fresh git repository with one commit (never the original history)")
     ] = True
@@ -269,7 +314,8 @@ class SweSection(_Section):
     max_output_chars: Annotated[int, D("characters of a command's output kept (head and tail) for the agent")] = 8000
     shell: Annotated[str, D("shell that runs every command as `<shell> -c <command>`")] = "bash"
     local_path: Annotated[
-        str | None, D("PATH of local commands; null: the gateway Python's bin folder, then /usr/local/bin:/usr/bin:/bin")
+        str | None,
+        D("PATH of local commands; null: the gateway Python's bin folder, then /usr/local/bin:/usr/bin:/bin"),
     ] = None
     container_workdir: Annotated[str, D("where the workspace is mounted inside the container")] = "/testbed"
     container_engine_args: Annotated[
@@ -283,8 +329,19 @@ class SweSection(_Section):
         D("globs of files the reward run takes from the snapshot, not from the agent (test config, import hooks)"),
     ] = msgspec.field(
         default_factory=lambda: [
-            "conftest.py", "*/conftest.py", "pytest.ini", "tox.ini", "pytest.py", "pytest/*", "_pytest/*",
-            "setup.cfg", "pyproject.toml", "sitecustomize.py", "usercustomize.py", "*.pth", ".venv/*",
+            "conftest.py",
+            "*/conftest.py",
+            "pytest.ini",
+            "tox.ini",
+            "pytest.py",
+            "pytest/*",
+            "_pytest/*",
+            "setup.cfg",
+            "pyproject.toml",
+            "sitecustomize.py",
+            "usercustomize.py",
+            "*.pth",
+            ".venv/*",
         ]
     )
 
@@ -298,7 +355,9 @@ class EnvSection(_Section):
             "run; retry it up to max_rollout_retries times, then stop; or train a zero-token placeholder"
         ),
     ] = "fail_fast"
-    max_rollout_retries: Annotated[int, D("extra attempts of an infrastructure-failed rollout (failure_policy: retry)")] = 2
+    max_rollout_retries: Annotated[
+        int, D("extra attempts of an infrastructure-failed rollout (failure_policy: retry)")
+    ] = 2
     on_prefix_break: Annotated[
         Literal["mask", "new_sample"],
         D(
@@ -335,7 +394,9 @@ class CheckpointSection(_Section):
 class LoggerSection(_Section):
     log_dir: Annotated[str | None, D("folder for metrics.jsonl and plots; null: output_dir")] = None
     plot: Annotated[bool, D("write reward_curve.png at the end")] = True
-    tensorboard: Annotated[bool, D("also write every metrics record as TensorBoard scalars to <log_dir>/tensorboard")] = True
+    tensorboard: Annotated[
+        bool, D("also write every metrics record as TensorBoard scalars to <log_dir>/tensorboard")
+    ] = True
 
 
 class AuthSection(_Section):
@@ -345,7 +406,11 @@ class AuthSection(_Section):
         bool, D("let a service without an API token bind a non-loopback address (private networks only)")
     ] = False
     protect_agent_routes: Annotated[
-        bool, D("require the API token on the generator's /v1/* and the gateway's /sessions/* too (agents send it as api_key)")
+        bool,
+        D(
+            "require the API token on the generator's /v1/* and the gateway's /sessions/* too "
+            "(agents send it as api_key)"
+        ),
     ] = False
 
 
@@ -387,7 +452,8 @@ class TrainerSection(_Section):
     data_timeout_s: Annotated[float, D("longest wait for a step's data before failing loudly")] = 3600.0
     torch_threads: Annotated[int | None, D("torch intra-op threads; null: torch's default")] = None
     validation_drain_timeout_s: Annotated[
-        float | None, D("deadline for in-flight training rollouts to finish before a validation; null: the rollout timeout")
+        float | None,
+        D("deadline for in-flight training rollouts to finish before a validation; null: the rollout timeout"),
     ] = None
     on_drain_timeout: Annotated[
         Literal["proceed", "cancel"],
@@ -397,7 +463,8 @@ class TrainerSection(_Section):
         ),
     ] = "proceed"
     backend: Annotated[
-        Literal["torch", "megatron"], D("training backend: torch (transformers model) or megatron (megatron-core, GPUs)")
+        Literal["torch", "megatron"],
+        D("training backend: torch (transformers model) or megatron (megatron-core, GPUs)"),
     ] = "torch"
     stream_retention_s: Annotated[
         float,
@@ -432,7 +499,11 @@ class RunConfig(_Section):
             raise ConfigError("grpo.num_prompts_per_step must be >= 1")
         if g.async_grpo.max_trajectory_age_steps < 0:
             raise ConfigError("grpo.async_grpo.max_trajectory_age_steps must be >= 0")
-        if g.async_grpo.enabled and g.async_grpo.max_trajectory_age_steps > 0 and not lf.use_importance_sampling_correction:
+        if (
+            g.async_grpo.enabled
+            and g.async_grpo.max_trajectory_age_steps > 0
+            and not lf.use_importance_sampling_correction
+        ):
             raise ConfigError(
                 "loss_fn.use_importance_sampling_correction must be true with grpo.async_grpo.enabled "
                 "(asynchronous samples are off-policy)"
@@ -442,7 +513,8 @@ class RunConfig(_Section):
             and lf.truncated_importance_sampling_ratio_min is None
         ):
             raise ConfigError(
-                f"loss_fn.truncated_importance_sampling_ratio_min is required for {lf.truncated_importance_sampling_type}"
+                "loss_fn.truncated_importance_sampling_ratio_min is required for "
+                f"{lf.truncated_importance_sampling_type}"
             )
         if g.seq_logprob_error_threshold is not None and g.seq_logprob_error_threshold < 1.0:
             raise ConfigError("grpo.seq_logprob_error_threshold must be >= 1.0 (1.0 means the engines agree exactly)")

@@ -36,11 +36,13 @@ def load_service_config(service: str, args: argparse.Namespace) -> RunConfig | N
         host = getattr(cfg, service).host
         check_bind(host, f"{service}.host", token, cfg.auth.allow_open_bind)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"config error: {exc}\n")
         return None
     log = logging.getLogger(f"services.{service}")
     if token:
-        log.info("control routes require the API token%s", " (agent routes too)" if cfg.auth.protect_agent_routes else "")
+        log.info(
+            "control routes require the API token%s", " (agent routes too)" if cfg.auth.protect_agent_routes else ""
+        )
     elif is_loopback(host):
         log.info("no API token set: control routes are open on loopback %s", host)
     else:

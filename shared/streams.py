@@ -25,9 +25,8 @@ from typing import Generic, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry never retries a coroutine
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys as K
@@ -208,8 +207,9 @@ class StreamClient:
         """Publish ``msg`` and ack ``entry_id`` in one atomic step, only while this consumer still
         owns the pending entry. None (nothing published) when the entry was acked or taken over by
         another consumer meanwhile, so a result is published at most once per entry."""
-        res = await self.redis.eval(_PUBLISH_IF_OWNED, 2, in_stream, out_stream, group, entry_id, self.consumer,
-                                    K.ENTRY_FIELD, encode(msg))
+        res = await self.redis.eval(
+            _PUBLISH_IF_OWNED, 2, in_stream, out_stream, group, entry_id, self.consumer, K.ENTRY_FIELD, encode(msg)
+        )
         return _id(res) if res else None
 
     async def requeue(self, stream: str, group: str, deliveries: Sequence[Delivery], bump=None) -> int:
@@ -219,8 +219,9 @@ class StreamClient:
         n = 0
         for d in deliveries:
             msg = bump(d.msg) if bump else d.msg
-            if await self.redis.eval(_REQUEUE_IF_OWNED, 1, stream, group, d.entry_id, self.consumer,
-                                     K.ENTRY_FIELD, encode(msg)):
+            if await self.redis.eval(
+                _REQUEUE_IF_OWNED, 1, stream, group, d.entry_id, self.consumer, K.ENTRY_FIELD, encode(msg)
+            ):
                 n += 1
         if n:
             log.info("released %d entries of %s back to %s", n, stream, group)
@@ -260,8 +261,9 @@ class StreamClient:
         name = K.stream_name(source)
         self.deadlettered_by_stream[name] = self.deadlettered_by_stream.get(name, 0) + 1
         log.warning("dead-lettering %s entry %s: %s", source, entry_id, reason)
-        letter = DeadLetter(source=source, entry_id=entry_id, reason=reason,
-                            payload=payload[: K.DEADLETTER_PAYLOAD_MAX_BYTES])
+        letter = DeadLetter(
+            source=source, entry_id=entry_id, reason=reason, payload=payload[: K.DEADLETTER_PAYLOAD_MAX_BYTES]
+        )
         await self.publish(self.keys.deadletter, letter, maxlen=K.DEADLETTER_MAXLEN)
 
     async def read_latest(self, stream: str, expected: type[M]) -> Delivery[M] | None:
@@ -296,9 +298,11 @@ class StreamClient:
         if payload is None:
             reason = f"entry has no {K.ENTRY_FIELD.decode()!r} field"
         elif len(payload) > limit:
-            reason = (f"entry of {len(payload)} bytes exceeds the {limit}-byte limit of stream "
-                      f"{K.stream_name(stream)!r} (keys.MAX_ENTRY_BYTES); payload cut to "
-                      f"{K.DEADLETTER_PAYLOAD_MAX_BYTES} bytes")
+            reason = (
+                f"entry of {len(payload)} bytes exceeds the {limit}-byte limit of stream "
+                f"{K.stream_name(stream)!r} (keys.MAX_ENTRY_BYTES); payload cut to "
+                f"{K.DEADLETTER_PAYLOAD_MAX_BYTES} bytes"
+            )
         else:
             try:
                 return decode(payload, expected)

@@ -37,8 +37,7 @@ from shared.config import load
 from shared.protocol import Trajectory, encode, make_turn
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
-from streamrl import bench_pipeline, bench_pipeline_report
-from streamrl import bench_gateway
+from streamrl import bench_gateway, bench_pipeline, bench_pipeline_report
 from streamrl.bench_generator import HEADING as GENERATOR_HEADING
 from streamrl.bench_generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
@@ -48,13 +47,35 @@ SECTIONS = ("generator", "gateway", "pipeline")
 
 def _trajectory(i: int, rng: np.random.Generator, prompt_len: int = 600, gen_len: int = 300) -> Trajectory:
     turns = [
-        make_turn(prompt_ids=rng.integers(0, 150_000, prompt_len), context_len=0,
-                  generated_ids=rng.integers(0, 150_000, gen_len), generated_logprobs=-rng.random(gen_len), weight_version=3),
-        make_turn(prompt_ids=rng.integers(0, 150_000, 60), context_len=prompt_len + gen_len,
-                  generated_ids=rng.integers(0, 150_000, gen_len), generated_logprobs=-rng.random(gen_len), weight_version=3),
+        make_turn(
+            prompt_ids=rng.integers(0, 150_000, prompt_len),
+            context_len=0,
+            generated_ids=rng.integers(0, 150_000, gen_len),
+            generated_logprobs=-rng.random(gen_len),
+            weight_version=3,
+        ),
+        make_turn(
+            prompt_ids=rng.integers(0, 150_000, 60),
+            context_len=prompt_len + gen_len,
+            generated_ids=rng.integers(0, 150_000, gen_len),
+            generated_logprobs=-rng.random(gen_len),
+            weight_version=3,
+        ),
     ]
-    return Trajectory(task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=1, prompt_index=i, env="bench",
-                      kind="train", target_step=4, launch_version=3, reward=1.0, status="ok", turns=turns)
+    return Trajectory(
+        task_id=f"g{i}/0",
+        group_id=f"g{i}",
+        index_in_group=0,
+        group_size=1,
+        prompt_index=i,
+        env="bench",
+        kind="train",
+        target_step=4,
+        launch_version=3,
+        reward=1.0,
+        status="ok",
+        turns=turns,
+    )
 
 
 class _ListTurn(msgspec.Struct):
@@ -69,7 +90,9 @@ class _ListTrajectory(msgspec.Struct):
 
 
 def _as_lists(t: Trajectory) -> _ListTrajectory:
-    return _ListTrajectory(t.task_id, [_ListTurn(x.prompt().tolist(), x.generated().tolist(), x.logprobs().tolist()) for x in t.turns])
+    return _ListTrajectory(
+        t.task_id, [_ListTurn(x.prompt().tolist(), x.generated().tolist(), x.logprobs().tolist()) for x in t.turns]
+    )
 
 
 async def _stream_round(redis_url: str, payloads: list[bytes], decode) -> dict[str, float]:
@@ -96,8 +119,12 @@ async def _stream_round(redis_url: str, payloads: list[bytes], decode) -> dict[s
     await redis.delete(keys.trajectories)
     await redis.aclose()
     n = len(payloads)
-    return {"produce_per_s": n / (t1 - t0), "consume_per_s": n / (t2 - t1), "end_to_end_per_s": n / (t2 - t0),
-            "bytes": float(np.mean([len(p) for p in payloads]))}
+    return {
+        "produce_per_s": n / (t1 - t0),
+        "consume_per_s": n / (t2 - t1),
+        "end_to_end_per_s": n / (t2 - t0),
+        "bytes": float(np.mean([len(p) for p in payloads])),
+    }
 
 
 def stream_benchmark(redis_url: str, n: int = 3000) -> dict[str, dict[str, float]]:
@@ -109,31 +136,49 @@ def stream_benchmark(redis_url: str, n: int = 3000) -> dict[str, dict[str, float
     lists = [msgspec.msgpack.encode(_as_lists(t)) for t in trajs]
     list_decoder = msgspec.msgpack.Decoder(_ListTrajectory)
     out = {}
-    for name, payloads, dec in (("packed", packed, lambda b: decode_msg(b, Trajectory)), ("lists", lists, list_decoder.decode)):
+    for name, payloads, dec in (
+        ("packed", packed, lambda b: decode_msg(b, Trajectory)),
+        ("lists", lists, list_decoder.decode),
+    ):
         runs = [asyncio.run(_stream_round(redis_url, payloads, dec)) for _ in range(3)]
         out[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return out
 
 
 def demo_benchmark(out_dir: Path) -> dict:
+    import shutil
+
     from services.trainer.metrics_log import read_metrics
     from streamrl.demo import CONFIG, run_demo, summarize
-
-    import shutil
 
     shutil.rmtree(out_dir, ignore_errors=True)  # time the warm start too
     code = run_demo(out_dir, progress=False)
     steps = [r for r in read_metrics(out_dir / "metrics.jsonl") if r.get("kind") == "train"]
     cfg = load(RunConfig, CONFIG, env={})
     col = lambda k: [r[k] for r in steps]  # noqa: E731
-    stats = {k: {"mean": statistics.mean(col(k)), "p50": statistics.median(col(k)), "max": max(col(k))}
-             for k in ("time_wait_data_s", "time_train_s", "time_refit_s", "time_step_s")} if steps else {}
-    summary = json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").is_file() else summarize(out_dir)
-    return {"exit_code": code, "summary": summary, "timing": stats,
-            "trajectories_per_s": steps[-1]["trajectories_per_s"] if steps else 0.0,
-            "staleness_mean": statistics.mean(col("staleness_mean")) if steps else 0.0,
-            "loop_s": sum(col("time_step_s")), "max_num_steps": cfg.grpo.max_num_steps,
-            "lag": cfg.grpo.async_grpo.max_trajectory_age_steps}
+    stats = (
+        {
+            k: {"mean": statistics.mean(col(k)), "p50": statistics.median(col(k)), "max": max(col(k))}
+            for k in ("time_wait_data_s", "time_train_s", "time_refit_s", "time_step_s")
+        }
+        if steps
+        else {}
+    )
+    summary = (
+        json.loads((out_dir / "summary.json").read_text())
+        if (out_dir / "summary.json").is_file()
+        else summarize(out_dir)
+    )
+    return {
+        "exit_code": code,
+        "summary": summary,
+        "timing": stats,
+        "trajectories_per_s": steps[-1]["trajectories_per_s"] if steps else 0.0,
+        "staleness_mean": statistics.mean(col("staleness_mean")) if steps else 0.0,
+        "loop_s": sum(col("time_step_s")),
+        "max_num_steps": cfg.grpo.max_num_steps,
+        "lag": cfg.grpo.async_grpo.max_trajectory_age_steps,
+    }
 
 
 def _ratio(value: float, base: float, fmt: str = "{:.2f}x") -> str:
@@ -146,35 +191,70 @@ def render_demo(demo: dict, streams: dict) -> str:
     s, timing = demo["summary"], demo["timing"]
     step = timing.get("time_step_s", {}).get("mean", 0.0)
     lines = [
-        "## Demo run (`streamrl demo`: crossing tool-use task, tiny Qwen3, 8 prompts x 8 rollouts per step, lag 1, vLLM on CPU)",
+        "## Demo run (`streamrl demo`: crossing tool-use task, tiny Qwen3, 8 prompts x 8 rollouts per step, lag 1, "
+        "vLLM on CPU)",
         "",
         "| per-step wall time | mean (s) | p50 (s) | max (s) | mean / whole step (baseline) |",
         "|---|---|---|---|---|",
     ]
-    names = {"time_wait_data_s": "waiting for data", "time_train_s": "training", "time_refit_s": "refit (publish to all confirmed)",
-             "time_step_s": "whole step"}
+    names = {
+        "time_wait_data_s": "waiting for data",
+        "time_train_s": "training",
+        "time_refit_s": "refit (publish to all confirmed)",
+        "time_step_s": "whole step",
+    }
     for k, label in names.items():
         if k in timing:
             v = timing[k]
-            lines.append(f"| {label} | {v['mean']:.2f} | {v['p50']:.2f} | {v['max']:.2f} | {_ratio(v['mean'], step, '{:.1%}')} |")
+            lines.append(
+                f"| {label} | {v['mean']:.2f} | {v['p50']:.2f} | {v['max']:.2f} | {_ratio(v['mean'], step, '{:.1%}')} |"
+            )
     acc = [a for _, a in s.get("validation_accuracy", [])]
     capacity = streams["packed"]["end_to_end_per_s"]
     total_s, trained = s.get("total_time_s", 0.0), s.get("trajectories_trained", 0)
     rows = [
-        ("steps", f"{s.get('steps', 0)}", f"grpo.max_num_steps: {demo['max_num_steps']}",
-         _ratio(s.get("steps", 0), demo["max_num_steps"])),
-        ("trajectories through the streams per second (whole run, wall clock)", f"{demo['trajectories_per_s']:.1f}",
-         f"stream transport capacity, end to end (below): {capacity:.0f}/s", _ratio(demo["trajectories_per_s"], capacity, "{:.2%}")),
-        ("mean reward, last 5 steps", f"{s.get('last5_reward', 0):.3f}", f"first 5 steps: {s.get('first5_reward', 0):.3f}",
-         _ratio(s.get("last5_reward", 0), s.get("first5_reward", 0))),
-        ("mean staleness of consumed groups (steps)", f"{demo['staleness_mean']:.2f}",
-         f"the lag bound (max_trajectory_age_steps): {demo['lag']}", _ratio(demo["staleness_mean"], demo["lag"])),
-        ("trajectories trained twice", f"{s.get('duplicate_ids', 0)}", f"trajectories trained: {trained}",
-         _ratio(s.get("duplicate_ids", 0), trained, "{:.0%}")),
-        ("validation accuracy (greedy) at the end", f"{acc[-1]:.3f}" if acc else "n/a",
-         f"at the start: {acc[0]:.3f}" if acc else "n/a", _ratio(acc[-1], acc[0]) if acc else "n/a"),
-        ("demo total time incl. data, warm start, engine start (min)", f"{total_s / 60:.1f}",
-         f"its training loop (sum of step times): {demo['loop_s'] / 60:.1f} min", _ratio(total_s, demo["loop_s"])),
+        (
+            "steps",
+            f"{s.get('steps', 0)}",
+            f"grpo.max_num_steps: {demo['max_num_steps']}",
+            _ratio(s.get("steps", 0), demo["max_num_steps"]),
+        ),
+        (
+            "trajectories through the streams per second (whole run, wall clock)",
+            f"{demo['trajectories_per_s']:.1f}",
+            f"stream transport capacity, end to end (below): {capacity:.0f}/s",
+            _ratio(demo["trajectories_per_s"], capacity, "{:.2%}"),
+        ),
+        (
+            "mean reward, last 5 steps",
+            f"{s.get('last5_reward', 0):.3f}",
+            f"first 5 steps: {s.get('first5_reward', 0):.3f}",
+            _ratio(s.get("last5_reward", 0), s.get("first5_reward", 0)),
+        ),
+        (
+            "mean staleness of consumed groups (steps)",
+            f"{demo['staleness_mean']:.2f}",
+            f"the lag bound (max_trajectory_age_steps): {demo['lag']}",
+            _ratio(demo["staleness_mean"], demo["lag"]),
+        ),
+        (
+            "trajectories trained twice",
+            f"{s.get('duplicate_ids', 0)}",
+            f"trajectories trained: {trained}",
+            _ratio(s.get("duplicate_ids", 0), trained, "{:.0%}"),
+        ),
+        (
+            "validation accuracy (greedy) at the end",
+            f"{acc[-1]:.3f}" if acc else "n/a",
+            f"at the start: {acc[0]:.3f}" if acc else "n/a",
+            _ratio(acc[-1], acc[0]) if acc else "n/a",
+        ),
+        (
+            "demo total time incl. data, warm start, engine start (min)",
+            f"{total_s / 60:.1f}",
+            f"its training loop (sum of step times): {demo['loop_s'] / 60:.1f} min",
+            _ratio(total_s, demo["loop_s"]),
+        ),
     ]
     lines += ["", "| run figure | value | baseline (same run) | value / baseline |", "|---|---|---|---|"]
     lines += [f"| {name} | {value} | {base} | {ratio} |" for name, value, base, ratio in rows]
@@ -198,10 +278,22 @@ def render_streams(streams: dict) -> str:
 
 
 def render(demo: dict, streams: dict, machine: str, generator: dict, gateway: dict, pipeline: dict) -> str:
-    head = (f"# Benchmarks\n\nWritten by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to "
-            "refresh every table. Every figure stands next to a baseline measured in the same run.\n\n")
-    return (head + render_demo(demo, streams) + "\n" + render_streams(streams) + "\n" + render_section(generator) + "\n"
-            + bench_gateway.render_section(gateway) + "\n" + bench_pipeline_report.render_pipeline(pipeline))
+    head = (
+        f"# Benchmarks\n\nWritten by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to "
+        "refresh every table. Every figure stands next to a baseline measured in the same run.\n\n"
+    )
+    return (
+        head
+        + render_demo(demo, streams)
+        + "\n"
+        + render_streams(streams)
+        + "\n"
+        + render_section(generator)
+        + "\n"
+        + bench_gateway.render_section(gateway)
+        + "\n"
+        + bench_pipeline_report.render_pipeline(pipeline)
+    )
 
 
 def run_benchmarks(out: Path, only: str | None = None) -> int:
@@ -216,7 +308,9 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     try:
         streams = stream_benchmark(server.url) if only is None else None
         generator = generator_benchmark(tmp / "generator", server.url, machine) if only in (None, "generator") else None
-        gateway = bench_gateway.gateway_benchmark(tmp / "gateway", server.url, machine) if only in (None, "gateway") else None
+        gateway = (
+            bench_gateway.gateway_benchmark(tmp / "gateway", server.url, machine) if only in (None, "gateway") else None
+        )
     finally:
         server.stop()
     pipeline = bench_pipeline.run_pipeline_benchmark(tmp / "pipeline") if only in (None, "pipeline") else None
@@ -229,13 +323,15 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
         if generator is not None:
             text = replace_section(text, render_section(generator), GENERATOR_HEADING)
         if gateway is not None:
-            text = replace_section(text, bench_gateway.render_section(gateway), bench_gateway.HEADING,
-                                   after=GENERATOR_HEADING)
+            text = replace_section(
+                text, bench_gateway.render_section(gateway), bench_gateway.HEADING, after=GENERATOR_HEADING
+            )
         if pipeline is not None:
             text = replace_section(text, bench_pipeline_report.render_pipeline(pipeline), bench_pipeline_report.HEADING)
         results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-        results.update({k: v for k, v in (("generator", generator), ("gateway", gateway), ("pipeline", pipeline))
-                        if v is not None})
+        results.update(
+            {k: v for k, v in (("generator", generator), ("gateway", gateway), ("pipeline", pipeline)) if v is not None}
+        )
     out.write_text(text)
     results_path.write_text(json.dumps(results, indent=2))
     print(text)

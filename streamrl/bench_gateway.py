@@ -85,8 +85,9 @@ class BenchChatEnv:
 
         if self._redis is None:
             # one connection per waiting rollout; a wait longer than the default socket timeout
-            self._redis = connect(instance["redis_url"], socket_timeout_s=BARRIER_TIMEOUT_S + 10,
-                                  max_connections=2 * SESSIONS + 8)
+            self._redis = connect(
+                instance["redis_url"], socket_timeout_s=BARRIER_TIMEOUT_S + 10, max_connections=2 * SESSIONS + 8
+            )
         sessions, done = _agent_keys(instance["run_id"], instance["round"])
         await self._redis.rpush(sessions, f"{instance['i']} {llm.base_url}")
         if await self._redis.blpop([done + str(instance["i"])], timeout=BARRIER_TIMEOUT_S) is None:
@@ -114,8 +115,12 @@ def config_tree(model_dir: Path, redis_url: str, run_id: str, out: Path) -> dict
     tree["policy"]["generation"]["max_new_tokens"] = MAX_TOKENS
     tree["run"]["output_dir"] = str(out)
     tree["env"] = {"name": ENV_NAME, "max_turns": TURNS}
-    tree["gym_gateway"] = {"max_concurrent_rollouts": SESSIONS, "rollout_timeout_s": 600,
-                           "request_timeout_s": 300, "reclaim_idle_s": 3600}
+    tree["gym_gateway"] = {
+        "max_concurrent_rollouts": SESSIONS,
+        "rollout_timeout_s": 600,
+        "request_timeout_s": 300,
+        "reclaim_idle_s": 3600,
+    }
     return tree
 
 
@@ -128,8 +133,12 @@ async def _publish_weights(redis_url: str, run_id: str, model_dir: Path) -> None
     redis = connect(redis_url)
     streams = StreamClient(redis, K.RunKeys(run_id), "bench")
     try:
-        await streams.publish(streams.keys.weights, WeightAnnouncement(
-            version=0, path=str(model_dir), checksum=checksum_dir(model_dir), num_bytes=dir_num_bytes(model_dir)))
+        await streams.publish(
+            streams.keys.weights,
+            WeightAnnouncement(
+                version=0, path=str(model_dir), checksum=checksum_dir(model_dir), num_bytes=dir_num_bytes(model_dir)
+            ),
+        )
         deadline = time.monotonic() + 300
         cursor = "0-0"
         while time.monotonic() < deadline:
@@ -159,8 +168,9 @@ async def _conversation(http, base_url: str, i: int, *, direct: bool, decoder) -
             if context:
                 body["required_prefix_token_ids"] = context
         t0 = time.perf_counter()
-        async with http.post(f"{base_url}/chat/completions", data=msgspec.json.encode(body),
-                             headers={"content-type": "application/json"}) as r:
+        async with http.post(
+            f"{base_url}/chat/completions", data=msgspec.json.encode(body), headers={"content-type": "application/json"}
+        ) as r:
             raw = await r.read()
             if r.status != 200:
                 return None
@@ -196,9 +206,22 @@ async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n
     sessions_key, done = _agent_keys(run_id, rnd)
     rss_before = _rss_kb(gateway_pid)
     sampling = SamplingParams(temperature=0.8, top_p=1.0, max_tokens=MAX_TOKENS)
-    tasks = [Task(task_id=f"{rnd}-{i}/0", group_id=f"{rnd}-{i}", index_in_group=0, group_size=1, prompt_index=i,
-                  env=ENV_NAME, instance={"i": i, "round": rnd, "run_id": run_id, "redis_url": redis_url},
-                  kind="train", target_step=0, sampling=sampling, deadline_s=600.0) for i in range(n)]
+    tasks = [
+        Task(
+            task_id=f"{rnd}-{i}/0",
+            group_id=f"{rnd}-{i}",
+            index_in_group=0,
+            group_size=1,
+            prompt_index=i,
+            env=ENV_NAME,
+            instance={"i": i, "round": rnd, "run_id": run_id, "redis_url": redis_url},
+            kind="train",
+            target_step=0,
+            sampling=sampling,
+            deadline_s=600.0,
+        )
+        for i in range(n)
+    ]
     http, decoder = _client(n)
     lat: dict[int, list[float] | None] = {}
     t0 = time.perf_counter()
@@ -224,7 +247,9 @@ async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n
     got_t: list[Trajectory] = []
     deadline = time.monotonic() + 300
     while len(got_t) < n and time.monotonic() < deadline:
-        for d in await streams.read_group(streams.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=512, block_ms=500):
+        for d in await streams.read_group(
+            streams.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=512, block_ms=500
+        ):
             got_t.append(d.msg)
             await streams.ack(streams.keys.trajectories, K.TRAINER_GROUP, [d.entry_id])
     await http.close()
@@ -234,16 +259,25 @@ async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n
     upstream = [turn.latency_s for t in ok for turn in t.turns]
     overhead = [lat[int(t.metrics["i"])][k] - t.turns[k].latency_s for t in ok for k in range(TURNS)]
     breaks = sum(t.metrics.get("prefix_breaks", 0) for t in got_t)
-    return {"errors": n - len(ok) + int(breaks), "calls": len(client), "wall_s": wall, "client_s": client,
-            "upstream_s": upstream, "overhead_s": overhead, "rss_before_kb": rss_before, "rss_open_kb": rss_open}
+    return {
+        "errors": n - len(ok) + int(breaks),
+        "calls": len(client),
+        "wall_s": wall,
+        "client_s": client,
+        "upstream_s": upstream,
+        "overhead_s": overhead,
+        "rss_before_kb": rss_before,
+        "rss_open_kb": rss_open,
+    }
 
 
 async def direct_round(url: str, n: int) -> dict[str, Any]:
     """The same conversations straight to the generator, token history carried by the client."""
     http, decoder = _client(n)
     t0 = time.perf_counter()
-    results = await asyncio.gather(*[_conversation(http, f"{url}/v1", i, direct=True, decoder=decoder)
-                                     for i in range(n)])
+    results = await asyncio.gather(
+        *[_conversation(http, f"{url}/v1", i, direct=True, decoder=decoder) for i in range(n)]
+    )
     wall = time.perf_counter() - t0
     await http.close()
     lat = [x for r in results if r for x in r]
@@ -278,9 +312,24 @@ def gateway_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any
     gen = GeneratorProcess(config, free_port(), work / "generator.log")
     gw_port = free_port()
     gw_log = open(work / "gateway.log", "wb")
-    gateway = subprocess.Popen([sys.executable, "-m", "streamrl.bench_gateway", "serve-gateway", "--config", str(config),
-                                "--port", str(gw_port), "--worker-id", "gw-bench"],
-                               cwd=ROOT, stdout=gw_log, stderr=subprocess.STDOUT, start_new_session=True)
+    gateway = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamrl.bench_gateway",
+            "serve-gateway",
+            "--config",
+            str(config),
+            "--port",
+            str(gw_port),
+            "--worker-id",
+            "gw-bench",
+        ],
+        cwd=ROOT,
+        stdout=gw_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     async def run() -> dict[str, Any]:
         async with aiohttp.ClientSession() as http:
@@ -312,12 +361,20 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], machine: str) -> dict[str
     proxy, direct = rounds["proxy"], rounds["direct"]
     per_session_kb = [(r["rss_open_kb"] - r["rss_before_kb"]) / SESSIONS for r in proxy if r["rss_open_kb"]]
     return {
-        "date": time.strftime("%Y-%m-%d"), "machine": machine, "sessions": SESSIONS, "turns": TURNS,
-        "max_tokens": MAX_TOKENS, "rounds": len(proxy),
-        "errors_proxy": sum(r["errors"] for r in proxy), "errors_direct": sum(r["errors"] for r in direct),
-        "calls_proxy": sum(r["calls"] for r in proxy), "calls_direct": sum(r["calls"] for r in direct),
-        "latency": {side: {"p50": _pct(flat(side, "client_s"), 0.5), "p99": _pct(flat(side, "client_s"), 0.99)}
-                    for side in ("proxy", "direct")},
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine,
+        "sessions": SESSIONS,
+        "turns": TURNS,
+        "max_tokens": MAX_TOKENS,
+        "rounds": len(proxy),
+        "errors_proxy": sum(r["errors"] for r in proxy),
+        "errors_direct": sum(r["errors"] for r in direct),
+        "calls_proxy": sum(r["calls"] for r in proxy),
+        "calls_direct": sum(r["calls"] for r in direct),
+        "latency": {
+            side: {"p50": _pct(flat(side, "client_s"), 0.5), "p99": _pct(flat(side, "client_s"), 0.99)}
+            for side in ("proxy", "direct")
+        },
         "overhead": {"p50": _pct(flat("proxy", "overhead_s"), 0.5), "p99": _pct(flat("proxy", "overhead_s"), 0.99)},
         "wall_s": {side: statistics.median(r["wall_s"] for r in rounds[side]) for side in ("proxy", "direct")},
         "memory_per_session_kb": statistics.median(per_session_kb) if per_session_kb else float("nan"),

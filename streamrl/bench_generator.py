@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from streamrl.bench_throughput import MAX_TOKENS, ROUNDS_PER_BLOCK, BLOCKS, make_requests, throughput
+from streamrl.bench_throughput import BLOCKS, MAX_TOKENS, ROUNDS_PER_BLOCK, make_requests, throughput
 from streamrl.bench_throughput import words as words_of
 
 if TYPE_CHECKING:
@@ -103,8 +103,17 @@ class GeneratorProcess:
     def __init__(self, config: Path, port: int, log_path: Path) -> None:
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "services.generator", "--config", str(config), "--port", str(port),
-               "--worker-id", "gen-bench"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.generator",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--worker-id",
+            "gen-bench",
+        ]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -147,7 +156,10 @@ def conversation(renderer: ChatRenderer, turns: int, words: int) -> tuple[list[C
     rng = random.Random(turns)
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant. " + words_of(rng, words)}]
     for _ in range(turns):
-        msgs += [{"role": "user", "content": words_of(rng, words)}, {"role": "assistant", "content": words_of(rng, words)}]
+        msgs += [
+            {"role": "user", "content": words_of(rng, words)},
+            {"role": "assistant", "content": words_of(rng, words)},
+        ]
     msgs.append({"role": "user", "content": words_of(rng, words)})
     plain = msgspec.convert(msgs, list[ChatMessage])
     last = len(plain) - 2
@@ -179,8 +191,8 @@ def splice_benchmark(renderer: ChatRenderer) -> dict[str, dict[str, float]]:
         out[name] = {
             "turns": turns,
             "prompt_tokens": len(prompt.prompt_ids),
-            "spliced_us": _median_us(lambda: renderer.chat_prompt(spliced), repeats),
-            "plain_us": _median_us(lambda: renderer.chat_prompt(plain), repeats),
+            "spliced_us": _median_us(lambda msgs=spliced: renderer.chat_prompt(msgs), repeats),
+            "plain_us": _median_us(lambda msgs=plain: renderer.chat_prompt(msgs), repeats),
         }
     return out
 
@@ -188,7 +200,9 @@ def splice_benchmark(renderer: ChatRenderer) -> dict[str, dict[str, float]]:
 # -- 3. refit ----------------------------------------------------------------------------------
 
 
-async def refit_rounds(redis_url: str, run_id: str, gen: GeneratorProcess, versions: list[Path]) -> list[dict[str, float]]:
+async def refit_rounds(
+    redis_url: str, run_id: str, gen: GeneratorProcess, versions: list[Path]
+) -> list[dict[str, float]]:
     """Once ``gen`` is ready, publish versions 1..N one after another; seconds from publish to its ack."""
     import aiohttp
 
@@ -204,8 +218,9 @@ async def refit_rounds(redis_url: str, run_id: str, gen: GeneratorProcess, versi
     out = []
     try:
         for version, path in enumerate(versions, start=1):
-            ann = WeightAnnouncement(version=version, path=str(path.resolve()), checksum=checksum_dir(path),
-                                     num_bytes=dir_num_bytes(path))
+            ann = WeightAnnouncement(
+                version=version, path=str(path.resolve()), checksum=checksum_dir(path), num_bytes=dir_num_bytes(path)
+            )
             last = await redis.xrevrange(sc.keys.weight_acks, count=1)
             cursor = last[0][0].decode() if last else "0-0"
             t0 = time.perf_counter()
@@ -304,7 +319,8 @@ def render_section(g: dict[str, Any]) -> str:
     lines = [
         f"{HEADING} (tiny Qwen3, vLLM on CPU; `streamrl bench --only generator` refreshes this section alone)",
         "",
-        f"Measured on {g['date']} ({g['machine']}). HTTP: POST /v1/chat/completions on a `python -m services.generator` "
+        f"Measured on {g['date']} ({g['machine']}). HTTP: POST /v1/chat/completions on a "
+        "`python -m services.generator` "
         "process, sent with aiohttp. Raw: vLLM `AsyncLLM` in a process of its own with the same engine args, prompt "
         f"ids, seeds, sampling parameters and max_tokens ({g['max_tokens']}); one-message prompts of "
         f"{g['prompt_tokens']} tokens (short enough that no prefill is split into chunks: vLLM on CPU cannot rewind "
@@ -317,14 +333,18 @@ def render_section(g: dict[str, Any]) -> str:
         "end (raw), the generator's API process and the client (HTTP). The 1-minute load "
         f"average ranged {min(loads):.1f}-{max(loads):.1f} over the rounds.",
         "",
-        "| concurrent requests | raw AsyncLLM tokens/s | HTTP tokens/s | HTTP / raw (range over rounds) | tokens generated, raw / HTTP "
+        "| concurrent requests | raw AsyncLLM tokens/s | HTTP tokens/s | HTTP / raw (range over rounds) "
+        "| tokens generated, raw / HTTP "
         "(all rounds) | CPU ms per request: raw front end / HTTP server + client |",
         "|---|---|---|---|---|---|",
     ]
     for c, v in tp.items():
-        lines.append(f"| {c} | {v['raw_tok_s']:.0f} | {v['http_tok_s']:.0f} | {v['ratio']:.2f} ({v['ratio_min']:.2f}-{v['ratio_max']:.2f}) | "
-                     f"{v['raw_tokens']} / {v['http_tokens']} | {v['raw_frontend_cpu_ms_per_request']:.1f} / "
-                     f"{v['http_server_cpu_ms_per_request']:.1f} + {v['http_client_cpu_ms_per_request']:.1f} |")
+        lines.append(
+            f"| {c} | {v['raw_tok_s']:.0f} | {v['http_tok_s']:.0f} | "
+            f"{v['ratio']:.2f} ({v['ratio_min']:.2f}-{v['ratio_max']:.2f}) | "
+            f"{v['raw_tokens']} / {v['http_tokens']} | {v['raw_frontend_cpu_ms_per_request']:.1f} / "
+            f"{v['http_server_cpu_ms_per_request']:.1f} + {v['http_client_cpu_ms_per_request']:.1f} |"
+        )
     checked = [c for c in tp if int(c) >= 16]
     met = all(tp[c]["ratio"] >= TARGET_RATIO for c in checked)
     lines += [
@@ -337,9 +357,11 @@ def render_section(g: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, v in g["splice"].items():
-        lines.append(f"| {name}: {v['turns']} turns | {v['prompt_tokens']} | {v['spliced_us']:.0f} | "
-                     f"{v['plain_us']:.0f} | {v['spliced_us'] - v['plain_us']:.0f} | "
-                     f"{v['spliced_us'] / v['plain_us']:.2f} |")
+        lines.append(
+            f"| {name}: {v['turns']} turns | {v['prompt_tokens']} | {v['spliced_us']:.0f} | "
+            f"{v['plain_us']:.0f} | {v['spliced_us'] - v['plain_us']:.0f} | "
+            f"{v['spliced_us'] / v['plain_us']:.2f} |"
+        )
     r = g["refit"]
     lines += [
         "",

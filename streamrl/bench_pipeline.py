@@ -83,6 +83,12 @@ from shared.protocol import Heartbeat, Trajectory, WeightAck, WeightAnnouncement
 from shared.registry import HeartbeatTask, publish_heartbeat
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
+from streamrl.bench_pipeline_report import (
+    CONTENDED_OTHER_CPU,
+    CONTENDED_OVERSHOOT_S,
+    REAL_RUN_ATTEMPTS,
+    render_pipeline,
+)
 from streamrl.bench_schedule import (
     LAGS,
     MEASURE_FROM_STEP,
@@ -91,12 +97,6 @@ from streamrl.bench_schedule import (
     ideal_run,
     long_run_speedups,
     pipeline_figures,
-)
-from streamrl.bench_pipeline_report import (
-    CONTENDED_OTHER_CPU,
-    CONTENDED_OVERSHOOT_S,
-    REAL_RUN_ATTEMPTS,
-    render_pipeline,
 )
 from streamrl.redis_server import RedisServer
 
@@ -195,8 +195,15 @@ class SimGenerator:
         self.version = -1
 
     def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(worker_id=self.worker_id, kind="generator", url="http://generator.sim", pid=os.getpid(),
-                         host="sim", state="ready", weight_version=self.version)
+        return Heartbeat(
+            worker_id=self.worker_id,
+            kind="generator",
+            url="http://generator.sim",
+            pid=os.getpid(),
+            host="sim",
+            state="ready",
+            weight_version=self.version,
+        )
 
     async def run(self) -> None:
         keys = self.streams.keys
@@ -232,11 +239,19 @@ async def serve_gateways(cfg: RunConfig, scenario: Scenario, report: Path) -> No
             pool = GeneratorPool(redis, keys, refresh_s=0.0)
             proxy = SessionProxy(pool, http, request_timeout_s=gw.request_timeout_s)
             clients.append(redis)
-            workers.append(GatewayWorker(StreamClient(redis, keys, gateway_id), proxy, http,
-                                         session_base_url="http://gateway.sim",
-                                         max_concurrent=gw.max_concurrent_rollouts,
-                                         reclaim_idle_s=gw.reclaim_idle_s, max_turns=cfg.env.max_turns,
-                                         gateway_id=gateway_id, carry_mask_flag=cfg.env.should_mask_flagged_samples))
+            workers.append(
+                GatewayWorker(
+                    StreamClient(redis, keys, gateway_id),
+                    proxy,
+                    http,
+                    session_base_url="http://gateway.sim",
+                    max_concurrent=gw.max_concurrent_rollouts,
+                    reclaim_idle_s=gw.reclaim_idle_s,
+                    max_turns=cfg.env.max_turns,
+                    gateway_id=gateway_id,
+                    carry_mask_flag=cfg.env.should_mask_flagged_samples,
+                )
+            )
         try:
             await asyncio.gather(*(w.run() for w in workers))
         finally:
@@ -249,8 +264,11 @@ async def serve_gateways(cfg: RunConfig, scenario: Scenario, report: Path) -> No
     for w in workers:
         for reason, n in w.failed.items():
             failed[reason] += n
-    report.write_text(json.dumps({"peak_rollouts": env.peak, "rollouts_started": sum(env.started.values()),
-                                  "failed_rollouts": dict(failed)}))
+    report.write_text(
+        json.dumps(
+            {"peak_rollouts": env.peak, "rollouts_started": sum(env.started.values()), "failed_rollouts": dict(failed)}
+        )
+    )
 
 
 def serve(argv: list[str]) -> None:
@@ -265,8 +283,15 @@ def serve(argv: list[str]) -> None:
 
 
 def _spawn(role: str, work: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from streamrl.bench_pipeline import serve; serve(sys.argv[1:])", role,
-           str(work / "config.json"), str(work / "scenario.json"), str(work / f"{role}.report.json")]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from streamrl.bench_pipeline import serve; serve(sys.argv[1:])",
+        role,
+        str(work / "config.json"),
+        str(work / "scenario.json"),
+        str(work / f"{role}.report.json"),
+    ]
     with open(work / f"{role}.log", "wb") as log:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
@@ -281,8 +306,12 @@ def run_config(scenario: Scenario, lag: int, *, redis_url: str, run_id: str, wor
         "redis": {"url": redis_url},
         "data": {"train_path": str(data), "shuffle": False},
         "policy": {"model_name": "simulated"},
-        "grpo": {"num_prompts_per_step": scenario.num_prompts, "num_generations_per_prompt": scenario.group_size,
-                 "max_num_steps": scenario.steps, "async_grpo": {"max_trajectory_age_steps": lag}},
+        "grpo": {
+            "num_prompts_per_step": scenario.num_prompts,
+            "num_generations_per_prompt": scenario.group_size,
+            "max_num_steps": scenario.steps,
+            "async_grpo": {"max_trajectory_age_steps": lag},
+        },
         "env": {"name": ENV_NAME},
         "checkpointing": {"enabled": False},
         "logger": {"plot": False},
@@ -305,8 +334,9 @@ async def _train(cfg: RunConfig, train_s: float) -> tuple[SimTrainer, list[Traje
     return trainer, [decode(fields[K.ENTRY_FIELD], Trajectory) for _, fields in entries]
 
 
-def rollout_latencies(trajs: list[Trajectory], issued_at: dict[int, float],
-                      received_at: dict[str, float]) -> dict[str, float]:
+def rollout_latencies(
+    trajs: list[Trajectory], issued_at: dict[int, float], received_at: dict[str, float]
+) -> dict[str, float]:
     """Where a rollout's time goes outside its simulated duration, over the groups issued after
     start-up (the first issue, which meets the gateway still starting, is left out): pickup (task
     published -> the gateway starts the rollout), session open (-> the environment starts), delivery
@@ -323,10 +353,15 @@ def rollout_latencies(trajs: list[Trajectory], issued_at: dict[int, float],
         opening.append(t.metrics["sim_sleep_from"] - t.started_at)
         delivery.append(received_at[t.task_id] - t.finished_at)
         last_start[issued] = max(last_start[issued], t.metrics["sim_sleep_from"] - issued)
-    return {"pickup_mean_s": statistics.mean(pickup), "pickup_max_s": max(pickup),
-            "open_mean_s": statistics.mean(opening), "open_max_s": max(opening),
-            "delivery_mean_s": statistics.mean(delivery), "delivery_max_s": max(delivery),
-            "last_start_mean_s": statistics.mean(last_start.values())}
+    return {
+        "pickup_mean_s": statistics.mean(pickup),
+        "pickup_max_s": max(pickup),
+        "open_mean_s": statistics.mean(opening),
+        "open_max_s": max(opening),
+        "delivery_mean_s": statistics.mean(delivery),
+        "delivery_max_s": max(delivery),
+        "last_start_mean_s": statistics.mean(last_start.values()),
+    }
 
 
 _CLK = os.sysconf("SC_CLK_TCK")
@@ -379,7 +414,7 @@ def real_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pi
     records = [r for r in read_metrics(work / "out" / "metrics.jsonl") if r.get("kind") == "train"]
     measured = records[MEASURE_FROM_STEP + 1 :]
     starts, ends = [s for s, _ in trainer.backend.spans], [e for _, e in trainer.backend.spans]
-    gaps = [b - a for a, b in zip(ends[MEASURE_FROM_STEP:-1], starts[MEASURE_FROM_STEP + 1 :])]
+    gaps = [b - a for a, b in zip(ends[MEASURE_FROM_STEP:-1], starts[MEASURE_FROM_STEP + 1 :], strict=True)]
     return {
         **pipeline_figures(starts, ends),
         **gateway,
@@ -425,9 +460,15 @@ def packing_benchmark(case: PackingCase = PackingCase()) -> dict[str, Any]:
         padded.append(padding_efficiency(lengths, case.micro_batch_size))
         packs.append(len(p))
         lower.append(math.ceil(sum(lengths) / case.max_len))
-    return {"case": asdict(case), "packing_mean": statistics.mean(packed), "packing_min": min(packed),
-            "padding_mean": statistics.mean(padded), "padding_min": min(padded),
-            "packs_mean": statistics.mean(packs), "packs_lower_bound_mean": statistics.mean(lower)}
+    return {
+        "case": asdict(case),
+        "packing_mean": statistics.mean(packed),
+        "packing_min": min(packed),
+        "padding_mean": statistics.mean(padded),
+        "padding_min": min(padded),
+        "packs_mean": statistics.mean(packs),
+        "packs_lower_bound_mean": statistics.mean(lower),
+    }
 
 
 # -- the whole section -----------------------------------------------------------------------------
@@ -435,8 +476,12 @@ def packing_benchmark(case: PackingCase = PackingCase()) -> dict[str, Any]:
 
 def scenario_facts(s: Scenario) -> dict[str, Any]:
     draws = [d for p in range(200) for d in s.durations(p, 0)]
-    return {**asdict(s), "rollout_median_s": s.rollout_median_s, "p99_over_p50": s.p99_over_p50,
-            "sampled_p99_over_p50": float(np.quantile(draws, 0.99) / np.quantile(draws, 0.5))}
+    return {
+        **asdict(s),
+        "rollout_median_s": s.rollout_median_s,
+        "p99_over_p50": s.p99_over_p50,
+        "sampled_p99_over_p50": float(np.quantile(draws, 0.99) / np.quantile(draws, 0.5)),
+    }
 
 
 def measured_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pid: int | None) -> dict[str, Any]:
@@ -456,8 +501,11 @@ def _contended(run: dict[str, Any]) -> bool:
     return run["max_train_overshoot_s"] > CONTENDED_OVERSHOOT_S or run["other_cpu_cores"] > CONTENDED_OTHER_CPU
 
 
-def run_pipeline_benchmark(work_dir: Path = Path("runs/bench/pipeline"), redis_url: str | None = None,
-                           scenarios: tuple[Scenario, ...] = SCENARIOS) -> dict[str, Any]:
+def run_pipeline_benchmark(
+    work_dir: Path = Path("runs/bench/pipeline"),
+    redis_url: str | None = None,
+    scenarios: tuple[Scenario, ...] = SCENARIOS,
+) -> dict[str, Any]:
     """Every scenario at every lag, real and ideal, plus the packing figures. Starts its own
     Valkey unless ``redis_url`` is given."""
     server = None
@@ -468,8 +516,10 @@ def run_pipeline_benchmark(work_dir: Path = Path("runs/bench/pipeline"), redis_u
     out: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "measure_from_step": MEASURE_FROM_STEP, "gateway_workers": GATEWAY_WORKERS,
-        "gateway_slots_per_worker": RunConfig().gym_gateway.max_concurrent_rollouts, "scenarios": {},
+        "measure_from_step": MEASURE_FROM_STEP,
+        "gateway_workers": GATEWAY_WORKERS,
+        "gateway_slots_per_worker": RunConfig().gym_gateway.max_concurrent_rollouts,
+        "scenarios": {},
     }
     try:
         for s in scenarios:
@@ -478,8 +528,11 @@ def run_pipeline_benchmark(work_dir: Path = Path("runs/bench/pipeline"), redis_u
                 real = measured_run(s, lag, redis_url, work_dir / f"{s.name}-lag{lag}", server and server.proc.pid)
                 runs[str(lag)] = {"real": real, "ideal": ideal_run(s, lag)}
             long_run = long_run_speedups(s)
-            out["scenarios"][s.name] = {"facts": scenario_facts(s), "runs": runs,
-                                        "long_run_ideal_speedup": {str(k): v for k, v in long_run.items()}}
+            out["scenarios"][s.name] = {
+                "facts": scenario_facts(s),
+                "runs": runs,
+                "long_run_ideal_speedup": {str(k): v for k, v in long_run.items()},
+            }
     finally:
         if server is not None:
             server.stop()

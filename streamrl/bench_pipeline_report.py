@@ -25,15 +25,30 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool]]:
     for name, sc in results["scenarios"].items():
         for lag, r in sc["runs"].items():
             eff = r["real"]["steps_per_hour"] / r["ideal"]["steps_per_hour"]
-            rows.append((f"{name}, lag {lag}: real >= {EFFICIENCY_TARGET:.0%} of the ideal schedule's steps/hour",
-                         f"{eff:.1%}", eff >= EFFICIENCY_TARGET))
+            rows.append(
+                (
+                    f"{name}, lag {lag}: real >= {EFFICIENCY_TARGET:.0%} of the ideal schedule's steps/hour",
+                    f"{eff:.1%}",
+                    eff >= EFFICIENCY_TARGET,
+                )
+            )
         f = sc["facts"]
         real, ideal = _speedup(sc["runs"], f["target_lag"], "real"), _speedup(sc["runs"], f["target_lag"], "ideal")
-        rows.append((f"{name}: lag {f['target_lag']} >= {f['target_speedup']}x synchronous",
-                     f"real {real:.2f}x (ideal {ideal:.2f}x)", real >= f["target_speedup"]))
+        rows.append(
+            (
+                f"{name}: lag {f['target_lag']} >= {f['target_speedup']}x synchronous",
+                f"real {real:.2f}x (ideal {ideal:.2f}x)",
+                real >= f["target_speedup"],
+            )
+        )
     p = results["packing"]
-    rows.append((f"packing efficiency >= {PACKING_TARGET:.0%}", f"{p['packing_mean']:.1%} (min {p['packing_min']:.1%})",
-                 p["packing_min"] >= PACKING_TARGET))
+    rows.append(
+        (
+            f"packing efficiency >= {PACKING_TARGET:.0%}",
+            f"{p['packing_mean']:.1%} (min {p['packing_min']:.1%})",
+            p["packing_min"] >= PACKING_TARGET,
+        )
+    )
     return rows
 
 
@@ -64,9 +79,11 @@ def render_pipeline(results: dict[str, Any]) -> str:
     ]
     for name, sc in results["scenarios"].items():
         f = sc["facts"]
-        lines.append(f"| {name}: {f['description']} | median {f['rollout_median_s']:.3f} s, sigma {f['sigma']} | "
-                     f"{f['p99_over_p50']:.1f} ({f['sampled_p99_over_p50']:.1f}) | {f['makespan_over_train']} | "
-                     f"{f['train_s']} | {f['steps']} |")
+        lines.append(
+            f"| {name}: {f['description']} | median {f['rollout_median_s']:.3f} s, sigma {f['sigma']} | "
+            f"{f['p99_over_p50']:.1f} ({f['sampled_p99_over_p50']:.1f}) | {f['makespan_over_train']} | "
+            f"{f['train_s']} | {f['steps']} |"
+        )
     lines += [
         "",
         "| scenario | lag | steps/hour real | steps/hour ideal | real / ideal | busy real | busy ideal | "
@@ -123,8 +140,10 @@ def render_pipeline(results: dict[str, Any]) -> str:
     for name, sc in results["scenarios"].items():
         for lag, r in sc["runs"].items():
             re_ = r["real"]
-            lines.append(f"| {name} | {lag} | {re_['attempts']} | {re_['max_train_overshoot_s'] * 1000:.1f} | "
-                         f"{re_['other_cpu_cores']:.2f} | {re_['run_wall_s']:.0f} |")
+            lines.append(
+                f"| {name} | {lag} | {re_['attempts']} | {re_['max_train_overshoot_s'] * 1000:.1f} | "
+                f"{re_['other_cpu_cores']:.2f} | {re_['run_wall_s']:.0f} |"
+            )
     p = results["packing"]
     c = p["case"]
     lines += [

@@ -75,14 +75,28 @@ SCENARIOS = (
     Scenario(
         name="balanced",
         description="median step makespan = training time",
-        sigma=1.0, makespan_over_train=1.0, train_s=1.0, num_prompts=8, group_size=8, steps=24, seed=1,
-        target_lag=1, target_speedup=1.9,
+        sigma=1.0,
+        makespan_over_train=1.0,
+        train_s=1.0,
+        num_prompts=8,
+        group_size=8,
+        steps=24,
+        seed=1,
+        target_lag=1,
+        target_speedup=1.9,
     ),
     Scenario(
         name="heavy-tailed",
         description="training short against the generation tail: median step makespan = 2.5 x training time",
-        sigma=1.0, makespan_over_train=2.5, train_s=1.0, num_prompts=8, group_size=8, steps=24, seed=2,
-        target_lag=2, target_speedup=2.8,
+        sigma=1.0,
+        makespan_over_train=2.5,
+        train_s=1.0,
+        num_prompts=8,
+        group_size=8,
+        steps=24,
+        seed=2,
+        target_lag=2,
+        target_speedup=2.8,
     ),
 )
 
@@ -108,8 +122,16 @@ class _SimGroup:
 class _IdealPipeline:
     """Zero-overhead replay of the trainer's scheduling policy; see the module docstring."""
 
-    def __init__(self, makespan: Callable[[int, int], float], *, num_prompts: int, lag: int, train_s: float,
-                 steps: int, dataset_size: int) -> None:
+    def __init__(
+        self,
+        makespan: Callable[[int, int], float],
+        *,
+        num_prompts: int,
+        lag: int,
+        train_s: float,
+        steps: int,
+        dataset_size: int,
+    ) -> None:
         self.makespan = makespan
         self.n, self.lag, self.train_s, self.steps = num_prompts, lag, train_s, steps
         self.dataset_size = dataset_size
@@ -203,40 +225,61 @@ class _IdealPipeline:
         return Schedule(starts, ends, self.issued, self.evicted)
 
 
-def simulate_schedule(makespan: Callable[[int, int], float], *, num_prompts: int, lag: int, train_s: float,
-                      steps: int, dataset_size: int) -> Schedule:
+def simulate_schedule(
+    makespan: Callable[[int, int], float], *, num_prompts: int, lag: int, train_s: float, steps: int, dataset_size: int
+) -> Schedule:
     """The trainer's scheduling policy replayed at zero overhead for these group makespans (prompt,
     attempt -> seconds from issue until the group's last rollout ends)."""
-    return _IdealPipeline(makespan, num_prompts=num_prompts, lag=lag, train_s=train_s, steps=steps,
-                          dataset_size=dataset_size).run()
+    return _IdealPipeline(
+        makespan, num_prompts=num_prompts, lag=lag, train_s=train_s, steps=steps, dataset_size=dataset_size
+    ).run()
 
 
-def pipeline_figures(train_start: list[float], train_end: list[float], *,
-                     from_step: int = MEASURE_FROM_STEP) -> dict[str, float]:
+def pipeline_figures(
+    train_start: list[float], train_end: list[float], *, from_step: int = MEASURE_FROM_STEP
+) -> dict[str, float]:
     """Steps per hour and busy fraction from the end of training of ``from_step`` to the end of the last step."""
     window = train_end[-1] - train_end[from_step]
-    busy = sum(e - s for s, e in zip(train_start[from_step + 1 :], train_end[from_step + 1 :]))
+    busy = sum(e - s for s, e in zip(train_start[from_step + 1 :], train_end[from_step + 1 :], strict=True))
     steps = len(train_end) - 1 - from_step
-    return {"steps_per_hour": steps / window * 3600.0, "busy_fraction": busy / window, "window_s": window,
-            "measured_steps": float(steps)}
+    return {
+        "steps_per_hour": steps / window * 3600.0,
+        "busy_fraction": busy / window,
+        "window_s": window,
+        "measured_steps": float(steps),
+    }
 
 
 def ideal_run(scenario: Scenario, lag: int, *, steps: int | None = None, seed: int | None = None) -> dict[str, Any]:
     """The figures of the ideal schedule for a scenario (optionally over other steps or another seed)."""
     s = scenario if seed is None else dataclasses.replace(scenario, seed=seed)
-    sched = simulate_schedule(s.group_makespan, num_prompts=s.num_prompts, lag=lag, train_s=s.train_s,
-                              steps=steps or s.steps, dataset_size=s.dataset_size)
-    gaps = [b - a for a, b in zip(sched.train_end[MEASURE_FROM_STEP:-1], sched.train_start[MEASURE_FROM_STEP + 1 :])]
-    return {**pipeline_figures(sched.train_start, sched.train_end), "issued_groups": sched.issued_groups,
-            "evicted_groups": sched.evicted_groups, "mean_gap_s": statistics.mean(gaps)}
+    sched = simulate_schedule(
+        s.group_makespan,
+        num_prompts=s.num_prompts,
+        lag=lag,
+        train_s=s.train_s,
+        steps=steps or s.steps,
+        dataset_size=s.dataset_size,
+    )
+    gaps = [
+        b - a
+        for a, b in zip(sched.train_end[MEASURE_FROM_STEP:-1], sched.train_start[MEASURE_FROM_STEP + 1 :], strict=True)
+    ]
+    return {
+        **pipeline_figures(sched.train_start, sched.train_end),
+        "issued_groups": sched.issued_groups,
+        "evicted_groups": sched.evicted_groups,
+        "mean_gap_s": statistics.mean(gaps),
+    }
 
 
 def long_run_speedups(scenario: Scenario) -> dict[int, float]:
     """Ideal steps/hour over synchronous for each lag over LONG_RUN_STEPS steps, averaged over seeds."""
     out: dict[int, list[float]] = defaultdict(list)
     for seed in range(LONG_RUN_SEEDS):
-        rates = {lag: ideal_run(scenario, lag, steps=LONG_RUN_STEPS, seed=1000 + seed)["steps_per_hour"]
-                 for lag in LAGS}
+        rates = {
+            lag: ideal_run(scenario, lag, steps=LONG_RUN_STEPS, seed=1000 + seed)["steps_per_hour"] for lag in LAGS
+        }
         for lag in LAGS:
             out[lag].append(rates[lag] / rates[0])
     return {lag: statistics.mean(v) for lag, v in out.items()}

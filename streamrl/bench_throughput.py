@@ -103,12 +103,15 @@ def check_no_chunked_prefill(requests: list[BenchRequest], concurrency: int, max
     dies ("CPU Generator does not use offset"). The bench sends seeds, so every step must fit."""
     worst = concurrency * (max(len(r.prompt_ids) for r in requests) + 1)
     if worst > max_batched_tokens:
-        raise ValueError(f"{concurrency} prompts of up to {worst // concurrency - 1} tokens may exceed the "
-                         f"engine's {max_batched_tokens} tokens per step and be prefilled in chunks")
+        raise ValueError(
+            f"{concurrency} prompts of up to {worst // concurrency - 1} tokens may exceed the "
+            f"engine's {max_batched_tokens} tokens per step and be prefilled in chunks"
+        )
 
 
-async def closed_loop(requests: list[BenchRequest], concurrency: int,
-                      one: Callable[[BenchRequest], Awaitable[int]]) -> tuple[int, float]:
+async def closed_loop(
+    requests: list[BenchRequest], concurrency: int, one: Callable[[BenchRequest], Awaitable[int]]
+) -> tuple[int, float]:
     """``concurrency`` workers send ``requests`` back to back; (generated tokens, seconds)."""
     it: Iterator[BenchRequest] = iter(requests)
     total = 0
@@ -150,12 +153,20 @@ class RawEngine:
 
         TokensPrompt = vllm_request_types()[2]  # imported as the served engine imports it
         gen = self._cfg.policy.generation
-        params = GenerationParams(temperature=gen.temperature, top_p=gen.top_p, max_tokens=MAX_TOKENS, n=1,
-                                  seed=req.seed, stop_token_ids=self._stops, top_logprobs=0)
+        params = GenerationParams(
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            max_tokens=MAX_TOKENS,
+            n=1,
+            seed=req.seed,
+            stop_token_ids=self._stops,
+            top_logprobs=0,
+        )
         sp = self._served._sampling_params(params)
         tokens = 0
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_ids), sp,
-                                           request_id=f"raw-{uuid.uuid4().hex}"):
+        async for out in self.llm.generate(
+            TokensPrompt(prompt_token_ids=req.prompt_ids), sp, request_id=f"raw-{uuid.uuid4().hex}"
+        ):
             tokens = sum(len(c.token_ids) for c in out.outputs)
         return tokens
 
@@ -185,8 +196,17 @@ async def _raw_block(config: Path) -> dict[str, Any]:
             check_no_chunked_prefill(reqs, c, budget)
             cpu0 = time.process_time()
             tokens, seconds = await closed_loop(reqs, c, raw.one)
-            rounds.append({"round": rnd, "concurrency": c, "requests": len(reqs), "tokens": tokens,
-                           "seconds": seconds, "cpu_s": time.process_time() - cpu0, "load_avg": os.getloadavg()[0]})
+            rounds.append(
+                {
+                    "round": rnd,
+                    "concurrency": c,
+                    "requests": len(reqs),
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "cpu_s": time.process_time() - cpu0,
+                    "load_avg": os.getloadavg()[0],
+                }
+            )
         return {"rounds": rounds}
     finally:
         await raw.aclose()
@@ -196,8 +216,15 @@ def run_raw_block(config: Path, out: Path, log_path: Path, timeout_s: float = 90
     """One raw block in a fresh ``python -m streamrl.bench_throughput`` process; its rounds."""
     cmd = [sys.executable, "-m", "streamrl.bench_throughput", str(config), str(out)]
     with open(log_path, "ab") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            check=False,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"raw engine block exited with {proc.returncode}; see {log_path}")
     return json.loads(out.read_text())["rounds"]
@@ -213,8 +240,7 @@ async def http_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, 
     from shared.openai_api import ChatCompletionResponse
 
     body = msgspec.json.encode({"messages": req.messages, "max_tokens": MAX_TOKENS, "seed": req.seed})
-    async with session.post(f"{url}/v1/chat/completions", data=body,
-                            headers={"content-type": "application/json"}) as r:
+    async with session.post(f"{url}/v1/chat/completions", data=body, headers={"content-type": "application/json"}) as r:
         raw = await r.read()
         if r.status != 200:
             raise RuntimeError(f"generator answered {r.status}: {raw[:500]!r}")
@@ -230,8 +256,9 @@ async def _http_block(renderer: ChatRenderer, start: Callable[[], GeneratorProce
 
     gen = start()
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)
+        ) as session:
             await gen.wait_ready(session)
             server = psutil.Process(gen.proc.pid)
 
@@ -246,9 +273,18 @@ async def _http_block(renderer: ChatRenderer, start: Callable[[], GeneratorProce
                 reqs = make_requests(renderer, request_count(c), seed)
                 cpu0, srv0 = time.process_time(), server_cpu()
                 tokens, seconds = await closed_loop(reqs, c, lambda r: http_one(session, gen.url, r))
-                rounds.append({"round": rnd, "concurrency": c, "requests": len(reqs), "tokens": tokens,
-                               "seconds": seconds, "client_cpu_s": time.process_time() - cpu0,
-                               "server_cpu_s": server_cpu() - srv0, "load_avg": os.getloadavg()[0]})
+                rounds.append(
+                    {
+                        "round": rnd,
+                        "concurrency": c,
+                        "requests": len(reqs),
+                        "tokens": tokens,
+                        "seconds": seconds,
+                        "client_cpu_s": time.process_time() - cpu0,
+                        "server_cpu_s": server_cpu() - srv0,
+                        "load_avg": os.getloadavg()[0],
+                    }
+                )
             return rounds
     finally:
         gen.stop()
@@ -260,16 +296,25 @@ def pair_rounds(raw: list[dict[str, Any]], http: list[dict[str, Any]]) -> dict[i
     rows: dict[int, list[dict[str, float]]] = {}
     for h in http:
         r = by_key[(h["round"], h["concurrency"])]
-        rows.setdefault(h["concurrency"], []).append({
-            "requests": h["requests"], "raw_tokens": r["tokens"], "raw_s": r["seconds"], "http_tokens": h["tokens"],
-            "http_s": h["seconds"], "raw_frontend_cpu_s": r["cpu_s"], "http_client_cpu_s": h["client_cpu_s"],
-            "http_server_cpu_s": h["server_cpu_s"], "load_avg": max(r["load_avg"], h["load_avg"]),
-        })
+        rows.setdefault(h["concurrency"], []).append(
+            {
+                "requests": h["requests"],
+                "raw_tokens": r["tokens"],
+                "raw_s": r["seconds"],
+                "http_tokens": h["tokens"],
+                "http_s": h["seconds"],
+                "raw_frontend_cpu_s": r["cpu_s"],
+                "http_client_cpu_s": h["client_cpu_s"],
+                "http_server_cpu_s": h["server_cpu_s"],
+                "load_avg": max(r["load_avg"], h["load_avg"]),
+            }
+        )
     return rows
 
 
-def throughput(config: Path, renderer: ChatRenderer, start_generator: Callable[[], GeneratorProcess],
-               work: Path) -> dict[str, dict[str, Any]]:
+def throughput(
+    config: Path, renderer: ChatRenderer, start_generator: Callable[[], GeneratorProcess], work: Path
+) -> dict[str, dict[str, Any]]:
     """``BLOCKS`` block pairs, raw and HTTP alternating in ABBA order; medians per concurrency."""
     from services.generator.app import freeze_startup_heap
 
@@ -277,7 +322,7 @@ def throughput(config: Path, renderer: ChatRenderer, start_generator: Callable[[
     rows: dict[int, list[dict[str, float]]] = {c: [] for c in CONCURRENCY}
     for block in range(BLOCKS):
         sides: dict[str, list[dict[str, Any]]] = {}
-        for side in (("raw", "http") if block % 2 == 0 else ("http", "raw")):
+        for side in ("raw", "http") if block % 2 == 0 else ("http", "raw"):
             if side == "raw":
                 sides[side] = run_raw_block(config, work / f"raw-{block}.json", work / "raw-engine.log")
             else:
@@ -300,8 +345,10 @@ def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
         "ratio_max": max(ratios),
         "raw_tokens": sum(r["raw_tokens"] for r in rounds),
         "http_tokens": sum(r["http_tokens"] for r in rounds),
-        **{f"{k[:-2]}_ms_per_request": statistics.median(1e3 * r[k] / r["requests"] for r in rounds)
-           for k in ("raw_frontend_cpu_s", "http_server_cpu_s", "http_client_cpu_s")},
+        **{
+            f"{k[:-2]}_ms_per_request": statistics.median(1e3 * r[k] / r["requests"] for r in rounds)
+            for k in ("raw_frontend_cpu_s", "http_server_cpu_s", "http_client_cpu_s")
+        },
         "rounds": rounds,
     }
 

@@ -22,7 +22,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -41,8 +40,11 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def up(ctx: typer.Context, config: Path = typer.Argument(..., help="run config YAML"),
-       no_progress: bool = typer.Option(False, help="no live display")) -> None:
+def up(
+    ctx: typer.Context,
+    config: Path = typer.Argument(..., help="run config YAML"),
+    no_progress: bool = typer.Option(False, help="no live display"),
+) -> None:
     """Run generator(s), gateway worker(s) and the trainer on this machine until the run ends."""
     from shared.config import ConfigError
     from streamrl.supervisor import JobFailed, Supervisor
@@ -74,7 +76,7 @@ def demo(
     raise typer.Exit(run_demo(out, steps=steps, progress=not no_progress))
 
 
-def _trainer_url(url: Optional[str], run_dir: Optional[Path]) -> str:
+def _trainer_url(url: str | None, run_dir: Path | None) -> str:
     if url:
         return url.rstrip("/")
     if os.environ.get("STREAMRL_TRAINER_URL"):
@@ -86,7 +88,7 @@ def _trainer_url(url: Optional[str], run_dir: Optional[Path]) -> str:
     return "http://127.0.0.1:8300"
 
 
-def _call(method: str, path: str, url: Optional[str], run_dir: Optional[Path], body: Optional[dict] = None) -> dict:
+def _call(method: str, path: str, url: str | None, run_dir: Path | None, body: dict | None = None) -> dict:
     import httpx
 
     from shared.auth import client_headers, load_api_token
@@ -112,10 +114,12 @@ RUN_DIR = typer.Option(None, "--run-dir", help="output folder of a `streamrl up`
 
 @app.command()
 def status(
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Redis of the run (default: REDIS_URL, then run.json)"),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="run id (default: run.json, or the only run in Redis)"),
-    run_dir: Optional[Path] = RUN_DIR,
-    url: Optional[str] = URL,
+    redis_url: str | None = typer.Option(
+        None, "--redis-url", help="Redis of the run (default: REDIS_URL, then run.json)"
+    ),
+    run_id: str | None = typer.Option(None, "--run-id", help="run id (default: run.json, or the only run in Redis)"),
+    run_dir: Path | None = RUN_DIR,
+    url: str | None = URL,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Services (state, weight version, in flight, heartbeat age), queues and the step, from Redis
@@ -132,8 +136,10 @@ def status(
 
 
 @app.command()
-def report(run_dir: Path = typer.Argument(..., help="output folder of a run (holds metrics.jsonl)"),
-           out: Optional[Path] = typer.Option(None, help="folder for the PNG files (default: RUN_DIR/report)")) -> None:
+def report(
+    run_dir: Path = typer.Argument(..., help="output folder of a run (holds metrics.jsonl)"),
+    out: Path | None = typer.Option(None, help="folder for the PNG files (default: RUN_DIR/report)"),
+) -> None:
     """Plot reward, validation, staleness and timing curves of a run to PNG files."""
     from streamrl.report import ReportError, build_report
 
@@ -148,22 +154,28 @@ def report(run_dir: Path = typer.Argument(..., help="output folder of a run (hol
 
 
 @app.command()
-def pause(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR) -> None:
+def pause(url: str | None = URL, run_dir: Path | None = RUN_DIR) -> None:
     """Stop launching rollouts and stop training at the next step boundary."""
     typer.echo(json.dumps(_call("POST", "/pause", url, run_dir)))
 
 
 @app.command()
-def resume(epoch: Optional[int] = typer.Option(None, help="the pause epoch to end"),
-           url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR) -> None:
+def resume(
+    epoch: int | None = typer.Option(None, help="the pause epoch to end"),
+    url: str | None = URL,
+    run_dir: Path | None = RUN_DIR,
+) -> None:
     """End a pause (the active one, or the one with --epoch)."""
     typer.echo(json.dumps(_call("POST", "/resume", url, run_dir, {"epoch": epoch} if epoch is not None else {})))
 
 
 @app.command()
-def validate(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR,
-             wait: bool = typer.Option(False, "--wait", help="wait for the result and print it"),
-             timeout: float = typer.Option(3600.0, help="seconds to wait with --wait")) -> None:
+def validate(
+    url: str | None = URL,
+    run_dir: Path | None = RUN_DIR,
+    wait: bool = typer.Option(False, "--wait", help="wait for the result and print it"),
+    timeout: float = typer.Option(3600.0, help="seconds to wait with --wait"),
+) -> None:
     """Run a validation at the next step boundary (its result: GET /validations/<id>)."""
     queued = _call("POST", "/validate", url, run_dir)
     if not wait:
@@ -184,30 +196,44 @@ def validate(url: Optional[str] = URL, run_dir: Optional[Path] = RUN_DIR,
 
 @app.command(name="scale")
 def scale_cmd(
-    targets: Optional[list[str]] = typer.Argument(None, help="SERVICE=COUNT, SERVICE: generator or gym-gateway"),
+    targets: list[str] | None = typer.Argument(None, help="SERVICE=COUNT, SERVICE: generator or gym-gateway"),
     backend: str = typer.Option("local", help="local (a `streamrl up` job), compose or k8s"),
-    run_dir: Optional[Path] = RUN_DIR,
-    redis_url: Optional[str] = typer.Option(None, help="local: the run's Redis (default REDIS_URL, else run.json)"),
+    run_dir: Path | None = RUN_DIR,
+    redis_url: str | None = typer.Option(None, help="local: the run's Redis (default REDIS_URL, else run.json)"),
     timeout: float = typer.Option(900.0, help="seconds to wait for new workers to be ready and removed ones gone"),
     show: bool = typer.Option(False, "--show", help="only print the current counts"),
     compose_file: Path = typer.Option(Path("docker-compose.yml"), help="compose: the project's compose file"),
-    project_name: Optional[str] = typer.Option(None, help="compose: project name (default: compose's own)"),
-    compose_bin: Optional[str] = typer.Option(None, help="compose: 'docker compose' or a docker-compose binary"),
-    namespace: Optional[str] = typer.Option(None, help="k8s: namespace (default: the kubeconfig context's, or in-cluster)"),
-    kubeconfig: Optional[str] = typer.Option(None, help="k8s: kubeconfig (default: in-cluster, else KUBECONFIG or ~/.kube/config)"),
-    context: Optional[str] = typer.Option(None, help="k8s: kubeconfig context"),
+    project_name: str | None = typer.Option(None, help="compose: project name (default: compose's own)"),
+    compose_bin: str | None = typer.Option(None, help="compose: 'docker compose' or a docker-compose binary"),
+    namespace: str | None = typer.Option(
+        None, help="k8s: namespace (default: the kubeconfig context's, or in-cluster)"
+    ),
+    kubeconfig: str | None = typer.Option(
+        None, help="k8s: kubeconfig (default: in-cluster, else KUBECONFIG or ~/.kube/config)"
+    ),
+    context: str | None = typer.Option(None, help="k8s: kubeconfig context"),
     selector: str = typer.Option("app.kubernetes.io/name=streamrl", help="k8s: labels of the run's Deployments"),
-    generator_deployment: Optional[str] = typer.Option(None, help="k8s: generator Deployment (default: found by label)"),
-    gateway_deployment: Optional[str] = typer.Option(None, help="k8s: gateway Deployment (default: found by label)"),
+    generator_deployment: str | None = typer.Option(None, help="k8s: generator Deployment (default: found by label)"),
+    gateway_deployment: str | None = typer.Option(None, help="k8s: gateway Deployment (default: found by label)"),
 ) -> None:
     """Scale a run's generators and gym-gateway workers; waits until new ones are ready and removed ones drained."""
     from streamrl.scale import ScaleError, make_backend, parse_targets
 
     deployments = {k: v for k, v in (("generator", generator_deployment), ("gym-gateway", gateway_deployment)) if v}
     try:
-        be = make_backend(backend, run_dir=run_dir or _find_run_dir(), redis_url=redis_url, compose_file=compose_file,
-                          project_name=project_name, compose_bin=compose_bin, namespace=namespace, kubeconfig=kubeconfig,
-                          context=context, selector=selector, deployments=deployments)
+        be = make_backend(
+            backend,
+            run_dir=run_dir or _find_run_dir(),
+            redis_url=redis_url,
+            compose_file=compose_file,
+            project_name=project_name,
+            compose_bin=compose_bin,
+            namespace=namespace,
+            kubeconfig=kubeconfig,
+            context=context,
+            selector=selector,
+            deployments=deployments,
+        )
         if show:
             typer.echo(", ".join(f"{k}: {v}" for k, v in be.counts().items()))
             return
@@ -278,7 +304,9 @@ def config_explain() -> None:
 @app.command()
 def bench(
     out: Path = typer.Option(Path("BENCHMARKS.md"), help="file to (re)write"),
-    only: Optional[str] = typer.Option(None, help="run one section and rewrite only it in OUT: generator, gateway or pipeline"),
+    only: str | None = typer.Option(
+        None, help="run one section and rewrite only it in OUT: generator, gateway or pipeline"
+    ),
 ) -> None:
     """Run the benchmarks and write their tables to BENCHMARKS.md."""
     from streamrl.bench import SECTIONS, run_benchmarks

@@ -41,7 +41,9 @@ def prepare(out: Path) -> Path:
         print(f"[1/4] tiny model found in {MODEL_DIR}", flush=True)
     env = CrossingEnv()
     data = out / "data"
-    write_jsonl(data / "train.jsonl", [{"env": "crossing", "instance": i} for i in env.make_instances(NUM_TRAIN, seed=1)])
+    write_jsonl(
+        data / "train.jsonl", [{"env": "crossing", "instance": i} for i in env.make_instances(NUM_TRAIN, seed=1)]
+    )
     write_jsonl(data / "val.jsonl", [{"env": "crossing", "instance": i} for i in env.make_instances(NUM_VAL, seed=2)])
     print(f"[2/4] datasets: {NUM_TRAIN} train / {NUM_VAL} validation crossing tasks in {data}", flush=True)
     policy = out / "policy-init"
@@ -102,11 +104,16 @@ def run_demo(out: Path, *, steps: int | None = None, progress: bool = True) -> i
     s["total_time_s"] = time.perf_counter() - t0
     (out / "summary.json").write_text(json.dumps(s, indent=2))
     if s.get("steps"):
-        print(f"\nreward: first 5 steps {s['first5_reward']:.3f} -> last 5 steps {s['last5_reward']:.3f} "
-              f"({s['improvement']:+.3f}); {s['trajectories_trained']} trajectories trained, "
-              f"{s['duplicate_ids']} trained twice; mean staleness {s['mean_staleness']:.2f}; "
-              f"total {s['total_time_s'] / 60:.1f} min")
+        print(
+            f"\nreward: first 5 steps {s['first5_reward']:.3f} -> last 5 steps {s['last5_reward']:.3f} "
+            f"({s['improvement']:+.3f}); {s['trajectories_trained']} trajectories trained, "
+            f"{s['duplicate_ids']} trained twice; mean staleness {s['mean_staleness']:.2f}; "
+            f"total {s['total_time_s'] / 60:.1f} min"
+        )
         if s["validation_accuracy"]:
-            print("validation accuracy (greedy): " + " -> ".join(f"step {st}: {a:.3f}" for st, a in s["validation_accuracy"]))
+            print(
+                "validation accuracy (greedy): "
+                + " -> ".join(f"step {st}: {a:.3f}" for st, a in s["validation_accuracy"])
+            )
         print(f"metrics: {out / 'metrics.jsonl'}  plot: {out / 'reward_curve.png'}  logs: {out / 'logs'}")
     return code

@@ -45,7 +45,7 @@ class Progress:
         self._live: Live | None = None
         self._headers = client_headers(load_api_token())  # /status is a control route
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.live_mode:
             self._live = Live(self._table(), console=self.console, refresh_per_second=2, transient=False)
             self._live.__enter__()
@@ -91,7 +91,9 @@ class Progress:
         t.add_column(style="bold cyan")
         t.add_column()
         step = s.get("step", 0)
-        t.add_row("step", f"{step}/{s.get('max_num_steps', self.cfg.grpo.max_num_steps)}  ({s.get('state', 'starting')})")
+        t.add_row(
+            "step", f"{step}/{s.get('max_num_steps', self.cfg.grpo.max_num_steps)}  ({s.get('state', 'starting')})"
+        )
         if self.rewards:
             t.add_row("reward", f"{self.rewards[-1]:.3f}  {sparkline(self.rewards[-40:])}")
         t.add_row("weight version", str(s.get("weight_version", "-")))
@@ -99,8 +101,11 @@ class Progress:
         t.add_row("in flight (target offset:groups)", _offsets(s.get("in_flight_groups", {}), step))
         if last:
             t.add_row("staleness (mean/max)", f"{last.get('staleness_mean', 0):.2f} / {last.get('staleness_max', 0)}")
-            t.add_row("step time: wait/train/refit",
-                      f"{last.get('time_wait_data_s', 0):.1f}s / {last.get('time_train_s', 0):.1f}s / {last.get('time_refit_s', 0):.2f}s")
+            t.add_row(
+                "step time: wait/train/refit",
+                f"{last.get('time_wait_data_s', 0):.1f}s / {last.get('time_train_s', 0):.1f}s / "
+                f"{last.get('time_refit_s', 0):.2f}s",
+            )
             t.add_row("loss / grad norm", f"{last.get('loss', 0):+.4f} / {last.get('grad_norm', 0):.3f}")
             t.add_row("trajectories/s", f"{last.get('trajectories_per_s', 0):.1f}")
         workers = s.get("workers", [])

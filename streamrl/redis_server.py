@@ -62,21 +62,31 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", str(self.data_dir),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
-            "--protected-mode", "yes",
-            "--logfile", str(self.data_dir / "server.log"),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(self.data_dir / "server.log"),
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis server exited with {self.proc.returncode}; see {self.data_dir / 'server.log'}")
+                raise RuntimeError(
+                    f"redis server exited with {self.proc.returncode}; see {self.data_dir / 'server.log'}"
+                )
             if self._ping():
                 log.info("redis server pid %d ready on port %d", self.proc.pid, self.port)
                 return

@@ -76,7 +76,13 @@ def plot_reward(train: list[Record], out: Path) -> Path | None:
     ax.plot(xs, ys, marker="o", ms=3, alpha=0.5, label="reward mean")
     if all("reward_std" in r for r in train):
         sd = [float(r["reward_std"]) for r in train]
-        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.12, label="+-1 std")
+        ax.fill_between(
+            xs,
+            [y - s for y, s in zip(ys, sd, strict=True)],
+            [y + s for y, s in zip(ys, sd, strict=True)],
+            alpha=0.12,
+            label="+-1 std",
+        )
     window = 5
     if len(ys) >= window:
         smooth = [sum(ys[i - window + 1 : i + 1]) / window for i in range(window - 1, len(ys))]
@@ -107,7 +113,7 @@ def plot_staleness(train: list[Record], out: Path) -> Path | None:
     for age in ages:
         counts = [float((r.get("staleness_counts") or {}).get(str(age), 0)) for r in train]
         ax.bar(xs, counts, bottom=bottom, width=0.8, label=f"age {age}")
-        bottom = [b + c for b, c in zip(bottom, counts)]
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
     right = ax.twinx()
     right.plot(xs, [float(r["staleness_mean"]) for r in train], color="black", lw=1.6, label="group mean")
     right.plot(xs, [float(r["staleness_max"]) for r in train], color="black", ls="--", lw=1.0, label="group max")
@@ -123,7 +129,9 @@ def plot_timing(train: list[Record], out: Path) -> Path | None:
     phases = [(k, label) for k, label in TIMING_PHASES if any(k in r for r in train)]
     if not train or not phases:
         return None
-    if not any(k.startswith("time_refit_") and k != "time_refit_s" for k, _ in phases) and any("time_refit_s" in r for r in train):
+    if not any(k.startswith("time_refit_") and k != "time_refit_s" for k, _ in phases) and any(
+        "time_refit_s" in r for r in train
+    ):
         phases.append(("time_refit_s", "refit"))  # records written before refit phases were split
     plt, fig, ax = _figure("time per step", "seconds")
     xs = [r["step"] for r in train]
@@ -131,7 +139,7 @@ def plot_timing(train: list[Record], out: Path) -> Path | None:
     for key, label in phases:
         values = [float(r.get(key, 0.0)) for r in train]
         ax.bar(xs, values, bottom=bottom, width=0.8, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     if all("time_step_s" in r for r in train):
         ax.plot(xs, [float(r["time_step_s"]) for r in train], color="black", lw=1.2, label="step total")
     return _save(plt, fig, ax, out)

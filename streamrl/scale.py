@@ -25,8 +25,14 @@ from typing import Protocol
 
 # Service names as in docker-compose.yml and the Kubernetes Deployments.
 SERVICES = ("generator", "gym-gateway")
-_ALIASES = {"generator": "generator", "generators": "generator", "gym-gateway": "gym-gateway",
-            "gym_gateway": "gym-gateway", "gateway": "gym-gateway", "gateways": "gym-gateway"}
+_ALIASES = {
+    "generator": "generator",
+    "generators": "generator",
+    "gym-gateway": "gym-gateway",
+    "gym_gateway": "gym-gateway",
+    "gateway": "gym-gateway",
+    "gateways": "gym-gateway",
+}
 
 
 class ScaleError(RuntimeError):
@@ -39,8 +45,11 @@ class ScaleResult:
     after: dict[str, int]
 
     def describe(self) -> str:
-        return ", ".join(f"{s}: {self.before.get(s, 0)} -> {self.after.get(s, 0)}"
-                         for s in SERVICES if s in self.before or s in self.after)
+        return ", ".join(
+            f"{s}: {self.before.get(s, 0)} -> {self.after.get(s, 0)}"
+            for s in SERVICES
+            if s in self.before or s in self.after
+        )
 
 
 class ScaleBackend(Protocol):
@@ -77,10 +86,20 @@ def parse_targets(args: Sequence[str]) -> dict[str, int]:
     return targets
 
 
-def make_backend(name: str, *, run_dir=None, redis_url: str | None = None, compose_file=None,
-                 project_name: str | None = None, compose_bin: str | None = None, namespace: str | None = None,
-                 kubeconfig: str | None = None, context: str | None = None, selector: str | None = None,
-                 deployments: dict[str, str] | None = None) -> ScaleBackend:
+def make_backend(
+    name: str,
+    *,
+    run_dir=None,
+    redis_url: str | None = None,
+    compose_file=None,
+    project_name: str | None = None,
+    compose_bin: str | None = None,
+    namespace: str | None = None,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    selector: str | None = None,
+    deployments: dict[str, str] | None = None,
+) -> ScaleBackend:
     """The backend ``name`` with its options (each backend ignores the others' options)."""
     if name == "local":
         from streamrl.scale_local import LocalBackend
@@ -93,6 +112,11 @@ def make_backend(name: str, *, run_dir=None, redis_url: str | None = None, compo
     if name == "k8s":
         from streamrl.scale_k8s import KubernetesBackend
 
-        return KubernetesBackend(namespace=namespace, kubeconfig=kubeconfig, context=context, selector=selector,
-                                 deployments=deployments or {})
+        return KubernetesBackend(
+            namespace=namespace,
+            kubeconfig=kubeconfig,
+            context=context,
+            selector=selector,
+            deployments=deployments or {},
+        )
     raise ScaleError(f"--backend must be local, compose or k8s, not {name!r}")

@@ -44,10 +44,11 @@ class DockerAPI:
     def __init__(self, docker_host: str | None = None) -> None:
         host = docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
         if host.startswith("unix://"):
-            self.http = httpx.Client(transport=httpx.HTTPTransport(uds=host[len("unix://"):]), base_url="http://docker",
-                                     timeout=30.0)
+            self.http = httpx.Client(
+                transport=httpx.HTTPTransport(uds=host[len("unix://") :]), base_url="http://docker", timeout=30.0
+            )
         elif host.startswith("tcp://"):
-            self.http = httpx.Client(base_url="http://" + host[len("tcp://"):], timeout=30.0)
+            self.http = httpx.Client(base_url="http://" + host[len("tcp://") :], timeout=30.0)
         else:
             raise ScaleError(f"DOCKER_HOST {host!r}: only unix:// and tcp:// (without TLS) are supported")
         self.host = host
@@ -98,8 +99,14 @@ def find_compose(explicit: str | None = None) -> list[str]:
 class ComposeBackend:
     name = "compose"
 
-    def __init__(self, compose_file: Path | str = "docker-compose.yml", *, project_name: str | None = None,
-                 compose_bin: str | None = None, docker_host: str | None = None) -> None:
+    def __init__(
+        self,
+        compose_file: Path | str = "docker-compose.yml",
+        *,
+        project_name: str | None = None,
+        compose_bin: str | None = None,
+        docker_host: str | None = None,
+    ) -> None:
         self.file = Path(compose_file)
         if not self.file.is_file():
             raise ScaleError(f"compose file {self.file} not found (--compose-file)")
@@ -110,8 +117,13 @@ class ComposeBackend:
     def _run(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
         cmd = [*self.compose, "-f", str(self.file), *args]
         try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ,
-                                  "DOCKER_HOST": self.docker.host})
+            return subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env={**os.environ, "DOCKER_HOST": self.docker.host},
+            )
         except subprocess.TimeoutExpired as exc:
             raise ScaleError(f"{' '.join(cmd)} did not finish within {timeout_s:.0f}s") from exc
 
@@ -139,8 +151,12 @@ class ComposeBackend:
             if all(len(cs) == targets[s] and all(_ready(c) for c in cs) for s, cs in state.items()):
                 return ScaleResult(before, {**before, **{s: len(cs) for s, cs in state.items()}})
             if time.monotonic() > deadline:
-                seen = ", ".join(f"{s}: {sum(_ready(c) for c in cs)} ready of {len(cs)} (want {targets[s]})"
-                                 for s, cs in state.items())
-                raise ScaleError(f"compose project {self.project!r} not scaled within {timeout_s:.0f}s: {seen}; "
-                                 f"compose said: {log[-1000:]}")
+                seen = ", ".join(
+                    f"{s}: {sum(_ready(c) for c in cs)} ready of {len(cs)} (want {targets[s]})"
+                    for s, cs in state.items()
+                )
+                raise ScaleError(
+                    f"compose project {self.project!r} not scaled within {timeout_s:.0f}s: {seen}; "
+                    f"compose said: {log[-1000:]}"
+                )
             time.sleep(POLL_S)

@@ -53,9 +53,16 @@ def _api_client(kubeconfig: str | None, context: str | None):
 class KubernetesBackend:
     name = "k8s"
 
-    def __init__(self, *, namespace: str | None = None, kubeconfig: str | None = None, context: str | None = None,
-                 selector: str | None = "app.kubernetes.io/name=streamrl", deployments: dict[str, str] | None = None,
-                 api_client=None) -> None:
+    def __init__(
+        self,
+        *,
+        namespace: str | None = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        selector: str | None = "app.kubernetes.io/name=streamrl",
+        deployments: dict[str, str] | None = None,
+        api_client=None,
+    ) -> None:
         try:
             from kubernetes import client
         except ImportError as exc:
@@ -76,20 +83,28 @@ class KubernetesBackend:
         try:
             return fn(*args, **kw)
         except ApiException as exc:
-            raise ScaleError(f"Kubernetes API: {what} in namespace {self.namespace!r} failed "
-                             f"({exc.status} {exc.reason}): {(exc.body or '')[:300]}") from exc
+            raise ScaleError(
+                f"Kubernetes API: {what} in namespace {self.namespace!r} failed "
+                f"({exc.status} {exc.reason}): {(exc.body or '')[:300]}"
+            ) from exc
         except OSError as exc:  # urllib3 connection errors are OSErrors
             raise ScaleError(f"Kubernetes API unreachable: {what}: {exc}") from exc
 
     def _find(self, service: str) -> str:
         labels = ",".join(x for x in (self.selector, f"{COMPONENT_LABEL}={service}") if x)
-        found = self._call(f"listing Deployments with labels {labels}", self.apps.list_namespaced_deployment,
-                           self.namespace, label_selector=labels).items
+        found = self._call(
+            f"listing Deployments with labels {labels}",
+            self.apps.list_namespaced_deployment,
+            self.namespace,
+            label_selector=labels,
+        ).items
         names = sorted(d.metadata.name for d in found)
         if len(names) != 1:
             flag = "--generator-deployment" if service == "generator" else "--gateway-deployment"
-            raise ScaleError(f"{len(names)} Deployments in namespace {self.namespace!r} match {labels}"
-                             f"{': ' + ', '.join(names) if names else ''}; name the {service} one with {flag}")
+            raise ScaleError(
+                f"{len(names)} Deployments in namespace {self.namespace!r} match {labels}"
+                f"{': ' + ', '.join(names) if names else ''}; name the {service} one with {flag}"
+            )
         return names[0]
 
     def counts(self) -> dict[str, int]:
@@ -103,16 +118,24 @@ class KubernetesBackend:
         before = self.counts()
         for service, n in targets.items():
             name = self.deployments[service]
-            self._call(f"scaling Deployment {name}", self.apps.patch_namespaced_deployment_scale, name, self.namespace,
-                       {"spec": {"replicas": n}}, _content_type="application/merge-patch+json")
+            self._call(
+                f"scaling Deployment {name}",
+                self.apps.patch_namespaced_deployment_scale,
+                name,
+                self.namespace,
+                {"spec": {"replicas": n}},
+                _content_type="application/merge-patch+json",
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             state = {s: self._settled(s, n) for s, n in targets.items()}
             if all(ok for ok, _ in state.values()):
                 return ScaleResult(before, {**before, **targets})
             if time.monotonic() > deadline:
-                raise ScaleError(f"not scaled within {timeout_s:.0f}s: "
-                                 + "; ".join(f"{self.deployments[s]}: {why}" for s, (ok, why) in state.items() if not ok))
+                raise ScaleError(
+                    f"not scaled within {timeout_s:.0f}s: "
+                    + "; ".join(f"{self.deployments[s]}: {why}" for s, (ok, why) in state.items() if not ok)
+                )
             time.sleep(POLL_S)
 
     def _settled(self, service: str, n: int) -> tuple[bool, str]:
@@ -122,8 +145,12 @@ class KubernetesBackend:
         if (st.observed_generation or 0) < (dep.metadata.generation or 0):
             return False, "the controller has not seen the change yet"
         selector = ",".join(f"{k}={v}" for k, v in (dep.spec.selector.match_labels or {}).items())
-        pods = self._call(f"listing pods of {dep.metadata.name}", self.core.list_namespaced_pod, self.namespace,
-                          label_selector=selector).items
+        pods = self._call(
+            f"listing pods of {dep.metadata.name}",
+            self.core.list_namespaced_pod,
+            self.namespace,
+            label_selector=selector,
+        ).items
         terminating = sum(p.metadata.deletion_timestamp is not None for p in pods)
         if ready != n or replicas != n or terminating:
             return False, f"{ready} ready of {replicas} (want {n}), {terminating} pod(s) still draining"

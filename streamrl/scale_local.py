@@ -46,7 +46,9 @@ class LocalBackend:
         except redis.RedisError as exc:
             raise ScaleError(f"cannot read the run's Redis ({exc}); set REDIS_URL or --redis-url") from exc
         if raw is None:
-            raise ScaleError(f"run {self.run_id!r} has no supervisor answering scale requests (is `streamrl up` running?)")
+            raise ScaleError(
+                f"run {self.run_id!r} has no supervisor answering scale requests (is `streamrl up` running?)"
+            )
         try:
             return decode(raw, ScaleStatus)
         except ProtocolError as exc:
@@ -74,7 +76,8 @@ class LocalBackend:
                 raise ScaleError(f"run {self.run_id!r} ended before scaling finished")
             if time.monotonic() > deadline:
                 raise ScaleError(
-                    f"not done within {timeout_s:.0f}s: ready {st.ready}, starting {st.starting}, stopping {st.stopping} "
+                    f"not done within {timeout_s:.0f}s: ready {st.ready}, starting {st.starting}, "
+                    f"stopping {st.stopping} "
                     "(the supervisor keeps going; check again with `streamrl scale --show`)"
                 )
             time.sleep(POLL_S)

@@ -106,8 +106,10 @@ def render_trainer_only(trainer: dict[str, Any], console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    console.print(f"run {trainer['run_id']}: step {trainer['step']}/{trainer['max_num_steps']} ({trainer['state']})  "
-                  f"pause {', '.join(trainer['pause']) or '-'}  (from the trainer; set REDIS_URL for queues)")
+    console.print(
+        f"run {trainer['run_id']}: step {trainer['step']}/{trainer['max_num_steps']} ({trainer['state']})  "
+        f"pause {', '.join(trainer['pause']) or '-'}  (from the trainer; set REDIS_URL for queues)"
+    )
     t = Table(title="services")
     for col in ("kind", "id", "state", "weight version", "in flight"):
         t.add_column(col)
@@ -146,8 +148,15 @@ def render(snap: RunSnapshot, trainer: dict[str, Any] | None, console=None) -> N
         services.add_column(col)
     for w in snap.workers:
         hb = w.heartbeat
-        services.add_row(hb.kind, hb.worker_id, hb.url, hb.state + (f" ({hb.error})" if hb.error else ""),
-                         "-" if hb.kind == "gym_gateway" else str(hb.weight_version), str(hb.in_flight), f"{w.age_s:.1f}s")
+        services.add_row(
+            hb.kind,
+            hb.worker_id,
+            hb.url,
+            hb.state + (f" ({hb.error})" if hb.error else ""),
+            "-" if hb.kind == "gym_gateway" else str(hb.weight_version),
+            str(hb.in_flight),
+            f"{w.age_s:.1f}s",
+        )
     console.print(services)
     queues = Table(title="queues")
     for col in ("stream", "length", "group", "pending", "lag", "pending per consumer"):
@@ -156,8 +165,14 @@ def render(snap: RunSnapshot, trainer: dict[str, Any] | None, console=None) -> N
     for name, length in snap.streams.items():
         g = groups.get(name)
         per = ", ".join(f"{c.name}={c.pending}" for c in g.consumers if c.pending) if g else ""
-        queues.add_row(name, str(length), g.group if g else "", str(g.pending) if g else "",
-                       "" if g is None or g.lag is None else str(g.lag), per or ("-" if g else ""))
+        queues.add_row(
+            name,
+            str(length),
+            g.group if g else "",
+            str(g.pending) if g else "",
+            "" if g is None or g.lag is None else str(g.lag),
+            per or ("-" if g else ""),
+        )
     console.print(queues)
     if trainer:
         _trainer_line(trainer, console)
@@ -166,14 +181,17 @@ def render(snap: RunSnapshot, trainer: dict[str, Any] | None, console=None) -> N
 def _trainer_line(trainer: dict[str, Any], console) -> None:
     last = trainer.get("last") or {}
     reward = last.get("reward_mean")
-    console.print(f"trainer: weight version {trainer['weight_version']}  buffer {trainer['buffer_depth']}  "
-                  f"in flight {trainer['in_flight_groups']}  reward {'-' if reward is None else f'{reward:.3f}'}")
+    console.print(
+        f"trainer: weight version {trainer['weight_version']}  buffer {trainer['buffer_depth']}  "
+        f"in flight {trainer['in_flight_groups']}  reward {'-' if reward is None else f'{reward:.3f}'}"
+    )
     if trainer.get("error"):
         console.print(f"[red]error: {trainer['error']}[/red]")
 
 
-def run_status(redis_url: str | None, run_id: str | None, run_dir: Path | None, as_json: bool,
-               trainer_url: str | None = None) -> str | None:
+def run_status(
+    redis_url: str | None, run_id: str | None, run_dir: Path | None, as_json: bool, trainer_url: str | None = None
+) -> str | None:
     """Gather and print; returns the JSON text with ``as_json`` (printed by the caller). Without
     any Redis URL but with a trainer URL (--url, STREAMRL_TRAINER_URL) the trainer's view alone."""
     # A Redis named on the command line or in the environment is not paired with some other run's file.

@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import redis
 
-from shared.auth import redact_url
 from shared import keys as K
+from shared.auth import redact_url
 from shared.config import load
 from shared.run_config import RunConfig
 from streamrl.progress import Progress
@@ -64,8 +64,12 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, *self.args], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env}, start_new_session=True,
+            [sys.executable, *self.args],
+            cwd=ROOT,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
         )
         fh.close()
 
@@ -115,10 +119,12 @@ class Supervisor:
         self.show_progress = progress
         cfg = self.cfg
         self.pools = {
-            "generator": WorkerPool("generator", self._generator, stop_timeout_s=cfg.generator.drain_timeout_s + 30.0,
-                                    ready_timeout_s=600.0),
-            "gym-gateway": WorkerPool("gym-gateway", self._gateway, stop_timeout_s=GATEWAY_STOP_TIMEOUT_S,
-                                      ready_timeout_s=120.0),
+            "generator": WorkerPool(
+                "generator", self._generator, stop_timeout_s=cfg.generator.drain_timeout_s + 30.0, ready_timeout_s=600.0
+            ),
+            "gym-gateway": WorkerPool(
+                "gym-gateway", self._gateway, stop_timeout_s=GATEWAY_STOP_TIMEOUT_S, ready_timeout_s=120.0
+            ),
         }
         self.channel: ScaleChannel | None = None
 
@@ -192,10 +198,15 @@ class Supervisor:
             "run_id": self.cfg.run.run_id,
             "trainer_url": trainer.url,
             "redis_url": redact_url(self.redis_url),  # no password on disk: `streamrl status` then needs REDIS_URL
-            "children": {c.name: {"pid": c.proc.pid if c.proc else None, "url": c.url, "log": str(c.log_path)} for c in self.children},
+            "children": {
+                c.name: {"pid": c.proc.pid if c.proc else None, "url": c.url, "log": str(c.log_path)}
+                for c in self.children
+            },
             # `streamrl scale` writes ScaleRequests here and reads ScaleStatus (streamrl.worker_pool).
-            "scale": {"request_key": K.RunKeys(self.cfg.run.run_id).scale_request,
-                      "status_key": K.RunKeys(self.cfg.run.run_id).scale_status},
+            "scale": {
+                "request_key": K.RunKeys(self.cfg.run.run_id).scale_request,
+                "status_key": K.RunKeys(self.cfg.run.run_id).scale_status,
+            },
         }
         (self.out / "run.json").write_text(json.dumps(info, indent=2))
 

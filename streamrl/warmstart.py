@@ -43,8 +43,10 @@ def demonstration(instance: dict, rng: random.Random, p_look: float, p_right: fl
     action = rng.choice(ACTIONS)
     if rng.random() < p_look:
         call = {"id": "call_0", "type": "function", "function": {"name": "look", "arguments": "{}"}}
-        msgs += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": "call_0", "content": observation(instance["light"])}]
+        msgs += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": observation(instance["light"])},
+        ]
         if rng.random() < p_right:
             action = RULE[instance["light"]]
     msgs.append({"role": "assistant", "content": action})
@@ -114,7 +116,10 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, spec: WarmStartSpec |
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    summary = {"steps": spec.steps, "final_loss": sum(losses[-10:]) / min(10, len(losses)),
-               "time_s": time.perf_counter() - t0}
+    summary = {
+        "steps": spec.steps,
+        "final_loss": sum(losses[-10:]) / min(10, len(losses)),
+        "time_s": time.perf_counter() - t0,
+    }
     (out / "warmstart.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -48,8 +48,9 @@ class Member:
 class WorkerPool:
     """The processes of one service. ``make_child(index)`` builds (does not start) member ``index``."""
 
-    def __init__(self, service: str, make_child: Callable[[int], Child], *, stop_timeout_s: float,
-                 ready_timeout_s: float) -> None:
+    def __init__(
+        self, service: str, make_child: Callable[[int], Child], *, stop_timeout_s: float, ready_timeout_s: float
+    ) -> None:
         self.service = service
         self.make_child = make_child
         self.stop_timeout_s = stop_timeout_s
@@ -78,8 +79,11 @@ class WorkerPool:
     def crashed(self) -> list[Child]:
         """Ready members that died on their own (the job must stop); exit code 0 or SIGTERM is a
         worker leaving because the run ended."""
-        return [m.child for m in self.members
-                if m.state == "ready" and not m.child.alive() and m.child.proc.returncode not in (0, -15)]
+        return [
+            m.child
+            for m in self.members
+            if m.state == "ready" and not m.child.alive() and m.child.proc.returncode not in (0, -15)
+        ]
 
     def tick(self, now: float) -> bool:
         """Poll members and move toward the target; True when membership changed."""
@@ -91,7 +95,9 @@ class WorkerPool:
             changed = True
         elif len(live) > self.target:
             # Newest first: starting members before ready ones, the highest index first.
-            for m in sorted(live, key=lambda m: (m.state == "starting", m.since), reverse=True)[: len(live) - self.target]:
+            for m in sorted(live, key=lambda m: (m.state == "starting", m.since), reverse=True)[
+                : len(live) - self.target
+            ]:
                 self._stop(m, now)
             changed = True
         return changed
@@ -108,14 +114,17 @@ class WorkerPool:
     def _stop(self, m: Member, now: float) -> None:
         m.state, m.stop_deadline = "stopping", now + self.stop_timeout_s
         m.child.terminate()
-        log.info("%s: stopping %s (SIGTERM; it drains, killed after %.0fs)", self.service, m.child.name,
-                 self.stop_timeout_s)
+        log.info(
+            "%s: stopping %s (SIGTERM; it drains, killed after %.0fs)", self.service, m.child.name, self.stop_timeout_s
+        )
 
     def _poll_starting(self, now: float) -> bool:
         changed = False
         for m in [m for m in self.members if m.state == "starting"]:
             if not m.child.alive():
-                self._fail(m, f"{m.child.name} exited while starting (code {m.child.proc.returncode}):\n{m.child.tail()}")
+                self._fail(
+                    m, f"{m.child.name} exited while starting (code {m.child.proc.returncode}):\n{m.child.tail()}"
+                )
             elif _answers_ready(m.child.url):
                 m.state = "ready"
                 log.info("%s: %s is ready after %.1fs", self.service, m.child.name, now - m.since)
@@ -138,8 +147,9 @@ class WorkerPool:
         changed = False
         for m in [m for m in self.members if m.state == "stopping"]:
             if m.child.alive() and now > m.stop_deadline:
-                log.warning("%s: %s did not stop within %.0fs; killing it", self.service, m.child.name,
-                            self.stop_timeout_s)
+                log.warning(
+                    "%s: %s did not stop within %.0fs; killing it", self.service, m.child.name, self.stop_timeout_s
+                )
                 m.child.kill()
             if not m.child.alive():
                 self.members.remove(m)
@@ -205,11 +215,15 @@ class ScaleChannel:
     def status(self) -> ScaleStatus:
         counts = {s: p.counts() for s, p in self.pools.items()}
         error = self.request_error or next((p.error for p in self.pools.values() if p.error), None)
-        settled = all(c["starting"] == 0 and c["stopping"] == 0 and c["ready"] == p.target
-                      for c, p in zip(counts.values(), self.pools.values()))
+        settled = all(
+            c["starting"] == 0 and c["stopping"] == 0 and c["ready"] == p.target
+            for c, p in zip(counts.values(), self.pools.values(), strict=True)
+        )
         phase = "failed" if error else "done" if settled else "scaling"
         return ScaleStatus(
-            request_id=self.request_id, phase=phase, error=error,
+            request_id=self.request_id,
+            phase=phase,
+            error=error,
             ready={s: c["ready"] for s, c in counts.items()},
             starting={s: c["starting"] for s, c in counts.items()},
             stopping={s: c["stopping"] for s, c in counts.items()},
@@ -219,7 +233,12 @@ class ScaleChannel:
         st = self.status()
         last = self._published
         if last is not None and (last.request_id, last.phase, last.ready, last.starting, last.stopping, last.error) == (
-            st.request_id, st.phase, st.ready, st.starting, st.stopping, st.error
+            st.request_id,
+            st.phase,
+            st.ready,
+            st.starting,
+            st.stopping,
+            st.error,
         ):
             return
         self.redis.set(self.keys.scale_status, encode(st))

@@ -43,7 +43,6 @@ def redis_url(redis_server) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from streamrl.model_builder import build_tiny_model
 
     out = tmp_path_factory.mktemp("tiny-model")
     # Built in a child process: building imports torch/transformers, which tests that only need

@@ -22,7 +22,11 @@ import msgspec
 from shared.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVICE_MODULES = {"services.generator": "generator", "services.gym_gateway": "gym_gateway", "services.trainer": "trainer"}
+SERVICE_MODULES = {
+    "services.generator": "generator",
+    "services.gym_gateway": "gym_gateway",
+    "services.trainer": "trainer",
+}
 
 _PROBE = """
 import json, sys
@@ -85,16 +89,31 @@ def _cache_key(service: str, argv: list[str], env: dict[str, str], cwd: Path) ->
             if path.is_file() and path.stat().st_size < 1_000_000:
                 files.append(path.read_bytes())
     norm = str(cwd)
-    return (service, tuple(a.replace(norm, "<cwd>") for a in argv),
-            tuple(sorted((k, v.replace(norm, "<cwd>")) for k, v in env.items())), tuple(files))
+    return (
+        service,
+        tuple(a.replace(norm, "<cwd>") for a in argv),
+        tuple(sorted((k, v.replace(norm, "<cwd>")) for k, v in env.items())),
+        tuple(files),
+    )
 
 
 def _probe(service: str, argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     key = _cache_key(service, argv, env, cwd)
     if key not in _RESULTS:
-        proc_env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/"), **env}
-        _RESULTS[key] = subprocess.run([sys.executable, "-c", _PROBE, service, *argv], capture_output=True, text=True,
-                                       cwd=cwd, env=proc_env, timeout=120)
+        proc_env = {
+            "PATH": os.environ.get("PATH", ""),
+            "PYTHONPATH": str(ROOT),
+            "HOME": os.environ.get("HOME", "/"),
+            **env,
+        }
+        _RESULTS[key] = subprocess.run(
+            [sys.executable, "-c", _PROBE, service, *argv],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=proc_env,
+            timeout=120,
+        )
     return _RESULTS[key]
 
 

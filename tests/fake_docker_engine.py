@@ -88,11 +88,13 @@ class FakeEngine:
     # -- what tests look at ---------------------------------------------------------------------
 
     def service(self, name: str) -> list[Container]:
-        return sorted((c for c in self.containers.values() if c.labels.get("com.docker.compose.service") == name),
-                      key=lambda c: c.name)
+        return sorted(
+            (c for c in self.containers.values() if c.labels.get("com.docker.compose.service") == name),
+            key=lambda c: c.name,
+        )
 
     def mutations(self) -> list[str]:
-        """"METHOD container-name/action" for every state change, in order."""
+        """ "METHOD container-name/action" for every state change, in order."""
         out = []
         for c in self.calls:
             if c.method in ("POST", "DELETE") and "/containers/" in c.path:
@@ -105,19 +107,33 @@ class FakeEngine:
         raw = await request.read()
         path = request.path
         if path.startswith(f"/v{API_VERSION}/"):
-            path = path[len(API_VERSION) + 2:]
+            path = path[len(API_VERSION) + 2 :]
         body = json.loads(raw) if raw else None
         self.calls.append(Call(request.method, self._named(path), dict(request.query), body))
         if path == "/_ping":
             return web.Response(text="OK", headers={"API-Version": API_VERSION, "OSType": "linux"})
         if path == "/version":
-            return web.json_response({"Version": "27.0.0", "ApiVersion": API_VERSION, "MinAPIVersion": "1.24",
-                                      "Os": "linux", "Arch": "amd64"})
+            return web.json_response(
+                {
+                    "Version": "27.0.0",
+                    "ApiVersion": API_VERSION,
+                    "MinAPIVersion": "1.24",
+                    "Os": "linux",
+                    "Arch": "amd64",
+                }
+            )
         if path == "/info":
             return web.json_response({"ID": "fake", "Name": "fake", "ServerVersion": "27.0.0", "OSType": "linux"})
         if path.startswith("/images/") and path.endswith("/json"):
-            return web.json_response({"Id": IMAGE_ID, "RepoTags": [path[len("/images/"):-len("/json")]],
-                                      "Config": {"Env": [], "Labels": {}}, "Os": "linux", "Architecture": "amd64"})
+            return web.json_response(
+                {
+                    "Id": IMAGE_ID,
+                    "RepoTags": [path[len("/images/") : -len("/json")]],
+                    "Config": {"Env": [], "Labels": {}},
+                    "Os": "linux",
+                    "Architecture": "amd64",
+                }
+            )
         if path.startswith("/networks") or path.startswith("/volumes"):
             return self._named_objects(request.method, path, body, request.query)
         if path.startswith("/containers"):
@@ -136,8 +152,17 @@ class FakeEngine:
         store = getattr(self, kind)
         if method == "POST" and path.endswith("/create"):
             name = body["Name"]
-            store[name] = {"Name": name, "Id": name, "Labels": body.get("Labels") or {}, "Driver": "local",
-                           "Scope": "local", "Containers": {}, "Options": {}, "IPAM": {"Config": []}, "Mountpoint": "/x"}
+            store[name] = {
+                "Name": name,
+                "Id": name,
+                "Labels": body.get("Labels") or {},
+                "Driver": "local",
+                "Scope": "local",
+                "Containers": {},
+                "Options": {},
+                "IPAM": {"Config": []},
+                "Mountpoint": "/x",
+            }
             return web.json_response(store[name] if kind == "volumes" else {"Id": name, "Warning": ""}, status=201)
         if method == "GET" and path in ("/networks", "/volumes"):
             items = list(store.values())
@@ -150,8 +175,11 @@ class FakeEngine:
     def _containers(self, method: str, path: str, body: dict | None, query) -> web.Response:
         if method == "GET" and path == "/containers/json":
             filters = json.loads(query.get("filters", "{}"))
-            shown = [c for c in self.containers.values()
-                     if _matches(c, filters) and (query.get("all") in ("1", "true") or c.status == "running")]
+            shown = [
+                c
+                for c in self.containers.values()
+                if _matches(c, filters) and (query.get("all") in ("1", "true") or c.status == "running")
+            ]
             return web.json_response([self._summary(c) for c in sorted(shown, key=lambda c: c.created)])
         if method == "POST" and path == "/containers/create":
             if self.fail_create:
@@ -177,18 +205,37 @@ class FakeEngine:
         return _error(404, f"page not found: {method} {path}")
 
     def _summary(self, c: Container) -> dict:
-        return {"Id": c.id, "Names": [f"/{c.name}"], "Image": c.config.get("Image"), "ImageID": IMAGE_ID,
-                "Command": " ".join(c.config.get("Cmd") or []), "Created": c.created, "Labels": c.labels,
-                "State": c.status, "Status": c.status, "Ports": [], "Mounts": [], "NetworkSettings": {"Networks": {}}}
+        return {
+            "Id": c.id,
+            "Names": [f"/{c.name}"],
+            "Image": c.config.get("Image"),
+            "ImageID": IMAGE_ID,
+            "Command": " ".join(c.config.get("Cmd") or []),
+            "Created": c.created,
+            "Labels": c.labels,
+            "State": c.status,
+            "Status": c.status,
+            "Ports": [],
+            "Mounts": [],
+            "NetworkSettings": {"Networks": {}},
+        }
 
     def _inspect(self, c: Container) -> dict:
         state = {"Status": c.status, "Running": c.status == "running", "ExitCode": c.exit_code}
         if c.config.get("Healthcheck") and c.status == "running":
             c.inspections_since_start += 1
             state["Health"] = {"Status": "healthy" if c.inspections_since_start > self.healthy_after else "starting"}
-        return {"Id": c.id, "Name": f"/{c.name}", "Created": "2026-01-01T00:00:00Z", "Image": IMAGE_ID,
-                "State": state, "Config": c.config, "HostConfig": c.config.get("HostConfig") or {},
-                "NetworkSettings": {"Networks": {}}, "Mounts": []}
+        return {
+            "Id": c.id,
+            "Name": f"/{c.name}",
+            "Created": "2026-01-01T00:00:00Z",
+            "Image": IMAGE_ID,
+            "State": state,
+            "Config": c.config,
+            "HostConfig": c.config.get("HostConfig") or {},
+            "NetworkSettings": {"Networks": {}},
+            "Mounts": [],
+        }
 
 
 def _matches(c: Container, filters: dict) -> bool:

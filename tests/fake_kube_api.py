@@ -102,8 +102,16 @@ class FakeKubeAPI:
     async def _handle(self, request: web.Request) -> web.Response:
         raw = await request.read()
         body = json.loads(raw) if raw else None
-        self.calls.append(Call(request.method, request.path, dict(request.query), request.content_type,
-                               request.headers.get("Authorization", ""), body))
+        self.calls.append(
+            Call(
+                request.method,
+                request.path,
+                dict(request.query),
+                request.content_type,
+                request.headers.get("Authorization", ""),
+                body,
+            )
+        )
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             return _status(401, "Unauthorized", "Unauthorized")
         parts = request.path.strip("/").split("/")
@@ -111,8 +119,9 @@ class FakeKubeAPI:
         if parts[:4] == ["apis", "apps", "v1", "namespaces"] and len(parts) >= 6 and parts[5] == "deployments":
             if parts[4] != self.namespace:
                 if request.method == "GET" and len(parts) == 6:
-                    return web.json_response({"apiVersion": "apps/v1", "kind": "DeploymentList", "metadata": {},
-                                              "items": []})
+                    return web.json_response(
+                        {"apiVersion": "apps/v1", "kind": "DeploymentList", "metadata": {}, "items": []}
+                    )
                 return _status(404, "NotFound", f'namespaces "{parts[4]}" not found')
             return self._deployments(request, parts[6:], body)
         if parts[:2] == ["api", "v1"] and parts[-1] == "pods" and request.method == "GET":
@@ -122,10 +131,19 @@ class FakeKubeAPI:
     def _deployments(self, request: web.Request, rest: list[str], body) -> web.Response:
         if not rest and request.method == "GET":
             wanted = _selector(request.query.get("labelSelector", ""))
-            items = [self._deployment(d, tick=False) for d in self.deployments.values()
-                     if all(d.labels.get(k) == v for k, v in wanted.items())]
-            return web.json_response({"apiVersion": "apps/v1", "kind": "DeploymentList",
-                                      "metadata": {"resourceVersion": "1"}, "items": items})
+            items = [
+                self._deployment(d, tick=False)
+                for d in self.deployments.values()
+                if all(d.labels.get(k) == v for k, v in wanted.items())
+            ]
+            return web.json_response(
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "DeploymentList",
+                    "metadata": {"resourceVersion": "1"},
+                    "items": items,
+                }
+            )
         d = self.deployments.get(rest[0]) if rest else None
         if d is None:
             return _status(404, "NotFound", f'deployments.apps "{rest[0] if rest else ""}" not found')
@@ -139,9 +157,11 @@ class FakeKubeAPI:
             elif request.content_type == "application/json-patch+json" and isinstance(body, list):
                 replicas = next((op["value"] for op in body if op.get("path") == "/spec/replicas"), None)
             else:
-                return _status(415, "UnsupportedMediaType", f"the body of content type {request.content_type} is not supported")
+                return _status(
+                    415, "UnsupportedMediaType", f"the body of content type {request.content_type} is not supported"
+                )
             if not isinstance(replicas, int) or replicas < 0:
-                return _status(422, "Invalid", f"Scale.autoscaling \"{d.name}\" is invalid: spec.replicas")
+                return _status(422, "Invalid", f'Scale.autoscaling "{d.name}" is invalid: spec.replicas')
             self._set_replicas(d, replicas)
             return web.json_response(self._scale(d))
         return _status(405, "MethodNotAllowed", f"{request.method} is not allowed")
@@ -170,25 +190,46 @@ class FakeKubeAPI:
             self._tick(d)
         live = [p for p in d.pods if not p.terminating]
         ready = sum(p.reads_left == 0 for p in live)
-        status = {"observedGeneration": d.observed, "replicas": len(live), "readyReplicas": ready,
-                  "availableReplicas": ready, "updatedReplicas": len(live)}
+        status = {
+            "observedGeneration": d.observed,
+            "replicas": len(live),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "updatedReplicas": len(live),
+        }
         return {
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": d.name, "namespace": self.namespace, "labels": d.labels, "generation": d.generation,
-                         "uid": f"uid-{d.name}", "resourceVersion": str(d.generation)},
-            "spec": {"replicas": d.replicas, "selector": {"matchLabels": d.labels},
-                     "template": {"metadata": {"labels": d.labels},
-                                  "spec": {"containers": [{"name": d.labels["app.kubernetes.io/component"],
-                                                           "image": "streamrl:0.1.0"}]}}},
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {
+                "name": d.name,
+                "namespace": self.namespace,
+                "labels": d.labels,
+                "generation": d.generation,
+                "uid": f"uid-{d.name}",
+                "resourceVersion": str(d.generation),
+            },
+            "spec": {
+                "replicas": d.replicas,
+                "selector": {"matchLabels": d.labels},
+                "template": {
+                    "metadata": {"labels": d.labels},
+                    "spec": {
+                        "containers": [{"name": d.labels["app.kubernetes.io/component"], "image": "streamrl:0.1.0"}]
+                    },
+                },
+            },
             "status": {k: v for k, v in status.items() if v},  # the API leaves zero values out
         }
 
     def _scale(self, d: Deployment) -> dict:
         live = [p for p in d.pods if not p.terminating]
-        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                "metadata": {"name": d.name, "namespace": self.namespace, "resourceVersion": str(d.generation)},
-                "spec": {"replicas": d.replicas},
-                "status": {"replicas": len(live), "selector": ",".join(f"{k}={v}" for k, v in d.labels.items())}}
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {"name": d.name, "namespace": self.namespace, "resourceVersion": str(d.generation)},
+            "spec": {"replicas": d.replicas},
+            "status": {"replicas": len(live), "selector": ",".join(f"{k}={v}" for k, v in d.labels.items())},
+        }
 
     def _pod_list(self, selector: str) -> dict:
         wanted = _selector(selector)
@@ -200,8 +241,13 @@ class FakeKubeAPI:
                 meta = {"name": p.name, "namespace": self.namespace, "labels": d.labels}
                 if p.terminating:
                     meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-                items.append({"metadata": meta, "spec": {"containers": [{"name": "c", "image": "streamrl:0.1.0"}]},
-                              "status": {"phase": "Running"}})
+                items.append(
+                    {
+                        "metadata": meta,
+                        "spec": {"containers": [{"name": "c", "image": "streamrl:0.1.0"}]},
+                        "status": {"phase": "Running"},
+                    }
+                )
         return {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": items}
 
     def _pod_name(self, d: Deployment) -> str:
@@ -213,5 +259,15 @@ def _selector(text: str) -> dict[str, str]:
 
 
 def _status(code: int, reason: str, message: str) -> web.Response:
-    return web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                              "message": message, "reason": reason, "code": code}, status=code)
+    return web.json_response(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code,
+        },
+        status=code,
+    )

@@ -34,8 +34,9 @@ from streamrl.redis_server import free_port
 
 class _Served:
     def __init__(self, app, port: int) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                   lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        )
         self.server.install_signal_handlers = lambda: None
         self.url = f"http://127.0.0.1:{port}"
         self.task: asyncio.Task | None = None
@@ -69,8 +70,9 @@ def serve_app():
     return serve
 
 
-async def wait_ack(streams: StreamClient, version: int, worker_id: str | None = None,
-                   timeout_s: float = 60) -> WeightAck:
+async def wait_ack(
+    streams: StreamClient, version: int, worker_id: str | None = None, timeout_s: float = 60
+) -> WeightAck:
     deadline = asyncio.get_running_loop().time() + timeout_s
     cursor = "0-0"
     while asyncio.get_running_loop().time() < deadline:
@@ -82,11 +84,22 @@ async def wait_ack(streams: StreamClient, version: int, worker_id: str | None = 
     raise TimeoutError(f"no ack for v{version}")
 
 
-def make_task(i: int, env: str = "crossing", instance: dict | None = None, *, deadline_s: float = 60.0,
-              max_tokens: int = 12) -> Task:
-    return Task(task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=1, prompt_index=i, env=env,
-                instance=instance or {"light": "red"}, kind="train", target_step=0,
-                sampling=SamplingParams(max_tokens=max_tokens), deadline_s=deadline_s)
+def make_task(
+    i: int, env: str = "crossing", instance: dict | None = None, *, deadline_s: float = 60.0, max_tokens: int = 12
+) -> Task:
+    return Task(
+        task_id=f"g{i}/0",
+        group_id=f"g{i}",
+        index_in_group=0,
+        group_size=1,
+        prompt_index=i,
+        env=env,
+        instance=instance or {"light": "red"},
+        kind="train",
+        target_step=0,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        deadline_s=deadline_s,
+    )
 
 
 async def collect(streams: StreamClient, n: int, timeout_s: float = 60) -> list[Trajectory]:
@@ -115,8 +128,10 @@ def run_tree(model_dir, redis_url: str, out_dir, run_id: str, **sections: dict) 
         "run": {"run_id": run_id, "output_dir": str(out_dir)},
         "redis": {"url": redis_url},
         "data": {"train_path": "unused.jsonl"},
-        "policy": {"model_name": str(model_dir), "generation": {
-            "backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12}},
+        "policy": {
+            "model_name": str(model_dir),
+            "generation": {"backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12},
+        },
         "env": {"name": "crossing", "max_turns": 2},
         "gym_gateway": {"max_concurrent_rollouts": 4, "rollout_timeout_s": 60, "reclaim_idle_s": 600},
     }
@@ -149,8 +164,9 @@ def gateway_stack(tiny_model_dir, redis_url, tmp_path):
                 port = free_port()
                 gens.append(_Served(build_generator(cfg, f"gen-{i}", port), port))
                 await gens[-1].start()
-            ann = WeightAnnouncement(version=0, path=str(model_dir), checksum=checksum_dir(model_dir),
-                                     num_bytes=dir_num_bytes(model_dir))
+            ann = WeightAnnouncement(
+                version=0, path=str(model_dir), checksum=checksum_dir(model_dir), num_bytes=dir_num_bytes(model_dir)
+            )
             await streams.publish(streams.keys.weights, ann)
             for i in range(num_generators):
                 await wait_ack(streams, 0, f"gen-{i}")

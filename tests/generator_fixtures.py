@@ -129,9 +129,7 @@ async def hf_generator(tiny_model_dir, redis_url, write_config):
 
     @contextlib.asynccontextmanager
     async def _make(*, with_redis: bool = True, model_dir=None, **generation):
-        _, cfg = write_config(
-            model_dir or tiny_model_dir, redis_url=redis_url if with_redis else None, **generation
-        )
+        _, cfg = write_config(model_dir or tiny_model_dir, redis_url=redis_url if with_redis else None, **generation)
         app = build_app(cfg, f"gen-test-{uuid.uuid4().hex[:6]}", 0)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)

@@ -104,8 +104,13 @@ def crossing_resources_app() -> FastAPI:
         said = " ".join(c.get("text", "") for o in output if o.get("type") == "message" for c in o["content"])
         right = ACTIONS[state(request)["light"]] in said.lower().split()
         kind = body.get("force_failure_kind")
-        result = {**body, "reward": 0.5 * looked + 0.5 * right, "mask_sample": kind is not None,
-                  "failure_kind": kind, "failure_reason": f"forced {kind}" if kind else None}
+        result = {
+            **body,
+            "reward": 0.5 * looked + 0.5 * right,
+            "mask_sample": kind is not None,
+            "failure_kind": kind,
+            "failure_reason": f"forced {kind}" if kind else None,
+        }
         app.state.verified.append(result)
         return result
 
@@ -158,8 +163,9 @@ def simple_agent_app(name: str, config: dict) -> FastAPI:
             seeded = await post(http, f"{resources}/seed_session", row, {})
             seeded.raise_for_status()
             cookies = dict(seeded.cookies)
-            r = await post(http, f"{server_url(config, name)}{prefix(rid)}/v1/responses",
-                           row["responses_create_params"], cookies)
+            r = await post(
+                http, f"{server_url(config, name)}{prefix(rid)}/v1/responses", row["responses_create_params"], cookies
+            )
             r.raise_for_status()
             v = await post(http, f"{resources}/verify", {**row, "response": r.json()}, cookies)
             v.raise_for_status()
@@ -176,9 +182,23 @@ def canned_model_app() -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request) -> dict:
         body = await request.json()
-        return {"id": "resp_canned", "created_at": 0.0, "model": "elsewhere", "object": "response",
-                "parallel_tool_calls": True, "tool_choice": "auto", "tools": body.get("tools", []),
-                "output": [{"type": "message", "id": "msg_canned", "role": "assistant", "status": "completed",
-                            "content": [{"type": "output_text", "text": "stop", "annotations": []}]}]}
+        return {
+            "id": "resp_canned",
+            "created_at": 0.0,
+            "model": "elsewhere",
+            "object": "response",
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": body.get("tools", []),
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_canned",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": "stop", "annotations": []}],
+                }
+            ],
+        }
 
     return app

@@ -22,14 +22,16 @@ def save_dummy(path: Path) -> None:
 
 
 @asynccontextmanager
-async def publisher_for(redis_url: str, tmp_path: Path, run_prefix: str,
-                        timeout_s: float) -> AsyncIterator[tuple[WeightPublisher, StreamClient]]:
+async def publisher_for(
+    redis_url: str, tmp_path: Path, run_prefix: str, timeout_s: float
+) -> AsyncIterator[tuple[WeightPublisher, StreamClient]]:
     """(publisher, the trainer's stream client) on a run of its own; the connection closed after."""
     redis = connect(redis_url)
     keys = K.RunKeys(f"{run_prefix}-{uuid.uuid4().hex[:6]}")
     streams = StreamClient(redis, keys, "trainer")
-    pub = WeightPublisher(streams, PauseControl(redis, keys), tmp_path / "weights", timeout_s=timeout_s,
-                          in_flight_updates=False)
+    pub = WeightPublisher(
+        streams, PauseControl(redis, keys), tmp_path / "weights", timeout_s=timeout_s, in_flight_updates=False
+    )
     try:
         yield pub, streams
     finally:

@@ -50,8 +50,14 @@ server.serve_forever()
 class Rig:
     """A supervisor's scaling loop over fake workers, ticking in a thread like `streamrl up`."""
 
-    def __init__(self, tmp: Path, redis_url: str, modes: dict[int, str] | None = None, stop_timeout_s: float = 10.0,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        redis_url: str,
+        modes: dict[int, str] | None = None,
+        stop_timeout_s: float = 10.0,
+        run_id: str | None = None,
+    ):
         self.tmp, self.modes = tmp, modes or {}
         self.script = tmp / "worker.py"
         self.script.write_text(WORKER)
@@ -61,8 +67,9 @@ class Rig:
         gateways = WorkerPool("gym-gateway", self._child, stop_timeout_s=stop_timeout_s, ready_timeout_s=20.0)
         for pool in (self.pool, gateways):
             pool.start_initial(1)
-        self.channel = ScaleChannel(redis.Redis.from_url(redis_url), K.RunKeys(self.run_id), {"generator": self.pool,
-                                                                                             "gym-gateway": gateways})
+        self.channel = ScaleChannel(
+            redis.Redis.from_url(redis_url), K.RunKeys(self.run_id), {"generator": self.pool, "gym-gateway": gateways}
+        )
         (tmp / "run.json").write_text(json.dumps({"run_id": self.run_id, "redis_url": redis_url, "scale": {}}))
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)

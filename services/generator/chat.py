@@ -166,7 +166,9 @@ class ChatRenderer:
         self._terminator_is_added_token = self.terminator_text in tokenizer.get_added_vocab()
         self.eos_id = tokenizer.eos_token_id
         # What ends an assistant turn: the turn terminator, and EOS where the tokenizer has one.
-        self.turn_stop_ids = frozenset({self.terminator_id} | ({int(self.eos_id)} if self.eos_id is not None else set()))
+        self.turn_stop_ids = frozenset(
+            {self.terminator_id} | ({int(self.eos_id)} if self.eos_id is not None else set())
+        )
         self.vocab_size = max(vocab_size, len(tokenizer))
 
     def decode(self, ids: Sequence[int]) -> str:

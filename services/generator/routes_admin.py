@@ -25,9 +25,9 @@ from services.generator.runtime import Runtime
 from services.generator.weights import LoadOrder
 from shared.http import HTTPError, MsgspecJSON, bad_request, read_body, require_control_token
 from shared.metrics import CONTENT_TYPE
+from shared.openai_api import GeneratorState, LoadWeightsRequest, PauseRequest
 from shared.openapi import json_body
 from shared.weights_format import safetensors_files
-from shared.openai_api import GeneratorState, LoadWeightsRequest, PauseRequest
 
 router = APIRouter()
 CONTROL = [Depends(require_control_token)]

@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 
 from services.generator.serving import GenerationService
 from shared.http import HTTPError, MsgspecJSON, read_body
-from shared.openapi import json_body
 from shared.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, TokenizeRequest
+from shared.openapi import json_body
 
 router = APIRouter()
 

@@ -128,15 +128,21 @@ class Runtime:
         waiting and no call came for ``idle_s``; at most ``timeout_s``. True if it went quiet."""
         self.draining = True
         t0 = time.monotonic()
-        log.info("draining: serving the sessions already here until %.1fs pass without a call (at most %.0fs)",
-                 idle_s, timeout_s)
+        log.info(
+            "draining: serving the sessions already here until %.1fs pass without a call (at most %.0fs)",
+            idle_s,
+            timeout_s,
+        )
         while time.monotonic() - t0 < timeout_s:
             if not self.in_flight and not self.waiting and time.monotonic() - self.last_activity >= idle_s:
                 log.info("drained in %.1fs after %d request(s)", time.monotonic() - t0, self.requests_total)
                 return True
             await asyncio.sleep(0.05)
-        log.warning("drain deadline (generator.drain_timeout_s = %.0fs) passed with %d request(s) in flight",
-                    timeout_s, self.in_flight)
+        log.warning(
+            "drain deadline (generator.drain_timeout_s = %.0fs) passed with %d request(s) in flight",
+            timeout_s,
+            self.in_flight,
+        )
         return False
 
     # -- admission -----------------------------------------------------------------------------

@@ -21,13 +21,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    from services.gym_gateway.app import build_app
     from shared.registry import default_worker_id
     from shared.serve import DrainFirstServer
-    from services.gym_gateway.app import build_app
 
     port = cfg.gym_gateway.port if args.port is None else args.port
-    app = build_app(cfg, worker_id=args.worker_id or default_worker_id("gateway"), port=port,
-                    drain_timeout_s=DRAIN_TIMEOUT_S)
+    app = build_app(
+        cfg, worker_id=args.worker_id or default_worker_id("gateway"), port=port, drain_timeout_s=DRAIN_TIMEOUT_S
+    )
 
     async def drain() -> None:
         worker = getattr(app.state, "worker", None)
@@ -36,8 +37,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Keep-alive well above the clients' idle expiry, so a pooled connection is never reused
     # just as the server closes it (a ReadError on a healthy rollout).
-    config = uvicorn.Config(app, host=cfg.gym_gateway.host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=35, timeout_keep_alive=120)
+    config = uvicorn.Config(
+        app,
+        host=cfg.gym_gateway.host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=35,
+        timeout_keep_alive=120,
+    )
     DrainFirstServer(config, drain, drain_timeout_s=DRAIN_TIMEOUT_S + 5.0).run()
     return 0
 

@@ -26,20 +26,20 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 
-from shared import keys as K
-from shared.auth import AuthPolicy, client_headers
-from shared.http import install_error_handlers, read_body, require_agent_token
-from shared.metrics import CONTENT_TYPE, ServiceMetrics
-from shared.openapi import document_bodies, json_body
-from shared.openai_api import ChatCompletionRequest, CompletionRequest
-from shared.protocol import Heartbeat
-from shared.registry import HeartbeatTask
-from shared.run_config import RunConfig
-from shared.streams import StreamClient, connect
 from services.gym_gateway.metrics import RolloutOutcomes
 from services.gym_gateway.nemo_gym_routes import router as nemo_gym_router
 from services.gym_gateway.proxy import GeneratorPool, SessionProxy
 from services.gym_gateway.worker import GatewayWorker
+from shared import keys as K
+from shared.auth import AuthPolicy, client_headers
+from shared.http import install_error_handlers, read_body, require_agent_token
+from shared.metrics import CONTENT_TYPE, ServiceMetrics
+from shared.openai_api import ChatCompletionRequest, CompletionRequest
+from shared.openapi import document_bodies, json_body
+from shared.protocol import Heartbeat
+from shared.registry import HeartbeatTask
+from shared.run_config import RunConfig
+from shared.streams import StreamClient, connect
 
 log = logging.getLogger(__name__)
 
@@ -62,22 +62,41 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
         # aiohttp, not httpx: httpx's pool scans every connection per request, which took most of
         # the gateway's CPU at 64 concurrent rollouts. Idle connections expire well before the
         # servers' keep-alive (120 s) closes them.
-        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4 * gw.max_concurrent_rollouts,
-                                                                    keepalive_timeout=30.0), headers=headers)
+        http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=4 * gw.max_concurrent_rollouts, keepalive_timeout=30.0),
+            headers=headers,
+        )
         streams = StreamClient(redis, keys, worker_id)
         # 2. proxy and worker
-        proxy = SessionProxy(GeneratorPool(redis, keys), http, request_timeout_s=gw.request_timeout_s,
-                             max_failovers=gw.max_failovers)
-        worker = GatewayWorker(streams, proxy, http, session_base_url=url, max_concurrent=gw.max_concurrent_rollouts,
-                               reclaim_idle_s=gw.reclaim_idle_s, max_turns=cfg.env.max_turns, gateway_id=worker_id,
-                               carry_mask_flag=cfg.env.should_mask_flagged_samples, env_cfg=cfg.env)
+        proxy = SessionProxy(
+            GeneratorPool(redis, keys), http, request_timeout_s=gw.request_timeout_s, max_failovers=gw.max_failovers
+        )
+        worker = GatewayWorker(
+            streams,
+            proxy,
+            http,
+            session_base_url=url,
+            max_concurrent=gw.max_concurrent_rollouts,
+            reclaim_idle_s=gw.reclaim_idle_s,
+            max_turns=cfg.env.max_turns,
+            gateway_id=worker_id,
+            carry_mask_flag=cfg.env.should_mask_flagged_samples,
+            env_cfg=cfg.env,
+        )
         app.state.proxy, app.state.worker = proxy, worker
 
         def snapshot() -> Heartbeat:
-            return Heartbeat(worker_id=worker_id, kind="gym_gateway", url=url, pid=os.getpid(), host=socket.gethostname(),
-                             state="draining" if worker.stopping else "ready", in_flight=len(worker.active),
-                             started_at=started_at,
-                             stats={"completed": float(worker.completed), "sessions": float(len(proxy.sessions))})
+            return Heartbeat(
+                worker_id=worker_id,
+                kind="gym_gateway",
+                url=url,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                state="draining" if worker.stopping else "ready",
+                in_flight=len(worker.active),
+                started_at=started_at,
+                stats={"completed": float(worker.completed), "sessions": float(len(proxy.sessions))},
+            )
 
         # 3. background tasks
         heartbeat = HeartbeatTask(redis, keys, snapshot)
@@ -106,21 +125,32 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, drain_timeout_s: flo
     metrics.count_dead_letters(lambda: getattr(getattr(app.state, "worker", None), "streams", None))
     g_active = Gauge("streamrl_gateway_active_rollouts", "Rollouts running", registry=metrics.registry)
     g_calls = Gauge("streamrl_gateway_model_calls_total", "Model calls through the proxy", registry=metrics.registry)
-    g_breaks = Gauge("streamrl_gateway_prefix_breaks_total", "Calls whose prompt broke the session's token prefix",
-                     ["env"], registry=metrics.registry)
-    g_released = Gauge("streamrl_gateway_released_tasks_total", "Tasks handed back to the group on drain",
-                       registry=metrics.registry)
-    g_failovers = Gauge("streamrl_gateway_failovers_total", "Session moves off a dead generator", registry=metrics.registry)
+    g_breaks = Gauge(
+        "streamrl_gateway_prefix_breaks_total",
+        "Calls whose prompt broke the session's token prefix",
+        ["env"],
+        registry=metrics.registry,
+    )
+    g_released = Gauge(
+        "streamrl_gateway_released_tasks_total", "Tasks handed back to the group on drain", registry=metrics.registry
+    )
+    g_failovers = Gauge(
+        "streamrl_gateway_failovers_total", "Session moves off a dead generator", registry=metrics.registry
+    )
 
-    @app.post("/sessions/{session_id}/v1/chat/completions", dependencies=agent_auth,
-              openapi_extra=json_body(ChatCompletionRequest))
+    @app.post(
+        "/sessions/{session_id}/v1/chat/completions",
+        dependencies=agent_auth,
+        openapi_extra=json_body(ChatCompletionRequest),
+    )
     async def chat(session_id: str, request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest)
         body = await app.state.proxy.chat(session_id, req)
         return Response(body, media_type="application/json")
 
-    @app.post("/sessions/{session_id}/v1/completions", dependencies=agent_auth,
-              openapi_extra=json_body(CompletionRequest))
+    @app.post(
+        "/sessions/{session_id}/v1/completions", dependencies=agent_auth, openapi_extra=json_body(CompletionRequest)
+    )
     async def completions(session_id: str, request: Request) -> Response:
         req = await read_body(request, CompletionRequest)
         body = await app.state.proxy.completion(session_id, req)

@@ -28,8 +28,9 @@ class RolloutOutcomes(Collector):
             "streamrl_gateway_rollouts_published", "Trajectories published by this worker (ok or failed)"
         )
         failed = CounterMetricFamily("streamrl_gateway_rollouts_failed", "Failed rollouts by reason", labels=["reason"])
-        retried = CounterMetricFamily("streamrl_gateway_rollouts_retried", "Rollout attempts run again by reason",
-                                      labels=["reason"])
+        retried = CounterMetricFamily(
+            "streamrl_gateway_rollouts_retried", "Rollout attempts run again by reason", labels=["reason"]
+        )
         if worker is not None:
             published.add_metric([], float(worker.completed))
             for reason, n in sorted(dict(worker.failed).items()):

@@ -28,7 +28,6 @@ Registered on the gateway app by `services.gym_gateway.app`; the work is done by
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 
 import aiohttp
@@ -38,8 +37,8 @@ from fastapi.responses import Response
 
 from services.gym_gateway.responses import build_response, chat_request
 from shared.http import HTTPError, MsgspecJSON, read_body
-from shared.openapi import json_body
 from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, TokenizeRequest
+from shared.openapi import json_body
 from shared.registry import live_workers
 from shared.responses_api import ResponsesRequest
 
@@ -83,18 +82,28 @@ async def _forwarded(request: Request, session_id: str) -> Response | None:
     if owners is None:
         owners = app.state.session_owners = OrderedDict()
     proxy = app.state.proxy
-    candidates = [owners[session_id]] if session_id in owners else [
-        w.url for w in await live_workers(proxy.pool.redis, proxy.pool.keys, "gym_gateway")
-        if w.worker_id != app.state.worker.gateway_id]
+    candidates = (
+        [owners[session_id]]
+        if session_id in owners
+        else [
+            w.url
+            for w in await live_workers(proxy.pool.redis, proxy.pool.keys, "gym_gateway")
+            if w.worker_id != app.state.worker.gateway_id
+        ]
+    )
     body = await request.body()
     headers = {"content-type": request.headers.get("content-type", "application/json"), FORWARDED_HEADER: "1"}
     for url in candidates:
         try:
-            async with proxy.http.request(request.method, f"{url.rstrip('/')}{request.url.path}", data=body,
-                                          headers=headers,
-                                          timeout=aiohttp.ClientTimeout(total=proxy.request_timeout_s)) as resp:
+            async with proxy.http.request(
+                request.method,
+                f"{url.rstrip('/')}{request.url.path}",
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=proxy.request_timeout_s),
+            ) as resp:
                 status, answer = resp.status, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             continue  # a worker that went away holds no session we can reach
         if status == 404 and b'"session_id"' in answer:
             continue
@@ -150,11 +159,14 @@ async def tokenize(session_id: str, request: Request) -> Response:
     req = await read_body(request, TokenizeRequest)
     proxy = request.app.state.proxy
     try:
-        async with proxy.http.post(f"{s.generator_url}/tokenize", data=msgspec.json.encode(req),
-                                   headers={"content-type": "application/json"},
-                                   timeout=aiohttp.ClientTimeout(total=proxy.request_timeout_s)) as resp:
+        async with proxy.http.post(
+            f"{s.generator_url}/tokenize",
+            data=msgspec.json.encode(req),
+            headers={"content-type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=proxy.request_timeout_s),
+        ) as resp:
             return Response(await resp.read(), status_code=resp.status, media_type="application/json")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         raise HTTPError(502, f"generator {s.generator_id} unreachable: {type(exc).__name__}: {exc}") from exc
 
 
@@ -166,20 +178,27 @@ async def stats(session_id: str, request: Request) -> Response:
 
 
 async def no_rollout() -> None:
-    raise HTTPError(404, "the gateway serves a model per rollout: call /ng-rollout/<rollout id>/v1/responses. "
-                         "Set observability_enabled: true in the NeMo-Gym config so agents add the prefix, and "
-                         "let the streamrl driver post /run (it sets _ng_rollout_id)", param="path")
+    raise HTTPError(
+        404,
+        "the gateway serves a model per rollout: call /ng-rollout/<rollout id>/v1/responses. "
+        "Set observability_enabled: true in the NeMo-Gym config so agents add the prefix, and "
+        "let the streamrl driver post /run (it sets _ng_rollout_id)",
+        param="path",
+    )
 
 
 for _prefix in _PREFIXES:
-    router.add_api_route(f"{_prefix}/v1/responses", responses, methods=["POST"],
-                         openapi_extra=json_body(ResponsesRequest))
+    router.add_api_route(
+        f"{_prefix}/v1/responses", responses, methods=["POST"], openapi_extra=json_body(ResponsesRequest)
+    )
     router.add_api_route(f"{_prefix}/tokenize", tokenize, methods=["POST"], openapi_extra=json_body(TokenizeRequest))
 for _prefix in (ROLLOUT_PREFIX, CAPTURE_PREFIX):
-    router.add_api_route(f"{_prefix}/v1/chat/completions", chat, methods=["POST"],
-                         openapi_extra=json_body(ChatCompletionRequest))
-    router.add_api_route(f"{_prefix}/v1/completions", completions, methods=["POST"],
-                         openapi_extra=json_body(CompletionRequest))
+    router.add_api_route(
+        f"{_prefix}/v1/chat/completions", chat, methods=["POST"], openapi_extra=json_body(ChatCompletionRequest)
+    )
+    router.add_api_route(
+        f"{_prefix}/v1/completions", completions, methods=["POST"], openapi_extra=json_body(CompletionRequest)
+    )
     router.add_api_route(f"{_prefix}/v1/models", models, methods=["GET"])
 router.add_api_route("/sessions/{session_id}/stats", stats, methods=["GET"])
 router.add_api_route("/v1/responses", no_rollout, methods=["POST"])

@@ -134,7 +134,6 @@ class GeneratorPool:
             return False
         return True
 
-
     async def _refresh(self, stale_before: float) -> None:
         """One registry read for a burst of sessions: callers that waited on the lock find the
         view refreshed after ``stale_before`` and return without reading again."""
@@ -147,8 +146,9 @@ class GeneratorPool:
 
 
 class SessionProxy:
-    def __init__(self, pool: GeneratorPool, http: aiohttp.ClientSession, *, request_timeout_s: float,
-                 max_failovers: int = 2) -> None:
+    def __init__(
+        self, pool: GeneratorPool, http: aiohttp.ClientSession, *, request_timeout_s: float, max_failovers: int = 2
+    ) -> None:
         self.pool = pool
         self.http = http
         self.request_timeout_s = request_timeout_s
@@ -205,8 +205,16 @@ class SessionProxy:
         body = await self._post(s, "/v1/chat/completions", msgspec.json.encode(self._prepare(s, req)))
         out = self._chat_decoder.decode(body)
         c = out.choices[0]
-        self._record(s, out.prompt_token_ids, c.message.generation_token_ids, c.message.generation_log_probs,
-                     out.weight_version, out.weight_version_end, c.finish_reason, time.perf_counter() - t0)
+        self._record(
+            s,
+            out.prompt_token_ids,
+            c.message.generation_token_ids,
+            c.message.generation_log_probs,
+            out.weight_version,
+            out.weight_version_end,
+            c.finish_reason,
+            time.perf_counter() - t0,
+        )
         return body
 
     async def completion(self, session_id: str, req: CompletionRequest) -> bytes:
@@ -217,8 +225,16 @@ class SessionProxy:
         body = await self._post(s, "/v1/completions", msgspec.json.encode(fwd))
         out = self._completion_decoder.decode(body)
         c = out.choices[0]
-        self._record(s, out.prompt_token_ids, c.generation_token_ids, c.generation_log_probs,
-                     out.weight_version, out.weight_version_end, c.finish_reason, time.perf_counter() - t0)
+        self._record(
+            s,
+            out.prompt_token_ids,
+            c.generation_token_ids,
+            c.generation_log_probs,
+            out.weight_version,
+            out.weight_version_end,
+            c.finish_reason,
+            time.perf_counter() - t0,
+        )
         return body
 
     async def _post(self, s: Session, path: str, payload: bytes) -> bytes:
@@ -227,15 +243,20 @@ class SessionProxy:
         while True:
             try:
                 async with self.http.post(
-                    f"{s.generator_url}{path}", data=payload, headers={"content-type": "application/json"},
+                    f"{s.generator_url}{path}",
+                    data=payload,
+                    headers={"content-type": "application/json"},
                     timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
                 ) as resp:
                     status, body = resp.status, await resp.read()
             except aiohttp.ClientConnectionError as exc:  # refused, reset or dropped mid-request
                 status, body, gone = 0, b"", f"{type(exc).__name__}: {exc}"
-            except asyncio.TimeoutError as exc:
-                raise HTTPError(504, f"generator {s.generator_id} did not answer within "
-                                     f"{self.request_timeout_s:.0f}s", type_="upstream_timeout") from exc
+            except TimeoutError as exc:
+                raise HTTPError(
+                    504,
+                    f"generator {s.generator_id} did not answer within {self.request_timeout_s:.0f}s",
+                    type_="upstream_timeout",
+                ) from exc
             else:
                 if status == 200:
                     return body
@@ -249,33 +270,61 @@ class SessionProxy:
         tried.add(s.generator_id)
         self.pool.mark_dead(s.generator_id)
         if len(tried) > self.max_failovers:
-            raise HTTPError(502, f"generator {s.generator_id} unavailable ({why}); gave up after "
-                                 f"{len(tried)} generators", type_="upstream_unavailable")
+            raise HTTPError(
+                502,
+                f"generator {s.generator_id} unavailable ({why}); gave up after {len(tried)} generators",
+                type_="upstream_unavailable",
+            )
         try:
             gid, url, _ = await self.pool.pick(wait_s=min(10.0, self.request_timeout_s), exclude=frozenset(tried))
         except NoGenerator as exc:
-            raise HTTPError(502, f"generator {s.generator_id} unavailable ({why}) and no other serving "
-                                 f"generator: {exc}", type_="upstream_unavailable") from exc
-        log.warning("session %s: generator %s unavailable (%s); failing over to %s", s.session_id,
-                    s.generator_id, why, gid)
+            raise HTTPError(
+                502,
+                f"generator {s.generator_id} unavailable ({why}) and no other serving generator: {exc}",
+                type_="upstream_unavailable",
+            ) from exc
+        log.warning(
+            "session %s: generator %s unavailable (%s); failing over to %s", s.session_id, s.generator_id, why, gid
+        )
         s.generator_id, s.generator_url = gid, url
         s.failovers += 1
         self.failovers_total += 1
 
-    def _record(self, s: Session, prompt: list[int], gen: list[int], logprobs: list[float], version: int,
-                version_end: int, finish_reason: str, latency_s: float) -> None:
+    def _record(
+        self,
+        s: Session,
+        prompt: list[int],
+        gen: list[int],
+        logprobs: list[float],
+        version: int,
+        version_end: int,
+        finish_reason: str,
+        latency_s: float,
+    ) -> None:
         keep = common_prefix_len(s.context, prompt)
         if s.context and keep < len(s.context):
             s.prefix_breaks += 1
             self.prefix_breaks_total += 1
             self.prefix_breaks_by_env[s.env] = self.prefix_breaks_by_env.get(s.env, 0) + 1
-            log.warning("session %s (%s): prompt of call %d breaks the token prefix at %d of %d", s.session_id,
-                        s.env, s.calls, keep, len(s.context))
+            log.warning(
+                "session %s (%s): prompt of call %d breaks the token prefix at %d of %d",
+                s.session_id,
+                s.env,
+                s.calls,
+                keep,
+                len(s.context),
+            )
         s.turns.append(
             make_turn(
-                prompt_ids=prompt[keep:], context_len=keep, generated_ids=gen, generated_logprobs=logprobs,
-                weight_version=version, weight_version_end=version_end, finish_reason=finish_reason,
-                generator_id=s.generator_id, latency_s=latency_s,
+                prompt_ids=prompt[keep:],
+                context_len=keep,
+                generated_ids=gen,
+                generated_logprobs=logprobs,
+                weight_version=version,
+                weight_version_end=version_end,
+                finish_reason=finish_reason,
+                generator_id=s.generator_id,
+                latency_s=latency_s,
             )
         )
         s.context = list(prompt) + list(gen)

@@ -65,8 +65,10 @@ class _Assistant:
         if self.open or self.text or self.tool_calls:
             messages.append(
                 ChatMessage(
-                    role="assistant", content="".join(self.text) or None,
-                    reasoning_content="\n".join(self.reasoning) or None, tool_calls=self.tool_calls or None,
+                    role="assistant",
+                    content="".join(self.text) or None,
+                    reasoning_content="\n".join(self.reasoning) or None,
+                    tool_calls=self.tool_calls or None,
                     **(self.tokens or {}),
                 )
             )
@@ -114,8 +116,9 @@ def _text(content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = content if isinstance(content, list) else [content]
-    return "".join(p.get("text") or p.get("refusal") or "" for p in parts
-                   if isinstance(p, dict) and p.get("type") in _TEXT_PARTS)
+    return "".join(
+        p.get("text") or p.get("refusal") or "" for p in parts if isinstance(p, dict) and p.get("type") in _TEXT_PARTS
+    )
 
 
 def _tool_output(output: str | list[dict[str, Any]]) -> Any:
@@ -171,8 +174,10 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type", "function") != "function":
-            raise bad_request(f"tools[{i}].type {tool.get('type')!r} is not supported; only function tools are",
-                              param=f"tools[{i}].type")
+            raise bad_request(
+                f"tools[{i}].type {tool.get('type')!r} is not supported; only function tools are",
+                param=f"tools[{i}].type",
+            )
         if not isinstance(tool.get("name"), str):
             raise bad_request(f"tools[{i}].name is required", param=f"tools[{i}].name")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
@@ -194,8 +199,9 @@ def _template_kwargs(metadata: dict[str, str] | None) -> dict[str, Any] | None:
     try:
         kwargs = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise bad_request(f"metadata.chat_template_kwargs is not JSON: {exc}",
-                          param="metadata.chat_template_kwargs") from None
+        raise bad_request(
+            f"metadata.chat_template_kwargs is not JSON: {exc}", param="metadata.chat_template_kwargs"
+        ) from None
     if not isinstance(kwargs, dict):
         raise bad_request("metadata.chat_template_kwargs must be a JSON object", param="metadata.chat_template_kwargs")
     return kwargs
@@ -208,13 +214,19 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.background:
         raise bad_request("background responses are not supported", param="background")
     if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: responses are not stored; replay the items "
-                          "in input", param="previous_response_id")
+        raise bad_request(
+            "previous_response_id is not supported: responses are not stored; replay the items in input",
+            param="previous_response_id",
+        )
     tools = chat_tools(req.tools)
     return ChatCompletionRequest(
         messages=_fold_instructions(req.instructions, input_messages(req.input)),
-        model=req.model, tools=tools, tool_choice=_chat_tool_choice(req.tool_choice) if tools else None,
-        temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens,
+        model=req.model,
+        tools=tools,
+        tool_choice=_chat_tool_choice(req.tool_choice) if tools else None,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_tokens=req.max_output_tokens,
         chat_template_kwargs=_template_kwargs(req.metadata),
     )
 
@@ -229,11 +241,21 @@ def output_items(out: ChatCompletionResponse) -> list[OutputItem]:
         items.append(OutputMessage(id=f"msg_{uuid.uuid4().hex}", content=[OutputText(text=m.content or "")]))
     for tc in m.tool_calls or []:
         args = tc.function.arguments
-        items.append(FunctionCallItem(call_id=tc.id, name=tc.function.name, id=tc.id, status="completed",
-                                      arguments=args if isinstance(args, str) else json.dumps(args)))
-    items[-1] = msgspec.structs.replace(items[-1], prompt_token_ids=m.prompt_token_ids,
-                                        generation_token_ids=m.generation_token_ids,
-                                        generation_log_probs=m.generation_log_probs)
+        items.append(
+            FunctionCallItem(
+                call_id=tc.id,
+                name=tc.function.name,
+                id=tc.id,
+                status="completed",
+                arguments=args if isinstance(args, str) else json.dumps(args),
+            )
+        )
+    items[-1] = msgspec.structs.replace(
+        items[-1],
+        prompt_token_ids=m.prompt_token_ids,
+        generation_token_ids=m.generation_token_ids,
+        generation_log_probs=m.generation_log_probs,
+    )
     return items
 
 
@@ -242,14 +264,31 @@ def build_response(req: ResponsesRequest, out: ChatCompletionResponse) -> Respon
     choice = out.choices[0]
     incomplete = {"length": "max_output_tokens", "content_filter": "content_filter"}.get(choice.finish_reason)
     return ResponsesResponse(
-        id=f"resp_{uuid.uuid4().hex}", created_at=float(out.created or time.time()), model=req.model or out.model,
-        output=output_items(out), parallel_tool_calls=req.parallel_tool_calls, tool_choice=req.tool_choice,
-        tools=req.tools, status="incomplete" if incomplete else "completed",
+        id=f"resp_{uuid.uuid4().hex}",
+        created_at=float(out.created or time.time()),
+        model=req.model or out.model,
+        output=output_items(out),
+        parallel_tool_calls=req.parallel_tool_calls,
+        tool_choice=req.tool_choice,
+        tools=req.tools,
+        status="incomplete" if incomplete else "completed",
         incomplete_details=IncompleteDetails(reason=incomplete) if incomplete else None,
-        instructions=req.instructions, metadata=req.metadata, temperature=req.temperature, top_p=req.top_p,
-        max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls, reasoning=req.reasoning,
-        text=req.text, top_logprobs=req.top_logprobs, truncation=req.truncation, user=req.user,
-        usage=ResponseUsage(input_tokens=out.usage.prompt_tokens, output_tokens=out.usage.completion_tokens,
-                            total_tokens=out.usage.total_tokens),
-        weight_version=out.weight_version, weight_version_end=out.weight_version_end,
+        instructions=req.instructions,
+        metadata=req.metadata,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_output_tokens=req.max_output_tokens,
+        max_tool_calls=req.max_tool_calls,
+        reasoning=req.reasoning,
+        text=req.text,
+        top_logprobs=req.top_logprobs,
+        truncation=req.truncation,
+        user=req.user,
+        usage=ResponseUsage(
+            input_tokens=out.usage.prompt_tokens,
+            output_tokens=out.usage.completion_tokens,
+            total_tokens=out.usage.total_tokens,
+        ),
+        weight_version=out.weight_version,
+        weight_version_end=out.weight_version_end,
     )

@@ -32,12 +32,12 @@ from typing import Literal
 import aiohttp
 import msgspec
 
-from shared import keys as K
-from shared.protocol import Task, Trajectory
-from shared.streams import Delivery, StreamClient
 from services.gym_gateway.envs import UnknownEnvironment, get_env
 from services.gym_gateway.envs.base import ChatClient, InfraError, ModelRequestError, Outcome
 from services.gym_gateway.proxy import NoGenerator, Session, SessionProxy
+from shared import keys as K
+from shared.protocol import Task, Trajectory
+from shared.streams import Delivery, StreamClient
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,17 @@ def classify(exc: BaseException) -> Failure:
     return Failure("env_error", f"{type(exc).__name__}: {exc}")
 
 
-def assemble(task: Task, session: Session, outcome: Outcome | None, failure: Failure | None, gateway_id: str,
-             started_at: float, *, carry_mask_flag: bool = True, attempts: int = 1) -> Trajectory:
+def assemble(
+    task: Task,
+    session: Session,
+    outcome: Outcome | None,
+    failure: Failure | None,
+    gateway_id: str,
+    started_at: float,
+    *,
+    carry_mask_flag: bool = True,
+    attempts: int = 1,
+) -> Trajectory:
     """The trajectory record of a finished rollout. An infrastructure failure is a zero-token
     placeholder; a policy failure keeps its turns as a truncated, zero-reward rollout.
     ``carry_mask_flag`` (env.should_mask_flagged_samples) off leaves ``mask_sample`` out of the
@@ -83,24 +92,49 @@ def assemble(task: Task, session: Session, outcome: Outcome | None, failure: Fai
     else:
         status = "failed" if infra else "truncated"
     return Trajectory(
-        task_id=task.task_id, group_id=task.group_id, index_in_group=task.index_in_group,
-        group_size=task.group_size, prompt_index=task.prompt_index, env=task.env, kind=task.kind,
-        target_step=task.target_step, launch_version=min(versions) if versions else session.open_version,
-        reward=0.0 if outcome is None else float(outcome.reward), status=status,
+        task_id=task.task_id,
+        group_id=task.group_id,
+        index_in_group=task.index_in_group,
+        group_size=task.group_size,
+        prompt_index=task.prompt_index,
+        env=task.env,
+        kind=task.kind,
+        target_step=task.target_step,
+        launch_version=min(versions) if versions else session.open_version,
+        reward=0.0 if outcome is None else float(outcome.reward),
+        status=status,
         fallback_reason=failure.fallback_reason if failure else None,
-        failure_kind=failure.kind if failure else None, turns=turns,
+        failure_kind=failure.kind if failure else None,
+        turns=turns,
         mask_sample=bool(outcome is not None and outcome.mask_sample) if carry_mask_flag else msgspec.UNSET,
-        metrics={**(outcome.metrics if outcome else {}), "model_calls": float(session.calls),
-                 "prefix_breaks": float(session.prefix_breaks), "failovers": float(session.failovers),
-                 "attempts": float(attempts)},
-        gateway_id=gateway_id, started_at=started_at, finished_at=time.time(),
+        metrics={
+            **(outcome.metrics if outcome else {}),
+            "model_calls": float(session.calls),
+            "prefix_breaks": float(session.prefix_breaks),
+            "failovers": float(session.failovers),
+            "attempts": float(attempts),
+        },
+        gateway_id=gateway_id,
+        started_at=started_at,
+        finished_at=time.time(),
     )
 
 
 class GatewayWorker:
-    def __init__(self, streams: StreamClient, proxy: SessionProxy, http: aiohttp.ClientSession, *, session_base_url: str,
-                 max_concurrent: int, reclaim_idle_s: float, max_turns: int, gateway_id: str,
-                 carry_mask_flag: bool = True, env_cfg=None) -> None:
+    def __init__(
+        self,
+        streams: StreamClient,
+        proxy: SessionProxy,
+        http: aiohttp.ClientSession,
+        *,
+        session_base_url: str,
+        max_concurrent: int,
+        reclaim_idle_s: float,
+        max_turns: int,
+        gateway_id: str,
+        carry_mask_flag: bool = True,
+        env_cfg=None,
+    ) -> None:
         self.streams = streams
         self.proxy = proxy
         self.http = http
@@ -144,7 +178,7 @@ class GatewayWorker:
                 self._slot_free.clear()
                 try:
                     await asyncio.wait_for(self._slot_free.wait(), 0.2)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             if self.held:
@@ -154,8 +188,9 @@ class GatewayWorker:
                 continue
             if time.monotonic() > next_reclaim:
                 next_reclaim = time.monotonic() + self.reclaim_idle_s / 4
-                self.held = await self.streams.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task,
-                                                       min_idle_ms=int(self.reclaim_idle_s * 1000), count=free)
+                self.held = await self.streams.reclaim(
+                    keys.tasks, K.GATEWAYS_GROUP, Task, min_idle_ms=int(self.reclaim_idle_s * 1000), count=free
+                )
                 continue
             got = await self.streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=free, block_ms=500)
             if self.stopping:  # read while a drain began: give them back rather than start them
@@ -196,19 +231,29 @@ class GatewayWorker:
         if failure:
             self.failed[failure.reason] = self.failed.get(failure.reason, 0) + 1
             log.warning("rollout %s failed after %d attempt(s): %s", task.task_id, attempt, failure.fallback_reason)
-        traj = assemble(task, session, outcome, failure, self.gateway_id, started,
-                        carry_mask_flag=self.carry_mask_flag, attempts=attempt)
+        traj = assemble(
+            task,
+            session,
+            outcome,
+            failure,
+            self.gateway_id,
+            started,
+            carry_mask_flag=self.carry_mask_flag,
+            attempts=attempt,
+        )
         keys = self.streams.keys
         try:
-            published = await self.streams.publish_and_ack(keys.trajectories, traj, keys.tasks, K.GATEWAYS_GROUP,
-                                                           d.entry_id)
+            published = await self.streams.publish_and_ack(
+                keys.trajectories, traj, keys.tasks, K.GATEWAYS_GROUP, d.entry_id
+            )
         except Exception as exc:
             # Not acked: the task stays pending and is reclaimed.
             log.error("could not publish trajectory %s: %s", task.task_id, exc)
             return
         if published is None:
-            log.warning("rollout %s finished after its task was taken over by another worker; result dropped",
-                        task.task_id)
+            log.warning(
+                "rollout %s finished after its task was taken over by another worker; result dropped", task.task_id
+            )
             return
         self.completed += 1
 
@@ -221,9 +266,16 @@ class GatewayWorker:
         try:
             session = await self.proxy.open(session_id, task.kind, task.sampling, env=task.env)
             env = self._env(task.env)
-            client = ChatClient(f"{self.session_base_url}/sessions/{session_id}/v1", self.http,
-                                timeout_s=task.deadline_s, sampling=task.sampling, session_id=session_id)
-            outcome = await asyncio.wait_for(env.rollout(task.instance, client, max_turns=self.max_turns), task.deadline_s)
+            client = ChatClient(
+                f"{self.session_base_url}/sessions/{session_id}/v1",
+                self.http,
+                timeout_s=task.deadline_s,
+                sampling=task.sampling,
+                session_id=session_id,
+            )
+            outcome = await asyncio.wait_for(
+                env.rollout(task.instance, client, max_turns=self.max_turns), task.deadline_s
+            )
         except asyncio.CancelledError:
             self.proxy.close(session_id)
             raise  # draining: the task is released by drain()
@@ -241,8 +293,11 @@ class GatewayWorker:
             return
         try:
             self.released += await self.streams.requeue(
-                self.streams.keys.tasks, K.GATEWAYS_GROUP, deliveries,
-                bump=lambda t: msgspec.structs.replace(t, attempt=t.attempt + 1))
+                self.streams.keys.tasks,
+                K.GATEWAYS_GROUP,
+                deliveries,
+                bump=lambda t: msgspec.structs.replace(t, attempt=t.attempt + 1),
+            )
         except Exception as exc:  # Redis gone: they stay pending and are reclaimed later
             log.error("could not release %d tasks: %s; they stay pending for a reclaim", len(deliveries), exc)
 

@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank would run its own scheduler and buffer: refuse rather than train N copies.
         logging.getLogger("services.trainer").error(
             "WORLD_SIZE is %d, but the trainer runs as a single rank for now "
-            "(launch it with torchrun --nnodes 1 --nproc-per-node 1)", world_size)
+            "(launch it with torchrun --nnodes 1 --nproc-per-node 1)",
+            world_size,
+        )
         return 2
     import asyncio
 

@@ -17,17 +17,16 @@ Built by `build_app` around a TrainerRuntime (which owns all state); started by 
 
 from __future__ import annotations
 
-
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.trainer.observe import TrainerMetrics
+from services.trainer.runtime import TrainerRuntime
 from shared.auth import AuthPolicy
 from shared.http import HTTPError, decode_body, install_error_handlers, require_control_token
 from shared.metrics import CONTENT_TYPE
 from shared.openapi import document_bodies, json_body
-from services.trainer.observe import TrainerMetrics
-from services.trainer.runtime import TrainerRuntime
 
 CONTROL = [Depends(require_control_token)]
 
@@ -36,7 +35,9 @@ class ResumeRequest(msgspec.Struct, forbid_unknown_fields=True):
     epoch: int | None = None
 
 
-def build_app(runtime: TrainerRuntime, metrics: TrainerMetrics | None = None, *, auth: AuthPolicy | None = None) -> FastAPI:
+def build_app(
+    runtime: TrainerRuntime, metrics: TrainerMetrics | None = None, *, auth: AuthPolicy | None = None
+) -> FastAPI:
     """The REST app around ``runtime``; ``auth`` defaults to the token in the environment."""
     metrics = metrics if metrics is not None else TrainerMetrics()
     runtime.record_sinks.append(metrics.observe_record)

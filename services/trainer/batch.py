@@ -43,7 +43,7 @@ class Row:
     prefix_break: bool = False
     truncated: bool = False
     env_flagged: bool = False
-    segments: list["Row"] = field(default_factory=list)  # later samples of a rollout split at prefix breaks
+    segments: list[Row] = field(default_factory=list)  # later samples of a rollout split at prefix breaks
 
 
 @dataclass
@@ -61,8 +61,16 @@ def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_pref
     the turns from a break on become extra rows in ``row.segments`` (same reward and advantage)."""
     if not traj.turns or traj.status == "failed":
         # A backfilled failure: kept for the batch shape, no loss, no part in the baselines.
-        return Row(traj.task_id, traj.group_id, np.zeros(1, np.int64), np.zeros(1, np.float32),
-                   np.zeros(1, np.float32), traj.reward, sample_mask=0.0, placeholder=True)
+        return Row(
+            traj.task_id,
+            traj.group_id,
+            np.zeros(1, np.int64),
+            np.zeros(1, np.float32),
+            np.zeros(1, np.float32),
+            traj.reward,
+            sample_mask=0.0,
+            placeholder=True,
+        )
     pieces: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[]]
     context = np.zeros(0, np.int64)  # the current sample's tokens so far
     prefix_break = False
@@ -75,8 +83,10 @@ def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_pref
             context = context[: turn.context_len]
             pieces.append([(context, np.zeros(len(context), np.float32), np.zeros(len(context), np.float32))])
         prompt, gen, lp = turn.prompt().astype(np.int64), turn.generated().astype(np.int64), turn.logprobs()
-        pieces[-1] += [(prompt, np.zeros(len(prompt), np.float32), np.zeros(len(prompt), np.float32)),
-                       (gen, np.ones(len(gen), np.float32), lp.astype(np.float32))]
+        pieces[-1] += [
+            (prompt, np.zeros(len(prompt), np.float32), np.zeros(len(prompt), np.float32)),
+            (gen, np.ones(len(gen), np.float32), lp.astype(np.float32)),
+        ]
         context = np.concatenate([context, prompt, gen])
     rows = [_row(traj, parts, max_len, mask_flagged) for parts in pieces]
     head = rows[0]
@@ -87,7 +97,9 @@ def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_pref
     return head
 
 
-def _row(traj: Trajectory, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], max_len: int, mask_flagged: bool) -> Row:
+def _row(
+    traj: Trajectory, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], max_len: int, mask_flagged: bool
+) -> Row:
     seq = np.concatenate([p[0] for p in parts]).astype(np.int64) if parts else np.zeros(1, np.int64)
     tmask = np.concatenate([p[1] for p in parts]) if parts else np.zeros(1, np.float32)
     glp = np.concatenate([p[2] for p in parts]) if parts else np.zeros(1, np.float32)
@@ -95,15 +107,28 @@ def _row(traj: Trajectory, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]
     if truncated:
         seq, tmask, glp = seq[:max_len], tmask[:max_len], glp[:max_len]
     tmask[0] = 0.0  # the first token has no logprob
-    row = Row(traj.task_id, traj.group_id, seq, tmask, glp, traj.reward, truncated=truncated,
-              env_flagged=mask_flagged and traj.mask_sample is True)
+    row = Row(
+        traj.task_id,
+        traj.group_id,
+        seq,
+        tmask,
+        glp,
+        traj.reward,
+        truncated=truncated,
+        env_flagged=mask_flagged and traj.mask_sample is True,
+    )
     if row.env_flagged:
         row.sample_mask = 0.0
     return row
 
 
 def build_step_batch(
-    groups: list[Group], *, max_len: int, leave_one_out: bool, normalize: bool, mask_flagged: bool = True,
+    groups: list[Group],
+    *,
+    max_len: int,
+    leave_one_out: bool,
+    normalize: bool,
+    mask_flagged: bool = True,
     on_prefix_break: str = "mask",
 ) -> StepBatch:
     trajs = [t for g in groups for t in g.ordered()]
@@ -117,7 +142,7 @@ def build_step_batch(
         normalize=normalize,
         is_placeholder=[r.placeholder for r in rows],
     )
-    for r, a in zip(rows, adv):
+    for r, a in zip(rows, adv, strict=True):
         r.advantage = float(a)
         for seg in r.segments:
             seg.advantage = float(a)
@@ -142,7 +167,10 @@ def build_step_batch(
         "gen_tokens": float(sum(r.token_mask.sum() for r in rows)),
         "advantages_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
         "zero_advantage_groups": float(
-            sum(all(abs(r.advantage) < 1e-9 for r in rows[i : i + group_size]) for i in range(0, len(rows), group_size or 1))
+            sum(
+                all(abs(r.advantage) < 1e-9 for r in rows[i : i + group_size])
+                for i in range(0, len(rows), group_size or 1)
+            )
         ),
     }
     # Environment metrics of the step's rollouts (turns, tool use, ...), averaged: env/<name>.

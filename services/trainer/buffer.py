@@ -142,8 +142,12 @@ class ReplayBuffer:
                 del self._staged[target]
         if evicted:
             self.evicted_total += len(evicted)
-            log.info("evicted %d stale groups at step %d (gen versions %s)", len(evicted), step,
-                     sorted({g.gen_version for g in evicted}))
+            log.info(
+                "evicted %d stale groups at step %d (gen versions %s)",
+                len(evicted),
+                step,
+                sorted({g.gen_version for g in evicted}),
+            )
         return evicted
 
     def _candidates(self, step: int) -> list[Group]:

@@ -22,7 +22,9 @@ RecordSink = Callable[[dict[str, Any]], None]
 
 
 class MetricsLog:
-    def __init__(self, path: Path, *, sinks: list[RecordSink] | None = None, tensorboard_dir: Path | None = None) -> None:
+    def __init__(
+        self, path: Path, *, sinks: list[RecordSink] | None = None, tensorboard_dir: Path | None = None
+    ) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(path, "a", buffering=1)

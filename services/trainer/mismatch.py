@@ -74,9 +74,7 @@ def summarize(records: list[SeqRecord], threshold: float | None) -> dict[str, fl
     masked = [r for r in valid if r.masked]
     kept = [r for r in valid if not r.masked]
     out["num_masked_seqs_by_logprob_error"] = float(len(masked))
-    out["masked_correct_pct"] = (
-        100.0 * sum(1 for r in masked if r.reward == 1.0) / len(masked) if masked else 0.0
-    )
+    out["masked_correct_pct"] = 100.0 * sum(1 for r in masked if r.reward == 1.0) / len(masked) if masked else 0.0
     out.update({f"{k}_after_mask": v for k, v in _stats("seq_mult_prob_error", [r.error for r in kept]).items()})
     out["mean_seq_len_after_mask"] = float(np.mean([r.length for r in kept])) if kept else 0.0
     return out

@@ -49,37 +49,52 @@ class TrainerMetrics(ServiceMetrics):
         r = self.registry
         self.step = Gauge("streamrl_trainer_step", "Current training step", registry=r)
         self.version = Gauge("streamrl_trainer_weight_version", "Last confirmed weight version", registry=r)
-        self.buffer = Gauge("streamrl_trainer_buffer_groups", "Complete groups staged, by target offset", ["offset"], registry=r)
+        self.buffer = Gauge(
+            "streamrl_trainer_buffer_groups", "Complete groups staged, by target offset", ["offset"], registry=r
+        )
         self.in_flight = Gauge("streamrl_trainer_in_flight_groups", "Groups issued and not yet complete", registry=r)
         self.evicted = Gauge("streamrl_trainer_evicted_groups_total", "Groups evicted as stale", registry=r)
         self.reward = Gauge("streamrl_trainer_reward_mean", "Mean reward of the last step", registry=r)
         self.staleness_mean = Gauge("streamrl_trainer_staleness_mean", "Mean age of the last step's groups", registry=r)
         self.refit = Gauge("streamrl_trainer_refit_seconds", "Duration of the last refit", registry=r)
-        self.deadletter = Gauge("streamrl_trainer_deadlettered_total", "Entries dead-lettered by the trainer", registry=r)
+        self.deadletter = Gauge(
+            "streamrl_trainer_deadlettered_total", "Entries dead-lettered by the trainer", registry=r
+        )
         self.val_accuracy = Gauge("streamrl_trainer_validation_accuracy", "Accuracy of the last validation", registry=r)
         self.staleness = Histogram(
             "streamrl_trainer_trajectory_staleness_steps",
             "Per consumed trajectory: training step minus the weight version it was launched on",
-            buckets=STALENESS_BUCKETS, registry=r,
+            buckets=STALENESS_BUCKETS,
+            registry=r,
         )
         self.refit_phase = Histogram(
-            "streamrl_trainer_refit_phase_seconds", "Refit duration per phase (write, checksum, confirm)",
-            ["phase"], buckets=DURATION_BUCKETS_S, registry=r,
+            "streamrl_trainer_refit_phase_seconds",
+            "Refit duration per phase (write, checksum, confirm)",
+            ["phase"],
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
         )
         self.step_phase = Histogram(
-            "streamrl_trainer_step_phase_seconds", "Training step duration per phase (wait_data, train, refit, step)",
-            ["phase"], buckets=DURATION_BUCKETS_S, registry=r,
+            "streamrl_trainer_step_phase_seconds",
+            "Training step duration per phase (wait_data, train, refit, step)",
+            ["phase"],
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
         )
         self.refit_generators = Gauge(
             "streamrl_trainer_refit_generators", "Generators that confirmed the last refit", registry=r
         )
         self.refit_dropped = Counter(
-            "streamrl_trainer_refit_dropped_generators", "Generators that left or began draining during a refit",
+            "streamrl_trainer_refit_dropped_generators",
+            "Generators that left or began draining during a refit",
             registry=r,
         )
         self.stream_length = Gauge("streamrl_stream_length", "Entries in a stream of the run", ["stream"], registry=r)
         self.group_pending = Gauge(
-            "streamrl_stream_pending", "Entries delivered to a consumer group and not yet acked", ["stream", "group"], registry=r
+            "streamrl_stream_pending",
+            "Entries delivered to a consumer group and not yet acked",
+            ["stream", "group"],
+            registry=r,
         )
         self.group_lag = Gauge(
             "streamrl_stream_lag", "Entries not yet delivered to a consumer group", ["stream", "group"], registry=r
@@ -88,7 +103,10 @@ class TrainerMetrics(ServiceMetrics):
             "streamrl_consumer_pending", "Pending entries per consumer", ["stream", "group", "consumer"], registry=r
         )
         self.consumer_idle = Gauge(
-            "streamrl_consumer_idle_seconds", "Time since a consumer last read", ["stream", "group", "consumer"], registry=r
+            "streamrl_consumer_idle_seconds",
+            "Time since a consumer last read",
+            ["stream", "group", "consumer"],
+            registry=r,
         )
 
     def observe_record(self, record: dict[str, Any]) -> None:

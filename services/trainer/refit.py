@@ -30,12 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.trainer.control import PauseControl
 from shared import keys as K
 from shared.protocol import WeightAck, WeightAnnouncement
 from shared.registry import live_workers
 from shared.streams import StreamClient
 from shared.weights_format import checksum_dir, dir_num_bytes
-from services.trainer.control import PauseControl
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,9 @@ async def refit_members(streams: StreamClient) -> set[str]:
     return {g.worker_id for g in gens if g.state not in NOT_WAITED_FOR}
 
 
-async def wait_for_generators(streams: StreamClient, timeout_s: float,
-                              note_latency: Callable[[float, float], None] | None = None) -> list[str]:
+async def wait_for_generators(
+    streams: StreamClient, timeout_s: float, note_latency: Callable[[float, float], None] | None = None
+) -> list[str]:
     """Block until at least one generator that a refit waits for has registered; fail loudly at
     the deadline. ``note_latency(waited_s, asked_s)`` hears how long each registry read took."""
     deadline = time.monotonic() + timeout_s
@@ -92,8 +93,10 @@ async def wait_for_generators(streams: StreamClient, timeout_s: float,
         if members:
             return sorted(members)
         if time.monotonic() > deadline:
-            raise RefitError(f"no generator registered within {timeout_s:.0f}s (trainer.startup_timeout_s at start-up, "
-                             "trainer.refit_timeout_s later)")
+            raise RefitError(
+                f"no generator registered within {timeout_s:.0f}s (trainer.startup_timeout_s at start-up, "
+                "trainer.refit_timeout_s later)"
+            )
         await asyncio.sleep(0.5)
 
 
@@ -118,7 +121,9 @@ class WeightPublisher:
         self._dropped: list[str] = []
         self._absence_proves_nothing_until = 0.0  # monotonic; set after a stalled Redis read
 
-    async def refit(self, version: int, save: Callable[[Path], None], *, wait_for_generators_s: float | None = None) -> RefitReport:
+    async def refit(
+        self, version: int, save: Callable[[Path], None], *, wait_for_generators_s: float | None = None
+    ) -> RefitReport:
         """Publish ``version`` and wait for every live generator; ``wait_for_generators_s`` bounds
         the wait for the first generator to register (start-up), default the refit deadline."""
         t0 = time.perf_counter()
@@ -139,19 +144,35 @@ class WeightPublisher:
             generators = await self._announce_and_confirm(
                 wait_for_generators_s or self.timeout_s,
                 WeightAnnouncement(
-                    version=version, path=str(path.resolve()), checksum=checksum,
-                    num_bytes=dir_num_bytes(path), mode=self.mode,
-                )
+                    version=version,
+                    path=str(path.resolve()),
+                    checksum=checksum,
+                    num_bytes=dir_num_bytes(path),
+                    mode=self.mode,
+                ),
             )
         finally:
             await self.pause.resume("refit", epoch)
         await asyncio.to_thread(self._prune, version)
         t1 = time.perf_counter()
-        report = RefitReport(version, t_saved - t0, t1 - t_saved, t1 - t0, generators,
-                             dropped=list(self._dropped), checksum_s=t_checksummed - t_saved)
-        log.info("refit to v%d confirmed by %d generator(s) (%s) in %.2fs (save %.2fs)%s", version,
-                 len(generators), ", ".join(generators), report.total_s, report.save_s,
-                 f"; dropped {', '.join(report.dropped)}" if report.dropped else "")
+        report = RefitReport(
+            version,
+            t_saved - t0,
+            t1 - t_saved,
+            t1 - t0,
+            generators,
+            dropped=list(self._dropped),
+            checksum_s=t_checksummed - t_saved,
+        )
+        log.info(
+            "refit to v%d confirmed by %d generator(s) (%s) in %.2fs (save %.2fs)%s",
+            version,
+            len(generators),
+            ", ".join(generators),
+            report.total_s,
+            report.save_s,
+            f"; dropped {', '.join(report.dropped)}" if report.dropped else "",
+        )
         return report
 
     def _write(self, version: int, save: Callable[[Path], None]) -> Path:
@@ -167,8 +188,12 @@ class WeightPublisher:
     def _note_latency(self, waited_s: float, asked_s: float) -> None:
         if waited_s > asked_s + STALL_S:
             self._absence_proves_nothing_until = time.monotonic() + ABSENCE_GRACE_S
-            log.warning("Redis answered after %.1fs; generators missing from the registry get %.0fs to heartbeat "
-                        "again before the refit stops waiting for them", waited_s, ABSENCE_GRACE_S)
+            log.warning(
+                "Redis answered after %.1fs; generators missing from the registry get %.0fs to heartbeat "
+                "again before the refit stops waiting for them",
+                waited_s,
+                ABSENCE_GRACE_S,
+            )
 
     async def _leaving(self, waiting: set[str]) -> set[str]:
         """Generators of ``waiting`` the refit stops waiting for: those now starting or draining,
@@ -202,12 +227,17 @@ class WeightPublisher:
                 if ack is None or ack.version != ann.version:
                     continue
                 if not ack.ok:
-                    raise RefitError(f"generator {ack.worker_id} failed to load weight version {ann.version}: {ack.error}")
+                    raise RefitError(
+                        f"generator {ack.worker_id} failed to load weight version {ann.version}: {ack.error}"
+                    )
                 confirmed[ack.worker_id] = ack
             gone = await self._leaving(expected - set(confirmed))
             if gone:
-                log.warning("generator(s) left or began draining during refit to v%d, not waited for: %s",
-                            ann.version, ", ".join(sorted(gone)))
+                log.warning(
+                    "generator(s) left or began draining during refit to v%d, not waited for: %s",
+                    ann.version,
+                    ", ".join(sorted(gone)),
+                )
                 expected -= gone
                 self._dropped += sorted(gone)
                 self.dropped_total += len(gone)

@@ -33,11 +33,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from shared import keys as K
-from shared.protocol import Heartbeat, Trajectory
-from shared.registry import HeartbeatTask, live_workers
-from shared.run_config import RunConfig, backfills_failures
-from shared.streams import StreamClient, connect
 from services.trainer.batch import build_step_batch
 from services.trainer.buffer import ReplayBuffer
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -47,6 +42,11 @@ from services.trainer.observe import staleness_counts
 from services.trainer.refit import WeightPublisher
 from services.trainer.scheduler import PromptSource, Scheduler, _read_jsonl
 from services.trainer.validation import ValidationRunner, periodic_due
+from shared import keys as K
+from shared.protocol import Heartbeat, Trajectory
+from shared.registry import HeartbeatTask, live_workers
+from shared.run_config import RunConfig, backfills_failures
+from shared.streams import StreamClient, connect
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,9 @@ class TrainerRuntime:
         await self.redis.delete(self.keys.stop)
         self.incarnation = int(await self.redis.incr(self.keys.trainer_incarnation))
         g = cfg.grpo
-        self.buffer = ReplayBuffer(max_age=g.async_grpo.max_trajectory_age_steps, allow_future=g.async_grpo.allow_future_targets)
+        self.buffer = ReplayBuffer(
+            max_age=g.async_grpo.max_trajectory_age_steps, allow_future=g.async_grpo.allow_future_targets
+        )
         self.scheduler = Scheduler(
             PromptSource(cfg.data.train_path, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
             num_prompts_per_step=g.num_prompts_per_step,
@@ -114,18 +116,29 @@ class TrainerRuntime:
         self.validator = None
         if cfg.data.val_path:
             self.validator = ValidationRunner(
-                self.streams, _read_jsonl(cfg.data.val_path), sampling=cfg.policy.generation.sampling("validation"),
-                default_env=cfg.env.name, max_samples=g.max_val_samples, rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
-                generations_per_prompt=g.val_num_generations_per_prompt, id_prefix=f"r{self.incarnation}-",
+                self.streams,
+                _read_jsonl(cfg.data.val_path),
+                sampling=cfg.policy.generation.sampling("validation"),
+                default_env=cfg.env.name,
+                max_samples=g.max_val_samples,
+                rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
+                generations_per_prompt=g.val_num_generations_per_prompt,
+                id_prefix=f"r{self.incarnation}-",
             )
         self.publisher = WeightPublisher(
-            self.streams, self.pause, self.weights_dir, timeout_s=cfg.trainer.refit_timeout_s,
+            self.streams,
+            self.pause,
+            self.weights_dir,
+            timeout_s=cfg.trainer.refit_timeout_s,
             in_flight_updates=g.async_grpo.in_flight_weight_updates,
         )
         self.state = "loading_policy"
         self.backend = await asyncio.to_thread(self._build_backend)
-        self.metrics = MetricsLog(self.log_dir / "metrics.jsonl", sinks=self.record_sinks,
-                                  tensorboard_dir=self.log_dir / "tensorboard" if cfg.logger.tensorboard else None)
+        self.metrics = MetricsLog(
+            self.log_dir / "metrics.jsonl",
+            sinks=self.record_sinks,
+            tensorboard_dir=self.log_dir / "tensorboard" if cfg.logger.tensorboard else None,
+        )
         await asyncio.to_thread(self._restore)
         self.heartbeat = HeartbeatTask(self.redis, self.keys, self._heartbeat)
         self.heartbeat.start()
@@ -139,9 +152,14 @@ class TrainerRuntime:
         cfg = self.cfg
         rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
         updates_per_step = rows // (cfg.policy.train_global_batch_size or rows)
-        return Backend(cfg.policy, cfg.loss_fn, seed=cfg.run.seed, threads=cfg.trainer.torch_threads,
-                            total_updates=cfg.grpo.max_num_steps * updates_per_step,
-                            seq_logprob_error_threshold=cfg.grpo.seq_logprob_error_threshold)
+        return Backend(
+            cfg.policy,
+            cfg.loss_fn,
+            seed=cfg.run.seed,
+            threads=cfg.trainer.torch_threads,
+            total_updates=cfg.grpo.max_num_steps * updates_per_step,
+            seq_logprob_error_threshold=cfg.grpo.seq_logprob_error_threshold,
+        )
 
     def _restore(self) -> None:
         path = latest_checkpoint(self.ckpt_dir) if self.cfg.checkpointing.enabled else None
@@ -156,9 +174,16 @@ class TrainerRuntime:
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(
-            worker_id=self.worker_id, kind="trainer", url=self.url, pid=os.getpid(), host=socket.gethostname(),
-            state="failed" if self.error else "ready", weight_version=self.weight_version,
-            started_at=self.started_at, stats={"step": float(self.step)}, error=self.error,
+            worker_id=self.worker_id,
+            kind="trainer",
+            url=self.url,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            state="failed" if self.error else "ready",
+            weight_version=self.weight_version,
+            started_at=self.started_at,
+            stats={"step": float(self.step)},
+            error=self.error,
         )
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -180,7 +205,9 @@ class TrainerRuntime:
                 await self._step()
             last = self.last_validation
             if (
-                self.cfg.grpo.val_at_end and self.validator and not self.early_stopped
+                self.cfg.grpo.val_at_end
+                and self.validator
+                and not self.early_stopped
                 and not (last and last["step"] == self.step)
             ):
                 await self._validate("val-end")
@@ -205,9 +232,12 @@ class TrainerRuntime:
         t_data = time.perf_counter()
         self.state = "training"
         batch = build_step_batch(
-            sample.groups, max_len=self.cfg.policy.max_total_sequence_length,
-            leave_one_out=self.cfg.grpo.use_leave_one_out_baseline, normalize=self.cfg.grpo.normalize_rewards,
-            mask_flagged=self.cfg.env.should_mask_flagged_samples, on_prefix_break=self.cfg.env.on_prefix_break,
+            sample.groups,
+            max_len=self.cfg.policy.max_total_sequence_length,
+            leave_one_out=self.cfg.grpo.use_leave_one_out_baseline,
+            normalize=self.cfg.grpo.normalize_rewards,
+            mask_flagged=self.cfg.env.should_mask_flagged_samples,
+            on_prefix_break=self.cfg.env.on_prefix_break,
         )
         train_metrics = await asyncio.to_thread(self.backend.train_step, batch)
         t_train = time.perf_counter()
@@ -288,7 +318,9 @@ class TrainerRuntime:
             self._group_ready.clear()
             sample = self.buffer.sample(step, n)
             if sample.evicted:
-                await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, [e for g in sample.evicted for e in g.entry_ids])
+                await self.streams.ack(
+                    self.keys.trajectories, K.TRAINER_GROUP, [e for g in sample.evicted for e in g.entry_ids]
+                )
                 for g in sample.evicted:  # never trained on: the prompt is used again
                     self.scheduler.source.give_back(g.prompt_index)
                     self._step_evicted += [t.task_id for t in g.rows.values()]
@@ -307,7 +339,7 @@ class TrainerRuntime:
                 )
             try:
                 await asyncio.wait_for(self._group_ready.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _lookahead_barrier(self) -> None:
@@ -322,14 +354,15 @@ class TrainerRuntime:
             self._raise_if_fatal()
             if time.monotonic() > deadline:
                 raise RunFailed(
-                    f"start-up: no complete batches for targets {targets} within {self.cfg.trainer.data_timeout_s:.0f}s "
+                    f"start-up: no complete batches for targets {targets} "
+                    f"within {self.cfg.trainer.data_timeout_s:.0f}s "
                     f"(trainer.data_timeout_s); staged {self.buffer.depth_by_target()}, "
                     f"in flight {self.scheduler.in_flight_by_target()}"
                 )
             self._group_ready.clear()
             try:
                 await asyncio.wait_for(self._group_ready.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         log.info("lookahead barrier passed: complete batches staged for targets %s", targets)
 
@@ -338,7 +371,8 @@ class TrainerRuntime:
         if initial:
             log.info("initial refit: publishing v%d before any task is issued", version)
         report = await self.publisher.refit(
-            version, self.backend.save_weights,
+            version,
+            self.backend.save_weights,
             wait_for_generators_s=self.cfg.trainer.startup_timeout_s if initial else None,
         )
         self.weight_version = version
@@ -358,14 +392,20 @@ class TrainerRuntime:
         except Exception:
             self.scheduler.unissue(tasks)
             raise
-        log.info("issued %d tasks (%d groups) for targets %s", len(tasks), len(tasks) // g.num_generations_per_prompt,
-                 sorted({t.target_step for t in tasks}))
+        log.info(
+            "issued %d tasks (%d groups) for targets %s",
+            len(tasks),
+            len(tasks) // g.num_generations_per_prompt,
+            sorted({t.target_step for t in tasks}),
+        )
 
     # ---- trajectories in ----------------------------------------------------------------------
 
     async def _consume(self) -> None:
         try:
-            backlog = await self.streams.read_group(self.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=10_000, pending=True)
+            backlog = await self.streams.read_group(
+                self.keys.trajectories, K.TRAINER_GROUP, Trajectory, count=10_000, pending=True
+            )
             if backlog:
                 log.info("re-reading %d unacknowledged trajectories from before the restart", len(backlog))
             for d in backlog:
@@ -444,15 +484,24 @@ class TrainerRuntime:
         name = g.stop_at_validation_metric
         if name not in result:
             available = sorted(k for k, v in result.items() if isinstance(v, (int, float)))
-            raise RunFailed(f"grpo.stop_at_validation_metric {name!r} is not a validation metric; available: {available}")
+            raise RunFailed(
+                f"grpo.stop_at_validation_metric {name!r} is not a validation metric; available: {available}"
+            )
         if float(result[name]) >= float(g.stop_at_validation_threshold):
-            log.info("validation %s: %s = %.4f reached %s; stopping", result["validation_id"], name, result[name],
-                     g.stop_at_validation_threshold)
+            log.info(
+                "validation %s: %s = %.4f reached %s; stopping",
+                result["validation_id"],
+                name,
+                result[name],
+                g.stop_at_validation_threshold,
+            )
             return True
         return False
 
     async def _validate(self, validation_id: str) -> dict[str, Any] | None:
-        entry = self.validations.setdefault(validation_id, {"validation_id": validation_id, "requested_at_step": self.step})
+        entry = self.validations.setdefault(
+            validation_id, {"validation_id": validation_id, "requested_at_step": self.step}
+        )
         if self.validator is None:
             log.error("validation %s requested but data.val_path is not set", validation_id)
             entry.update(status="failed", error="data.val_path is not set")
@@ -471,15 +520,24 @@ class TrainerRuntime:
         entry.update(status="done", result=result)
         self.last_validation = result
         self.metrics.write({**result, "time": time.time()})
-        log.info("validation %s at step %d: accuracy %.3f over %d", validation_id, self.step, result["accuracy"],
-                 result["num_samples"])
+        log.info(
+            "validation %s at step %d: accuracy %.3f over %d",
+            validation_id,
+            self.step,
+            result["accuracy"],
+            result["num_samples"],
+        )
         return result
 
     async def _drain(self) -> None:
         """Wait for in-flight training rollouts up to trainer.validation_drain_timeout_s; then
         proceed with them running, or cancel them (trainer.on_drain_timeout)."""
         t = self.cfg.trainer
-        timeout_s = t.validation_drain_timeout_s if t.validation_drain_timeout_s is not None else self.cfg.gym_gateway.rollout_timeout_s
+        timeout_s = (
+            t.validation_drain_timeout_s
+            if t.validation_drain_timeout_s is not None
+            else self.cfg.gym_gateway.rollout_timeout_s
+        )
         deadline = time.monotonic() + timeout_s
         while self.scheduler.in_flight_count() and time.monotonic() < deadline:
             self._raise_if_fatal()
@@ -488,16 +546,24 @@ class TrainerRuntime:
         if not left:
             return
         if t.on_drain_timeout == "proceed":
-            log.warning("drain before validation timed out after %.0fs with %d groups in flight; validating while they "
-                        "run (trainer.on_drain_timeout: proceed)", timeout_s, left)
+            log.warning(
+                "drain before validation timed out after %.0fs with %d groups in flight; validating while they "
+                "run (trainer.on_drain_timeout: proceed)",
+                timeout_s,
+                left,
+            )
             return
         cancelled = self.scheduler.cancel_in_flight()
         self.cancelled_groups.update(cancelled)
         dropped = self.buffer.drop_pending(cancelled)
         if dropped:
             await self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, dropped)
-        log.warning("drain before validation timed out after %.0fs: cancelled %d in-flight groups (their prompts go "
-                    "back; their results will be dropped)", timeout_s, len(cancelled))
+        log.warning(
+            "drain before validation timed out after %.0fs: cancelled %d in-flight groups (their prompts go "
+            "back; their results will be dropped)",
+            timeout_s,
+            len(cancelled),
+        )
 
     def _checkpoint_due(self) -> bool:
         c = self.cfg.checkpointing
@@ -509,7 +575,9 @@ class TrainerRuntime:
             "scheduler": self.scheduler.state(),
             "consumed_ids": sorted(self.buffer.consumed_ids()),
         }
-        save_checkpoint(self.ckpt_dir, self.step, state, {"weight_version": self.weight_version}, self.cfg.checkpointing.keep_last)
+        save_checkpoint(
+            self.ckpt_dir, self.step, state, {"weight_version": self.weight_version}, self.cfg.checkpointing.keep_last
+        )
 
     # ---- status and shutdown ------------------------------------------------------------------
 
@@ -531,8 +599,16 @@ class TrainerRuntime:
             "pause": await self.pause.reasons(),
             "last": {k: v for k, v in self.last_metrics.items() if k not in ("consumed_ids", "evicted_ids")},
             "last_validation": self.last_validation,
-            "workers": [{"id": w.worker_id, "kind": w.kind, "state": w.state, "weight_version": w.weight_version,
-                         "in_flight": w.in_flight} for w in gens],
+            "workers": [
+                {
+                    "id": w.worker_id,
+                    "kind": w.kind,
+                    "state": w.state,
+                    "weight_version": w.weight_version,
+                    "in_flight": w.in_flight,
+                }
+                for w in gens
+            ],
             "uptime_s": time.time() - self.started_at,
         }
 
@@ -550,8 +626,12 @@ class TrainerRuntime:
             await self._safe(self.streams.ack(self.keys.trajectories, K.TRAINER_GROUP, self._unacked))
         self.metrics.close()
         if self.cfg.logger.plot:
-            await asyncio.to_thread(plot_reward_curve, read_metrics(self.log_dir / "metrics.jsonl"),
-                                    self.log_dir / "reward_curve.png", f"run {self.cfg.run.run_id}")
+            await asyncio.to_thread(
+                plot_reward_curve,
+                read_metrics(self.log_dir / "metrics.jsonl"),
+                self.log_dir / "reward_curve.png",
+                f"run {self.cfg.run.run_id}",
+            )
 
     async def aclose(self) -> None:
         await self.heartbeat.aclose(self.worker_id)

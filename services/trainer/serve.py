@@ -12,11 +12,11 @@ import signal
 
 import uvicorn
 
-from shared.registry import default_worker_id
-from shared.run_config import RunConfig
 from services.trainer.app import build_app
 from services.trainer.observe import TrainerMetrics
 from services.trainer.runtime import TrainerRuntime
+from shared.registry import default_worker_id
+from shared.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 async def serve(cfg: RunConfig, port: int | None = None, *, worker_id: str | None = None) -> int:
     port = cfg.trainer.port if port is None else port
     metrics = TrainerMetrics()
-    runtime = TrainerRuntime(cfg, worker_id=worker_id or default_worker_id("trainer"), url=f"http://{cfg.trainer.host}:{port}")
+    runtime = TrainerRuntime(
+        cfg, worker_id=worker_id or default_worker_id("trainer"), url=f"http://{cfg.trainer.host}:{port}"
+    )
     app = build_app(runtime, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.trainer.host, port=port, log_level="warning", lifespan="off"))
     server.install_signal_handlers = lambda: None  # we handle signals ourselves

@@ -63,9 +63,17 @@ class ValidationRunner:
             gid = f"{self.id_prefix}{validation_id}-{i:05d}"
             tasks.extend(
                 Task(
-                    task_id=f"{gid}/{j}", group_id=gid, index_in_group=j, group_size=self.k, prompt_index=i,
-                    env=row.get("env", self.default_env), instance=row.get("instance", row), kind="validation",
-                    target_step=step, sampling=self.sampling, deadline_s=self.rollout_timeout_s,
+                    task_id=f"{gid}/{j}",
+                    group_id=gid,
+                    index_in_group=j,
+                    group_size=self.k,
+                    prompt_index=i,
+                    env=row.get("env", self.default_env),
+                    instance=row.get("instance", row),
+                    kind="validation",
+                    target_step=step,
+                    sampling=self.sampling,
+                    deadline_s=self.rollout_timeout_s,
                 )
                 for j in range(self.k)
             )
@@ -77,7 +85,7 @@ class ValidationRunner:
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         missing = len(tasks) - len(self._results)
         if missing:

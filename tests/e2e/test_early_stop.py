@@ -21,20 +21,48 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(tmp_path: Path, tiny_model_dir: Path, redis_url: str, *overrides: str) -> tuple[Path, list[dict]]:
     data = tmp_path / "data"
     for name, n in (("train", 40), ("val", 4)):
-        subprocess.run([sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(data / f"{name}.jsonl"),
-                        "--n", str(n)], check=True, cwd=ROOT)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "streamrl.cli",
+                "data",
+                "make",
+                "crossing",
+                str(data / f"{name}.jsonl"),
+                "--n",
+                str(n),
+            ],
+            check=True,
+            cwd=ROOT,
+        )
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "streamrl.cli", "up", str(ROOT / "deploy/configs/demo.yaml"), "--no-progress",
-        f"run.run_id=stop-{tmp_path.name}-{os.getpid()}", f"run.output_dir={out}",
-        f"data.train_path={data / 'train.jsonl'}", f"data.val_path={data / 'val.jsonl'}",
-        f"policy.model_name={tiny_model_dir}", "policy.generation.backend=transformers",
-        "policy.generation.max_new_tokens=8", "grpo.max_num_steps=4", "grpo.num_prompts_per_step=2",
-        "grpo.num_generations_per_prompt=2", "grpo.val_at_end=false", "checkpointing.save_period=10",
-        "grpo.stop_at_validation_metric=accuracy", "grpo.stop_at_validation_threshold=0.0", *overrides,
+        sys.executable,
+        "-m",
+        "streamrl.cli",
+        "up",
+        str(ROOT / "deploy/configs/demo.yaml"),
+        "--no-progress",
+        f"run.run_id=stop-{tmp_path.name}-{os.getpid()}",
+        f"run.output_dir={out}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.val_path={data / 'val.jsonl'}",
+        f"policy.model_name={tiny_model_dir}",
+        "policy.generation.backend=transformers",
+        "policy.generation.max_new_tokens=8",
+        "grpo.max_num_steps=4",
+        "grpo.num_prompts_per_step=2",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.val_at_end=false",
+        "checkpointing.save_period=10",
+        "grpo.stop_at_validation_metric=accuracy",
+        "grpo.stop_at_validation_threshold=0.0",
+        *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return out, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

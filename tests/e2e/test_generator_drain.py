@@ -31,7 +31,9 @@ IDLE_S = 2.0
 def _chat(url: str, session_id: str) -> httpx.Response:
     body = {
         "messages": [{"role": "user", "content": "You are a robot at a crossing."}],
-        "max_tokens": 4, "temperature": 0.8, "top_p": 1.0,
+        "max_tokens": 4,
+        "temperature": 0.8,
+        "top_p": 1.0,
         "streamrl": {"kind": "train", "session_id": session_id},
     }
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60.0)
@@ -56,8 +58,21 @@ def test_a_draining_generator_serves_its_sessions_refuses_new_ones_then_exits(tm
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.generator", "--config", str(config), "--port", str(port), "--worker-id", "gen-d"],
-        cwd=ROOT, stdout=open(tmp_path / "generator.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "services.generator",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--worker-id",
+            "gen-d",
+        ],
+        cwd=ROOT,
+        stdout=open(tmp_path / "generator.log", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     r, keys = redis.Redis.from_url(redis_url), K.RunKeys(run_id)
     try:

@@ -33,21 +33,51 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
     out = tmp_path_factory.mktemp("run")
     data = out / "data"
     for name, n, seed in (("train", 200, 1), ("val", 8, 2)):
-        subprocess.run([sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(data / f"{name}.jsonl"),
-                        "--n", str(n), "--seed", str(seed)], check=True, cwd=ROOT)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "streamrl.cli",
+                "data",
+                "make",
+                "crossing",
+                str(data / f"{name}.jsonl"),
+                "--n",
+                str(n),
+                "--seed",
+                str(seed),
+            ],
+            check=True,
+            cwd=ROOT,
+        )
     run_id = f"e2e-{os.getpid()}"
     cmd = [
-        sys.executable, "-m", "streamrl.cli", "up", str(ROOT / "deploy/configs/demo.yaml"), "--no-progress",
-        f"run.run_id={run_id}", f"run.output_dir={out}", f"data.train_path={data / 'train.jsonl'}",
-        f"data.val_path={data / 'val.jsonl'}", f"policy.model_name={tiny_model_dir}",
-        f"grpo.max_num_steps={STEPS}", f"grpo.num_prompts_per_step={PROMPTS}", f"grpo.num_generations_per_prompt={GENS}",
-        "policy.generation.max_new_tokens=16", "policy.generation.vllm_cfg.max_model_len=4096",
-        "checkpointing.save_period=2", "grpo.val_period=2", "grpo.val_start_at=3",
-        "grpo.val_num_generations_per_prompt=2", "grpo.max_val_samples=4",
+        sys.executable,
+        "-m",
+        "streamrl.cli",
+        "up",
+        str(ROOT / "deploy/configs/demo.yaml"),
+        "--no-progress",
+        f"run.run_id={run_id}",
+        f"run.output_dir={out}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.val_path={data / 'val.jsonl'}",
+        f"policy.model_name={tiny_model_dir}",
+        f"grpo.max_num_steps={STEPS}",
+        f"grpo.num_prompts_per_step={PROMPTS}",
+        f"grpo.num_generations_per_prompt={GENS}",
+        "policy.generation.max_new_tokens=16",
+        "policy.generation.vllm_cfg.max_model_len=4096",
+        "checkpointing.save_period=2",
+        "grpo.val_period=2",
+        "grpo.val_start_at=3",
+        "grpo.val_num_generations_per_prompt=2",
+        "grpo.max_val_samples=4",
     ]
     log = open(out / "up.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=log, stderr=subprocess.STDOUT, text=True
+    )
     try:
         control = _drive_control_plane(out, run_id, redis_url)
         proc.wait(timeout=600)
@@ -60,8 +90,9 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamrl.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=320)
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=320
+    )
 
 
 def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
@@ -84,8 +115,14 @@ def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
     # trainer already gone once the last step is done); its record is checked in metrics.jsonl.
     validated = _cli("validate", "--run-dir", str(out))
     resumed = json.loads(_cli("resume", "--epoch", str(paused["epoch"]), "--run-dir", str(out)).stdout)
-    return {"status": status, "paused": paused, "gate": gate, "during": during, "resumed": resumed,
-            "validated": validated}
+    return {
+        "status": status,
+        "paused": paused,
+        "gate": gate,
+        "during": during,
+        "resumed": resumed,
+        "validated": validated,
+    }
 
 
 def _entries(r: redis.Redis, stream: str, cls):
@@ -128,7 +165,9 @@ def test_validations_at_start_on_request_and_on_the_period_after_val_start_at(fi
 
 def test_no_trajectory_is_consumed_twice(finished_run):
     out, _, _, _ = finished_run
-    ids = [i for line in (out / "metrics.jsonl").read_text().splitlines() for i in json.loads(line).get("consumed_ids", [])]
+    ids = [
+        i for line in (out / "metrics.jsonl").read_text().splitlines() for i in json.loads(line).get("consumed_ids", [])
+    ]
     assert len(ids) == STEPS * PROMPTS * GENS
     assert len(ids) == len(set(ids))
 
@@ -164,7 +203,9 @@ def test_acks_follow_durable_effects(finished_run, redis_url):
     out, run_id, _, _ = finished_run
     keys = K.RunKeys(run_id)
     r = redis.Redis.from_url(redis_url)
-    trained = {i for line in (out / "metrics.jsonl").read_text().splitlines() for i in json.loads(line).get("consumed_ids", [])}
+    trained = {
+        i for line in (out / "metrics.jsonl").read_text().splitlines() for i in json.loads(line).get("consumed_ids", [])
+    }
     # the trainer never leaves a trained trajectory unacked, and never acks one it did not train
     # (except duplicates/evictions, of which this run has none)
     entry_task = {eid: decode(f[K.ENTRY_FIELD], Trajectory).task_id for eid, f in r.xrange(keys.trajectories)}
@@ -196,4 +237,9 @@ def test_run_outputs_feed_staleness_tensorboard_and_report(finished_run):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     report = _cli("report", str(out))
     assert report.returncode == 0, report.stderr
-    assert [Path(p).name for p in report.stdout.split()] == ["reward.png", "validation.png", "staleness.png", "timing.png"]
+    assert [Path(p).name for p in report.stdout.split()] == [
+        "reward.png",
+        "validation.png",
+        "staleness.png",
+        "timing.png",
+    ]

@@ -52,9 +52,14 @@ def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: fl
 
 
 def _scale(out: Path, redis_url: str, *targets: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamrl.cli", "scale", *targets, "--run-dir", str(out),
-                           "--timeout", "240"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "REDIS_URL": redis_url})
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", "scale", *targets, "--run-dir", str(out), "--timeout", "240"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "REDIS_URL": redis_url},
+    )
 
 
 def _trajectories(redis_url: str, run_id: str) -> list[Trajectory]:
@@ -65,33 +70,58 @@ def _trajectories(redis_url: str, run_id: str) -> list[Trajectory]:
 def _new_workers_used(redis_url: str, run_id: str) -> bool:
     """A rollout ran on the new gateway and a model call was served by the new generator."""
     trajs = _trajectories(redis_url, run_id)
-    return (any(t.gateway_id == "gateway-1" for t in trajs)
-            and any(turn.generator_id == "generator-1" for t in trajs for turn in t.turns))
+    return any(t.gateway_id == "gateway-1" for t in trajs) and any(
+        turn.generator_id == "generator-1" for t in trajs for turn in t.turns
+    )
 
 
 @pytest.fixture(scope="module")
 def scaled_run(tmp_path_factory, tiny_model_dir, redis_url):
     out = tmp_path_factory.mktemp("scaled")
     data = out / "data"
-    subprocess.run([sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(data / "train.jsonl"),
-                    "--n", "200"], check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(data / "train.jsonl"), "--n", "200"],
+        check=True,
+        cwd=ROOT,
+    )
     run_id = f"scale-e2e-{os.getpid()}"
     cmd = [
-        sys.executable, "-m", "streamrl.cli", "up", str(ROOT / "deploy/configs/demo.yaml"), "--no-progress",
-        f"run.run_id={run_id}", f"run.output_dir={out}", f"data.train_path={data / 'train.jsonl'}", "data.val_path=null",
-        f"policy.model_name={tiny_model_dir}", "policy.generation.backend=transformers",
-        "policy.generation.max_new_tokens=8", f"grpo.max_num_steps={STEPS}", f"grpo.num_prompts_per_step={PROMPTS}",
-        f"grpo.num_generations_per_prompt={GENS}", "grpo.val_at_start=false", "grpo.val_at_end=false",
-        "checkpointing.save_period=100", "generator.drain_session_idle_s=1", "logger.plot=false",
+        sys.executable,
+        "-m",
+        "streamrl.cli",
+        "up",
+        str(ROOT / "deploy/configs/demo.yaml"),
+        "--no-progress",
+        f"run.run_id={run_id}",
+        f"run.output_dir={out}",
+        f"data.train_path={data / 'train.jsonl'}",
+        "data.val_path=null",
+        f"policy.model_name={tiny_model_dir}",
+        "policy.generation.backend=transformers",
+        "policy.generation.max_new_tokens=8",
+        f"grpo.max_num_steps={STEPS}",
+        f"grpo.num_prompts_per_step={PROMPTS}",
+        f"grpo.num_generations_per_prompt={GENS}",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "checkpointing.save_period=100",
+        "generator.drain_session_idle_s=1",
+        "logger.plot=false",
     ]
     log = out / "up.log"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
     try:
         _wait_for("first step", lambda: _records(out), proc, log, 300)
         up = _scale(out, redis_url, "generator=2", "gym-gateway=2")
-        _wait_for("refit confirmed by the new generator",
-                  lambda: any("generator-1" in r["refit_generators"] for r in _records(out)), proc, log, 120)
+        _wait_for(
+            "refit confirmed by the new generator",
+            lambda: any("generator-1" in r["refit_generators"] for r in _records(out)),
+            proc,
+            log,
+            120,
+        )
         _wait_for("rollouts through the new workers", lambda: _new_workers_used(redis_url, run_id), proc, log, 120)
         steps_at_down = len(_records(out))  # before the command: it returns once the workers drained
         down = _scale(out, redis_url, "generator=1", "gym-gateway=1")

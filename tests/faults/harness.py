@@ -54,8 +54,11 @@ def make_data(folder: Path, n_train: int = 200, n_val: int = 4) -> tuple[Path, P
     for name, n in (("train", n_train), ("val", n_val)):
         path = folder / f"{name}.jsonl"
         if not path.is_file():
-            subprocess.run([sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(path), "--n", str(n)],
-                           check=True, cwd=ROOT)
+            subprocess.run(
+                [sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(path), "--n", str(n)],
+                check=True,
+                cwd=ROOT,
+            )
         paths.append(path)
     return paths[0], paths[1]
 
@@ -66,10 +69,17 @@ def write_config(folder: Path, *, model_dir: Path, redis_url: str, run_id: str, 
     train, val = make_data(folder / "data")
     tree = yaml.safe_load((ROOT / "deploy/configs/demo.yaml").read_text())
     base = {
-        "run.run_id": run_id, "run.output_dir": str(folder / "run"), "redis.url": redis_url,
-        "data.train_path": str(train), "data.val_path": str(val), "policy.model_name": str(model_dir),
-        "policy.generation.backend": "transformers", "policy.generation.max_new_tokens": 8,
-        "grpo.val_at_start": False, "grpo.val_at_end": False, "logger.plot": False,
+        "run.run_id": run_id,
+        "run.output_dir": str(folder / "run"),
+        "redis.url": redis_url,
+        "data.train_path": str(train),
+        "data.val_path": str(val),
+        "policy.model_name": str(model_dir),
+        "policy.generation.backend": "transformers",
+        "policy.generation.max_new_tokens": 8,
+        "grpo.val_at_start": False,
+        "grpo.val_at_end": False,
+        "logger.plot": False,
     }
     for key, value in {**base, **overrides}.items():
         node = tree
@@ -95,9 +105,21 @@ class Service:
 
     def start(self) -> Service:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, "--config", str(self.config), "--port", str(self.port),
-             "--worker-id", self.worker_id],
-            cwd=ROOT, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                self.module,
+                "--config",
+                str(self.config),
+                "--port",
+                str(self.port),
+                "--worker-id",
+                self.worker_id,
+            ],
+            cwd=ROOT,
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         return self
 
@@ -250,10 +272,16 @@ class FaultRun:
         with self.client() as r:
             ids = [i.decode() for i in r.zrangebyscore(self.keys.registry, time.time(), "+inf")]
             raw = r.hmget(self.keys.registry_info, ids) if ids else []
-        return {wid: decode(data, Heartbeat) for wid, data in zip(ids, raw) if data is not None}
+        return {wid: decode(data, Heartbeat) for wid, data in zip(ids, raw, strict=True) if data is not None}
 
-    def wait_for(self, what: str, cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.05,
-                 watch: tuple[str, ...] = ("trainer",)) -> float:
+    def wait_for(
+        self,
+        what: str,
+        cond: Callable[[], bool],
+        timeout_s: float,
+        poll_s: float = 0.05,
+        watch: tuple[str, ...] = ("trainer",),
+    ) -> float:
         """Poll ``cond`` until true; fail with the logs if it times out or a watched service exits.
         Returns the seconds it took."""
         t0 = time.monotonic()

@@ -42,14 +42,26 @@ SURVIVORS = ["generator-0", "gateway-0", "trainer"]
 
 
 def _chaos_run(tmp, model_dir, *, steps: int, redis_down_s: float, redis_pause_s: float):
-    server = RedisServer(tmp / "valkey", appendonly=True, appendfsync="always",
-                         binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"))
+    server = RedisServer(
+        tmp / "valkey", appendonly=True, appendfsync="always", binary=os.environ.get("STREAMRL_TEST_REDIS_BIN")
+    )
     server.start()
-    config = write_config(tmp, model_dir=model_dir, redis_url=server.url, run_id=f"chaos-{os.getpid()}", overrides={
-        "grpo.max_num_steps": steps, "grpo.num_prompts_per_step": PROMPTS, "grpo.num_generations_per_prompt": GENS,
-        "gym_gateway.reclaim_idle_s": RECLAIM_IDLE_S, "gym_gateway.max_concurrent_rollouts": 2,
-        "env.failure_policy": "retry", "trainer.torch_threads": 1, "checkpointing.save_period": 100,
-    })
+    config = write_config(
+        tmp,
+        model_dir=model_dir,
+        redis_url=server.url,
+        run_id=f"chaos-{os.getpid()}",
+        overrides={
+            "grpo.max_num_steps": steps,
+            "grpo.num_prompts_per_step": PROMPTS,
+            "grpo.num_generations_per_prompt": GENS,
+            "gym_gateway.reclaim_idle_s": RECLAIM_IDLE_S,
+            "gym_gateway.max_concurrent_rollouts": 2,
+            "env.failure_policy": "retry",
+            "trainer.torch_threads": 1,
+            "checkpointing.save_period": 100,
+        },
+    )
     run = FaultRun(tmp, config)
     faults = {}
     try:
@@ -153,7 +165,8 @@ def test_a_frozen_redis_stalls_the_run_without_loss_or_hang(chaos):
 def test_long_variant_survives_longer_outages(tmp_path_factory, tiny_model_dir):
     steps = 14
     run, faults, rc, crashed, trajectories, pending = _chaos_run(
-        tmp_path_factory.mktemp("chaos-long"), tiny_model_dir, steps=steps, redis_down_s=6.0, redis_pause_s=35.0)
+        tmp_path_factory.mktemp("chaos-long"), tiny_model_dir, steps=steps, redis_down_s=6.0, redis_pause_s=35.0
+    )
     assert rc == 0, run.logs()
     assert_every_step_trained_once(run.records(), steps, PROMPTS * GENS)
     assert crashed == [], run.logs()  # no fault took down a service it was not aimed at

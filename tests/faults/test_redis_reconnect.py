@@ -24,13 +24,25 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 
 def _task(i: int) -> Task:
-    return Task(task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=1, prompt_index=i, env="echo",
-                instance={}, kind="train", target_step=0, sampling=SamplingParams(), deadline_s=60.0)
+    return Task(
+        task_id=f"g{i}/0",
+        group_id=f"g{i}",
+        index_in_group=0,
+        group_size=1,
+        prompt_index=i,
+        env="echo",
+        instance={},
+        kind="train",
+        target_step=0,
+        sampling=SamplingParams(),
+        deadline_s=60.0,
+    )
 
 
 async def test_a_command_sent_while_redis_is_down_completes_after_the_restart(tmp_path):
-    server = RedisServer(tmp_path / "valkey", appendonly=True, appendfsync="always",
-                         binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"))
+    server = RedisServer(
+        tmp_path / "valkey", appendonly=True, appendfsync="always", binary=os.environ.get("STREAMRL_TEST_REDIS_BIN")
+    )
     server.start()
     redis = connect(server.url)
     streams = StreamClient(redis, K.RunKeys("reconnect"), "gateway-0")
@@ -71,8 +83,11 @@ async def test_past_the_budget_the_error_reaches_the_caller():
 
 
 async def test_a_wrong_password_is_reported_at_once(tmp_path):
-    server = RedisServer(tmp_path / "valkey", binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
-                         extra_args=["--requirepass", "right-password"])
+    server = RedisServer(
+        tmp_path / "valkey",
+        binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
+        extra_args=["--requirepass", "right-password"],
+    )
     server.start()
     redis = connect(f"redis://:wrong-password@127.0.0.1:{server.port}/0")
     t0 = time.monotonic()

@@ -28,9 +28,18 @@ REFIT_TIMEOUT_S = 4.0
 @pytest.fixture(scope="module")
 def stuck_refit(tmp_path_factory, tiny_model_dir, redis_url):
     tmp = tmp_path_factory.mktemp("refit-deadline")
-    config = write_config(tmp, model_dir=tiny_model_dir, redis_url=redis_url, run_id=f"refit-dl-{os.getpid()}",
-                          overrides={"grpo.max_num_steps": 4, "grpo.num_prompts_per_step": 2,
-                                     "grpo.num_generations_per_prompt": 2, "trainer.refit_timeout_s": REFIT_TIMEOUT_S})
+    config = write_config(
+        tmp,
+        model_dir=tiny_model_dir,
+        redis_url=redis_url,
+        run_id=f"refit-dl-{os.getpid()}",
+        overrides={
+            "grpo.max_num_steps": 4,
+            "grpo.num_prompts_per_step": 2,
+            "grpo.num_generations_per_prompt": 2,
+            "trainer.refit_timeout_s": REFIT_TIMEOUT_S,
+        },
+    )
     run = FaultRun(tmp, config)
     try:
         generator = run.start("services.generator", "generator-0")
@@ -38,8 +47,7 @@ def stuck_refit(tmp_path_factory, tiny_model_dir, redis_url):
         trainer = run.start("services.trainer", "trainer")
         # The step is training: the next thing the trainer does is a refit. Freeze the generator
         # as that refit closes the launch gate, before the new version can reach it.
-        run.wait_for("a step in training", lambda: trainer.get_json("/status")["state"] == "training", 400,
-                     poll_s=0.02)
+        run.wait_for("a step in training", lambda: trainer.get_json("/status")["state"] == "training", 400, poll_s=0.02)
 
         def gate_closed_for_refit() -> bool:
             with run.client() as r:
@@ -58,8 +66,16 @@ def stuck_refit(tmp_path_factory, tiny_model_dir, redis_url):
         gateway.proc.wait(60)  # it leaves on the run's stop key
     finally:
         run.stop_all()
-    return {"run": run, "rc": rc, "version": announced.version, "announced_at": announced_at, "frozen_at": frozen_at,
-            "exited_at": exited_at, "stop": stop, "gateway_crashed": gateway.crashed()}
+    return {
+        "run": run,
+        "rc": rc,
+        "version": announced.version,
+        "announced_at": announced_at,
+        "frozen_at": frozen_at,
+        "exited_at": exited_at,
+        "stop": stop,
+        "gateway_crashed": gateway.crashed(),
+    }
 
 
 def test_the_trainer_fails_loudly_naming_the_generator_and_the_key(stuck_refit):
@@ -67,8 +83,10 @@ def test_the_trainer_fails_loudly_naming_the_generator_and_the_key(stuck_refit):
     assert s["rc"] == 1, s["run"].logs()
     assert s["version"] >= 1  # a refit after the initial one
     log = (s["run"].folder / "trainer.log").read_text()
-    expected = (f"weight version {s['version']} not confirmed within {REFIT_TIMEOUT_S:.0f}s (trainer.refit_timeout_s) "
-                "by generator(s): generator-0")
+    expected = (
+        f"weight version {s['version']} not confirmed within {REFIT_TIMEOUT_S:.0f}s (trainer.refit_timeout_s) "
+        "by generator(s): generator-0"
+    )
     assert expected in log, log[-3000:]
     assert s["stop"] == b"failed"  # the rest of the run is told
 

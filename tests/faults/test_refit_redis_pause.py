@@ -60,12 +60,20 @@ async def test_a_refit_does_not_drop_generators_that_were_silent_only_because_re
     keys = K.RunKeys("refit-pause")
     trainer = StreamClient(redis, keys, "trainer")
     generator = StreamClient(redis, keys, "gen-0")
-    hb = Heartbeat(worker_id="gen-0", kind="generator", url="http://x", pid=os.getpid(), host=socket.gethostname(),
-                   state="ready", weight_version=0)
+    hb = Heartbeat(
+        worker_id="gen-0",
+        kind="generator",
+        url="http://x",
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        state="ready",
+        weight_version=0,
+    )
     heartbeat = HeartbeatTask(redis, keys, lambda: hb)
     heartbeat.start()
-    pub = WeightPublisher(trainer, PauseControl(redis, keys), tmp_path / "weights", timeout_s=60.0,
-                          in_flight_updates=False)
+    pub = WeightPublisher(
+        trainer, PauseControl(redis, keys), tmp_path / "weights", timeout_s=60.0, in_flight_updates=False
+    )
     try:
         await asyncio.sleep(1.5)  # registered
         player = asyncio.create_task(_play_generator(generator, "gen-0", 1))

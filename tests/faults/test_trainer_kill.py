@@ -29,10 +29,18 @@ STEPS, PROMPTS, GENS, SAVE_PERIOD = 6, 2, 2, 2
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, tiny_model_dir, redis_url):
     tmp = tmp_path_factory.mktemp("resume")
-    config = write_config(tmp, model_dir=tiny_model_dir, redis_url=redis_url, run_id=f"resume-{os.getpid()}",
-                          overrides={"grpo.max_num_steps": STEPS, "grpo.num_prompts_per_step": PROMPTS,
-                                     "grpo.num_generations_per_prompt": GENS,
-                                     "checkpointing.save_period": SAVE_PERIOD})
+    config = write_config(
+        tmp,
+        model_dir=tiny_model_dir,
+        redis_url=redis_url,
+        run_id=f"resume-{os.getpid()}",
+        overrides={
+            "grpo.max_num_steps": STEPS,
+            "grpo.num_prompts_per_step": PROMPTS,
+            "grpo.num_generations_per_prompt": GENS,
+            "checkpointing.save_period": SAVE_PERIOD,
+        },
+    )
     run = FaultRun(tmp, config)
     try:
         run.start("services.generator", "generator-0")
@@ -40,8 +48,12 @@ def resumed_run(tmp_path_factory, tiny_model_dir, redis_url):
         trainer = run.start("services.trainer", "trainer")
         # Kill it mid-step, once it has trained one step past its first checkpoint (the step after
         # that one is running: waiting for data, training or refitting).
-        run.wait_for("a step past the first checkpoint", lambda: any(
-            r.get("kind") == "train" and r["step"] >= SAVE_PERIOD for r in run.records()), 400, poll_s=0.02)
+        run.wait_for(
+            "a step past the first checkpoint",
+            lambda: any(r.get("kind") == "train" and r["step"] >= SAVE_PERIOD for r in run.records()),
+            400,
+            poll_s=0.02,
+        )
         trainer.kill9()
         before = run.records()
         checkpoint = max(int(p.name.split("_")[1]) for p in (run.out / "checkpoints").glob("step_*"))
@@ -74,7 +86,7 @@ def test_checkpointed_steps_are_kept_and_later_ones_are_retrained_or_evicted_by_
         assert final[step] == first[step]
     lost = {i for step, ids in first.items() if step >= checkpoint for i in ids}
     assert lost, "the kill should have landed after at least one step past the checkpoint"
-    resumed_records = after[len(before):]
+    resumed_records = after[len(before) :]
     retrained = {i for ids in final.values() for i in ids}
     evicted = {i for r in resumed_records if r.get("kind") == "train" for i in r.get("evicted_ids", [])}
     assert lost <= retrained | evicted, sorted(lost - retrained - evicted)

@@ -55,8 +55,11 @@ async def _check_route(client: httpx.AsyncClient, method: str, path: str, body: 
 
 @pytest.fixture(scope="module")
 def secured_redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("valkey-pw"), binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
-                         extra_args=["--requirepass", REDIS_PASSWORD])
+    server = RedisServer(
+        tmp_path_factory.mktemp("valkey-pw"),
+        binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
+        extra_args=["--requirepass", REDIS_PASSWORD],
+    )
     server.start()
     yield f"redis://:{quote(REDIS_PASSWORD)}@127.0.0.1:{server.port}/0"
     server.stop()
@@ -70,13 +73,16 @@ async def trainer(tiny_model_dir, secured_redis, tmp_path, serve_app):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
     run_id = f"auth-{uuid.uuid4().hex[:8]}"
-    cfg = decode_tree({
-        "run": {"run_id": run_id, "output_dir": str(tmp_path / "out")},
-        "redis": {"url": secured_redis},
-        "data": {"train_path": str(data), "val_path": str(data)},
-        "policy": {"model_name": str(tiny_model_dir)},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
-    }, RunConfig)
+    cfg = decode_tree(
+        {
+            "run": {"run_id": run_id, "output_dir": str(tmp_path / "out")},
+            "redis": {"url": secured_redis},
+            "data": {"train_path": str(data), "val_path": str(data)},
+            "policy": {"model_name": str(tiny_model_dir)},
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+        },
+        RunConfig,
+    )
     port = free_port()
     rt = TrainerRuntime(cfg, worker_id="trainer-auth", url=f"http://127.0.0.1:{port}")
     await rt.start()
@@ -111,8 +117,15 @@ async def _cli(*args: str, token: str | None = None, token_file: Path | None = N
         env["STREAMRL_API_TOKEN"] = token
     if token_file:
         env["STREAMRL_API_TOKEN_FILE"] = str(token_file)
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "streamrl.cli", *args], capture_output=True,
-                                   text=True, timeout=60, cwd=ROOT, env=env)
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "streamrl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 async def test_cli_sends_the_token_from_the_environment(trainer, tmp_path):
@@ -150,8 +163,9 @@ async def _generator(cfg: RunConfig):
 
     app = build_app(cfg, f"gen-auth-{uuid.uuid4().hex[:6]}", 0)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://generator",
-                                     timeout=60.0) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://generator", timeout=60.0
+        ) as client:
             deadline = asyncio.get_running_loop().time() + 60
             while (await client.get("/ready")).status_code != 200:  # the engine loads in the lifespan
                 assert asyncio.get_running_loop().time() < deadline, "generator not ready"
@@ -163,6 +177,7 @@ async def test_generator_admin_routes_need_the_token(tiny_model_dir, write_confi
     monkeypatch.setenv("STREAMRL_API_TOKEN", TOKEN)
     _, cfg = write_config(tiny_model_dir)
     async with _generator(cfg) as client:
+
         async def check(method: str, path: str, body: dict | None = None) -> httpx.Response:
             r = await client.request(method, path, json=body)
             assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer"), path

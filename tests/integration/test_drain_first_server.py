@@ -46,8 +46,13 @@ DrainFirstServer(config, drain, drain_timeout_s=10.0).run()
 def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, str, Path]:
     script, marker, port = tmp_path / "app.py", tmp_path / f"{mode}.marker", free_port()
     script.write_text(APP)
-    proc = subprocess.Popen([sys.executable, str(script), str(port), mode, str(marker)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={"PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(port), mode, str(marker)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={"PYTHONPATH": str(ROOT)},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -103,4 +108,3 @@ def test_a_second_signal_cuts_the_drain_short(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert _wait(proc, 10) is not None
     assert time.monotonic() - t0 < 2.5 and marker.read_text() == "draining"
-

@@ -53,7 +53,10 @@ pytest_plugins = ["tests.generator_fixtures", "tests.gateway_fixtures"]
 
 FUZZ_EXAMPLES = int(os.environ.get("STREAMRL_FUZZ_EXAMPLES", "15"))
 FUZZ_SETTINGS = settings(
-    max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=list(HealthCheck),
 )
 
@@ -115,8 +118,9 @@ def fuzz(schema, *, path_parameters: dict | None = None, skip: str | None = None
 
 
 def test_generator_api_never_answers_5xx(tiny_model_dir, redis_url, generator_config_tree, tmp_path):
-    tree = generator_config_tree(tiny_model_dir, run_id=f"fuzz-{uuid.uuid4().hex[:8]}", redis_url=redis_url,
-                                 backend="transformers")
+    tree = generator_config_tree(
+        tiny_model_dir, run_id=f"fuzz-{uuid.uuid4().hex[:8]}", redis_url=redis_url, backend="transformers"
+    )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))
     app = build_generator(load(RunConfig, path, env={}), "gen-fuzz", 0)
@@ -140,8 +144,9 @@ class ThreadServer:
     def __init__(self, build) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build(self.port), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(build(self.port), host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, name="fuzz-generator", daemon=True)
 
     def __enter__(self) -> ThreadServer:
@@ -181,8 +186,10 @@ def _gateway_config(tiny_model_dir, redis_url, tmp_path) -> RunConfig:
         "run": {"run_id": run_id, "output_dir": str(tmp_path)},
         "redis": {"url": redis_url},
         "data": {"train_path": "unused.jsonl"},
-        "policy": {"model_name": str(tiny_model_dir), "generation": {
-            "backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8}},
+        "policy": {
+            "model_name": str(tiny_model_dir),
+            "generation": {"backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8},
+        },
         "env": {"name": HoldEnv.name, "max_turns": 2},
         "gym_gateway": {"max_concurrent_rollouts": 2, "rollout_timeout_s": 600, "request_timeout_s": 60},
     }
@@ -198,14 +205,35 @@ def test_gateway_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path, regi
     env = HoldEnv()
     with registered_env(env), ThreadServer(lambda port: build_generator(cfg, "gen-fuzz", port)) as generator:
         # weights v0, as the trainer's initial refit does: sessions go only to a generator serving a version
-        r.xadd(keys.weights, {K.ENTRY_FIELD: encode(WeightAnnouncement(
-            version=0, path=str(tiny_model_dir), checksum=checksum_dir(tiny_model_dir),
-            num_bytes=dir_num_bytes(tiny_model_dir)))})
+        r.xadd(
+            keys.weights,
+            {
+                K.ENTRY_FIELD: encode(
+                    WeightAnnouncement(
+                        version=0,
+                        path=str(tiny_model_dir),
+                        checksum=checksum_dir(tiny_model_dir),
+                        num_bytes=dir_num_bytes(tiny_model_dir),
+                    )
+                )
+            },
+        )
         _wait_until(lambda: httpx.get(f"{generator.url}/ready").json()["weight_version"] == 0, "weights v0 loaded")
         app = build_gateway(cfg, worker_id="gw-fuzz", port=0)
         schema = served_schema(app, "/ready")
-        task = Task(task_id="fuzz/0", group_id="fuzz", index_in_group=0, group_size=1, prompt_index=0, env=env.name,
-                    instance={}, kind="train", target_step=0, sampling=SamplingParams(max_tokens=8), deadline_s=600)
+        task = Task(
+            task_id="fuzz/0",
+            group_id="fuzz",
+            index_in_group=0,
+            group_size=1,
+            prompt_index=0,
+            env=env.name,
+            instance={},
+            kind="train",
+            target_step=0,
+            sampling=SamplingParams(max_tokens=8),
+            deadline_s=600,
+        )
         r.xadd(keys.tasks, {K.ENTRY_FIELD: encode(task)})
         _wait_until(lambda: env.session_id is not None, "a session opened for the task")
         # the training-token-capture paths are served by the same handlers as /ng-rollout/{session_id}/...
@@ -227,13 +255,16 @@ def test_gateway_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path, regi
 def test_trainer_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
-    cfg = decode_tree({
-        "run": {"run_id": f"fuzz-tr-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
-        "redis": {"url": redis_url},
-        "data": {"train_path": str(data), "val_path": str(data)},
-        "policy": {"model_name": str(tiny_model_dir)},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
-    }, RunConfig)
+    cfg = decode_tree(
+        {
+            "run": {"run_id": f"fuzz-tr-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
+            "redis": {"url": redis_url},
+            "data": {"train_path": str(data), "val_path": str(data)},
+            "policy": {"model_name": str(tiny_model_dir)},
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+        },
+        RunConfig,
+    )
     cfg.check()
     runtime = TrainerRuntime(cfg, worker_id="trainer-fuzz", url="http://test")
     app = build_trainer(runtime)

@@ -54,14 +54,13 @@ async def test_session_proxy_records_token_exact_multi_turn_history(stack):
         r1 = (await http.post("/chat/completions", json={"messages": msgs, "tools": [LOOK_TOOL]})).json()
         text1 = r1["choices"][0]["message"].get("content") or ""
         # the agent sends back an edited text of the model's turn: the tokens must still be the model's
-        msgs += [{"role": "assistant", "content": text1 + "  edited"},
-                 {"role": "user", "content": "The light is red."}]
+        msgs += [{"role": "assistant", "content": text1 + "  edited"}, {"role": "user", "content": "The light is red."}]
         r2 = (await http.post("/chat/completions", json={"messages": msgs, "tools": [LOOK_TOOL]})).json()
     t1, t2 = session.turns
     seen = list(t1.prompt()) + list(t1.generated())
     assert r2["prompt_token_ids"][: len(seen) - 1] == seen[:-1] or r2["prompt_token_ids"][: len(seen)] == seen
     assert t2.context_len == len(seen) and session.prefix_breaks == 0
-    assert list(t2.prompt()) == r2["prompt_token_ids"][len(seen):]
+    assert list(t2.prompt()) == r2["prompt_token_ids"][len(seen) :]
     assert t1.weight_version == t2.weight_version == 0
 
 

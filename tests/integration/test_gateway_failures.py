@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
+from services.gym_gateway.envs.base import ChatClient, Outcome, SandboxError
 from shared import keys as K
 from shared.protocol import SamplingParams, Task
-from services.gym_gateway.envs.base import ChatClient, Outcome, SandboxError
 from tests.gateway_fixtures import collect, make_task
 
 pytestmark = pytest.mark.integration
@@ -42,8 +42,10 @@ class FlakyEnv:
         msgs = [{"role": "user", "content": "say something"}]
         r = await llm.chat(msgs)
         if instance.get("overflow"):
-            msgs += [{"role": "assistant", "content": r.choices[0].message.content or ""},
-                     {"role": "user", "content": "word " * 40_000}]
+            msgs += [
+                {"role": "assistant", "content": r.choices[0].message.content or ""},
+                {"role": "user", "content": "word " * 40_000},
+            ]
             await llm.chat(msgs)
         return Outcome(reward=1.0)
 
@@ -57,8 +59,10 @@ async def test_a_session_fails_over_when_its_generator_dies(gateway_stack):
             msgs = [{"role": "user", "content": "hello"}]
             r1 = (await http.post("/chat/completions", json={"messages": msgs})).json()
             await st.stop_generator(int(first.split("-")[1]))
-            msgs += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"] or ""},
-                     {"role": "user", "content": "again"}]
+            msgs += [
+                {"role": "assistant", "content": r1["choices"][0]["message"]["content"] or ""},
+                {"role": "user", "content": "again"},
+            ]
             r2 = await http.post("/chat/completions", json={"messages": msgs})
             metrics = (await httpx.AsyncClient(base_url=st.url).get("/metrics")).text
         assert r2.status_code == 200, r2.text
@@ -89,10 +93,13 @@ async def test_retry_policy_reruns_infra_failures_up_to_the_limit(gateway_stack,
     env = FlakyEnv()
     with registered_env(env):
         async with gateway_stack(env={"failure_policy": "retry", "max_rollout_retries": 2}) as st:
-            await st.streams.publish_many(st.streams.keys.tasks, [
-                make_task(1, env="flaky", instance={"key": "once", "fail_times": 1}),
-                make_task(2, env="flaky", instance={"key": "always", "fail_times": 99}),
-            ])
+            await st.streams.publish_many(
+                st.streams.keys.tasks,
+                [
+                    make_task(1, env="flaky", instance={"key": "once", "fail_times": 1}),
+                    make_task(2, env="flaky", instance={"key": "always", "fail_times": 99}),
+                ],
+            )
             trajs = {t.task_id: t for t in await collect(st.streams, 2)}
             worker = st.gateway.state.worker
             metrics = (await httpx.AsyncClient(base_url=st.url).get("/metrics")).text
@@ -110,7 +117,9 @@ async def test_fail_fast_publishes_the_first_infra_failure_without_retrying(gate
     env = FlakyEnv()
     with registered_env(env):
         async with gateway_stack() as st:
-            await st.streams.publish(st.streams.keys.tasks, make_task(1, env="flaky", instance={"key": "k", "fail_times": 1}))
+            await st.streams.publish(
+                st.streams.keys.tasks, make_task(1, env="flaky", instance={"key": "k", "fail_times": 1})
+            )
             (traj,) = await collect(st.streams, 1)
     assert traj.status == "failed" and traj.metrics["attempts"] == 1.0 and env.attempts == {"k": 1}
 
@@ -119,7 +128,9 @@ async def test_a_policy_failure_keeps_its_turns_as_a_truncated_zero_reward_rollo
     env = FlakyEnv()
     with registered_env(env):
         async with gateway_stack(env={"failure_policy": "retry"}) as st:
-            await st.streams.publish(st.streams.keys.tasks, make_task(1, env="flaky", instance={"key": "o", "overflow": True}))
+            await st.streams.publish(
+                st.streams.keys.tasks, make_task(1, env="flaky", instance={"key": "o", "overflow": True})
+            )
             (traj,) = await collect(st.streams, 1)
     assert traj.status == "truncated" and traj.failure_kind == "policy" and traj.reward == 0.0
     assert traj.fallback_reason.startswith("model_refused") and len(traj.turns) == 1
@@ -131,8 +142,10 @@ async def test_drain_releases_unfinished_tasks_to_the_group_at_once(gateway_stac
     with registered_env(env):
         async with gateway_stack(gym_gateway={"max_concurrent_rollouts": 2}) as st:
             streams, worker = st.streams, st.gateway.state.worker
-            await streams.publish_many(streams.keys.tasks, [
-                make_task(i, env="flaky", instance={"key": str(i), "sleep_s": 30}) for i in range(3)])
+            await streams.publish_many(
+                streams.keys.tasks,
+                [make_task(i, env="flaky", instance={"key": str(i), "sleep_s": 30}) for i in range(3)],
+            )
             for _ in range(100):
                 if len(worker.active) == 2:
                     break

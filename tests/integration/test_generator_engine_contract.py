@@ -72,11 +72,7 @@ async def test_text_stop_ends_on_the_token_that_completes_it(engine, tiny_tokeni
     decode = lambda ids: tiny_tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     # Two generated tokens whose text is whole characters (a byte-level piece of a multi-byte
     # character decodes to U+FFFD, which an incremental detokenizer never emits).
-    stop = next(
-        text
-        for i in range(7)
-        if (text := decode(free.token_ids[i : i + 2])).strip() and "\ufffd" not in text
-    )
+    stop = next(text for i in range(7) if (text := decode(free.token_ids[i : i + 2])).strip() and "\ufffd" not in text)
     # The first prefix of the free continuation whose text contains the stop string.
     k = next(i for i in range(1, 9) if stop in decode(free.token_ids[:i]))
     [stopped] = await engine.generate(PROMPT, greedy(8, stop_strings=(stop,)), "t2")

@@ -35,7 +35,9 @@ TOOLS = [
 ]
 SYSTEM = {"role": "system", "content": "Use the calculator."}
 USER = {"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]}
-ANSWER = '<think>\nadd them\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ANSWER = (
+    '<think>\nadd them\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+)
 
 
 def _client(gen) -> openai.AsyncOpenAI:

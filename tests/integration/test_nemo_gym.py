@@ -37,25 +37,39 @@ from tests.nemo_gym_servers import (
 pytestmark = pytest.mark.integration
 pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
 
-LOOK = {"type": "function", "name": "look", "description": "See the traffic light.", "strict": True,
-        "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
-PARAMS = {"input": [{"role": "developer", "content": "You are a robot at a crossing."},
-                    {"role": "user", "content": "Use the look tool, then reply with one word: stop, wait or go."}],
-          "tools": [LOOK]}
+LOOK = {
+    "type": "function",
+    "name": "look",
+    "description": "See the traffic light.",
+    "strict": True,
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+}
+PARAMS = {
+    "input": [
+        {"role": "developer", "content": "You are a robot at a crossing."},
+        {"role": "user", "content": "Use the look tool, then reply with one word: stop, wait or go."},
+    ],
+    "tools": [LOOK],
+}
 LOOK_CALL = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
 
 
 def _row(agent: str, **fields) -> dict:
-    return {"responses_create_params": PARAMS, "agent_ref": {"type": "responses_api_agents", "name": agent},
-            "light": "red", **fields}
+    return {
+        "responses_create_params": PARAMS,
+        "agent_ref": {"type": "responses_api_agents", "name": agent},
+        "light": "red",
+        **fields,
+    }
 
 
 @pytest.fixture(scope="module")
 def look_model(tiny_model_dir, tiny_tokenizer, scripted_model, tmp_path_factory):
     """The tiny model fine-tuned to answer the row's prompt, as the gateway renders it, with LOOK_CALL."""
     chat = chat_request(ResponsesRequest(input=PARAMS["input"], tools=PARAMS["tools"]))
-    prompt = tiny_tokenizer.apply_chat_template(normalize_messages(chat.messages), tools=chat.tools,
-                                                add_generation_prompt=True, tokenize=False)
+    prompt = tiny_tokenizer.apply_chat_template(
+        normalize_messages(chat.messages), tools=chat.tools, add_generation_prompt=True, tokenize=False
+    )
     prompt_ids = tiny_tokenizer.encode(prompt, add_special_tokens=False)
     answer_ids = tiny_tokenizer.encode(LOOK_CALL + "<|im_end|>", add_special_tokens=False)
     return scripted_model(tiny_model_dir, tmp_path_factory.mktemp("look-model"), prompt_ids, answer_ids)
@@ -66,9 +80,14 @@ def _server(kind: str, impl: str, port: int, **extra) -> dict:
 
 
 def _agent(port: int, resources: str, model: str = "policy_model") -> dict:
-    return _server("responses_api_agents", "simple_agent", port, max_steps=3,
-                   resources_server={"type": "resources_servers", "name": resources},
-                   model_server={"type": "responses_api_models", "name": model})
+    return _server(
+        "responses_api_agents",
+        "simple_agent",
+        port,
+        max_steps=3,
+        resources_server={"type": "resources_servers", "name": resources},
+        model_server={"type": "responses_api_models", "name": model},
+    )
 
 
 @contextlib.asynccontextmanager
@@ -88,15 +107,23 @@ async def nemo_gym(serve_app, gateway_stack, model_dir):
         "rogue_agent": _agent(ports["rogue"], "crossing_resources", model="other_model"),
     }
     head_url = f"http://127.0.0.1:{ports['head']}"
-    generation = {"backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 32,
-                  "val_temperature": 0.0}
+    generation = {
+        "backend": "transformers",
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "max_new_tokens": 32,
+        "val_temperature": 0.0,
+    }
     async with contextlib.AsyncExitStack() as stack:
-        gw = await stack.enter_async_context(gateway_stack(
-            model_dir=model_dir, policy={"generation": generation},
-            env={"nemo_gym": {"head_server_url": head_url, "connect_timeout_s": 2.0}}))
+        gw = await stack.enter_async_context(
+            gateway_stack(
+                model_dir=model_dir,
+                policy={"generation": generation},
+                env={"nemo_gym": {"head_server_url": head_url, "connect_timeout_s": 2.0}},
+            )
+        )
         config["policy_model"] = _server("responses_api_models", "streamrl", int(gw.url.rsplit(":", 1)[1]))
-        apps = {"head": head_server_app(config), "resources": crossing_resources_app(),
-                "canned": canned_model_app()}
+        apps = {"head": head_server_app(config), "resources": crossing_resources_app(), "canned": canned_model_app()}
         apps.update({k: simple_agent_app(f"{k}_agent", config) for k in ("crossing", "broken", "rogue")})
         for key, app in apps.items():
             await stack.enter_async_context(serve_app(app, ports[key]))
@@ -105,9 +132,19 @@ async def nemo_gym(serve_app, gateway_stack, model_dir):
 
 def _task(gw, row: dict, i: int = 0) -> Task:
     gid = f"ng{i}-{uuid.uuid4().hex[:6]}"
-    return Task(task_id=f"{gid}/0", group_id=gid, index_in_group=0, group_size=1, prompt_index=i, env="nemo_gym",
-                instance=row, kind="validation", target_step=0,
-                sampling=gw.cfg.policy.generation.sampling("validation"), deadline_s=120.0)
+    return Task(
+        task_id=f"{gid}/0",
+        group_id=gid,
+        index_in_group=0,
+        group_size=1,
+        prompt_index=i,
+        env="nemo_gym",
+        instance=row,
+        kind="validation",
+        target_step=0,
+        sampling=gw.cfg.policy.generation.sampling("validation"),
+        deadline_s=120.0,
+    )
 
 
 async def test_a_nemo_gym_agent_rollout_is_recorded_token_exact(serve_app, gateway_stack, look_model):
@@ -120,11 +157,11 @@ async def test_a_nemo_gym_agent_rollout_is_recorded_token_exact(serve_app, gatew
     seen = apps["crossing"].state.model_responses
     assert [o["type"] for o in seen[0]["output"]] == ["function_call"]
     assert len(traj.turns) == len(seen) == 2
-    for turn, response in zip(traj.turns, seen):
+    for turn, response in zip(traj.turns, seen, strict=False):
         last = response["output"][-1]  # the turn's token fields ride on its last item
         assert list(turn.generated()) == last["generation_token_ids"]
         assert list(turn.logprobs()) == pytest.approx(last["generation_log_probs"], abs=1e-6)
-        assert last["prompt_token_ids"][turn.context_len:] == list(turn.prompt())
+        assert last["prompt_token_ids"][turn.context_len :] == list(turn.prompt())
         assert response["weight_version"] == turn.weight_version == 0
     first = seen[0]["output"][-1]
     history = first["prompt_token_ids"] + first["generation_token_ids"]
@@ -163,23 +200,43 @@ async def test_vllm_model_requests_work_on_the_rollout_paths(gateway_stack):
         base = f"{gw.url}/ng-rollout/vm.1/training-token-capture"
         kwargs = {"enable_thinking": False}
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
-        capture = {"logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
-                   "chat_template_kwargs": kwargs, "model": "policy"}
+        capture = {
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "chat_template_kwargs": kwargs,
+            "model": "policy",
+        }
         async with httpx.AsyncClient(timeout=60) as http:
             first = (await http.post(f"{base}/v1/chat/completions", json={"messages": messages, **capture})).json()
-            tokenized = (await http.post(f"{base}/tokenize", json={"messages": messages, "model": "policy",
-                                                                    "chat_template_kwargs": kwargs})).json()
+            tokenized = (
+                await http.post(
+                    f"{base}/tokenize", json={"messages": messages, "model": "policy", "chat_template_kwargs": kwargs}
+                )
+            ).json()
             plain = (await http.post(f"{base}/tokenize", json={"messages": messages})).json()
             choice = first["choices"][0]
             m = choice["message"]
-            replay = {"role": "assistant", "content": m["content"] or "", "reasoning_content": None,
-                      **{k: m[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}}
-            second = (await http.post(f"{base}/v1/chat/completions", json={
-                "messages": [*messages, replay, {"role": "user", "content": "Again."}], **capture})).json()
+            replay = {
+                "role": "assistant",
+                "content": m["content"] or "",
+                "reasoning_content": None,
+                **{k: m[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")},
+            }
+            second = (
+                await http.post(
+                    f"{base}/v1/chat/completions",
+                    json={"messages": [*messages, replay, {"role": "user", "content": "Again."}], **capture},
+                )
+            ).json()
             m2 = second["choices"][0]["message"]
             so_far = m2["prompt_token_ids"] + m2["generation_token_ids"]
-            third = (await http.post(f"{base}/v1/completions", json={
-                "prompt": so_far + m["prompt_token_ids"][:3], "max_tokens": 4, "logprobs": 0})).json()
+            third = (
+                await http.post(
+                    f"{base}/v1/completions",
+                    json={"prompt": so_far + m["prompt_token_ids"][:3], "max_tokens": 4, "logprobs": 0},
+                )
+            ).json()
             listed = (await http.get(f"{base}/v1/models")).json()
             missing = await http.post(f"{gw.url}/v1/responses", json={"input": "x"})
     assert choice["token_ids"] == m["generation_token_ids"]
@@ -188,8 +245,10 @@ async def test_vllm_model_requests_work_on_the_rollout_paths(gateway_stack):
     history = m["prompt_token_ids"] + m["generation_token_ids"]
     assert second["prompt_token_ids"][: len(history)] == history
     assert session.prefix_breaks == 0 and session.turns[1].context_len == len(history)
-    assert session.turns[2].context_len == len(so_far) and list(session.turns[2].generated()) == \
-        third["choices"][0]["generation_token_ids"]
+    assert (
+        session.turns[2].context_len == len(so_far)
+        and list(session.turns[2].generated()) == third["choices"][0]["generation_token_ids"]
+    )
     assert listed["data"][0]["weight_version"] == 0
     assert missing.status_code == 404 and "observability_enabled" in missing.json()["error"]["message"]
 
@@ -210,8 +269,13 @@ async def test_calls_reaching_another_gateway_worker_are_forwarded_to_the_sessio
             session = await gw.gateway.state.proxy.open("fw.1", "train", gw.cfg.policy.generation.sampling("train"))
             async with httpx.AsyncClient(timeout=60) as http:
                 first = await http.post(f"{other_url}/ng-rollout/fw.1/v1/responses", json={"input": "Say hi."})
-                replay = {"input": [{"role": "user", "content": "Say hi."}, *first.json()["output"],
-                                    {"role": "user", "content": "Again."}]}
+                replay = {
+                    "input": [
+                        {"role": "user", "content": "Say hi."},
+                        *first.json()["output"],
+                        {"role": "user", "content": "Again."},
+                    ]
+                }
                 second = await http.post(f"{other_url}/ng-rollout/fw.1/v1/responses", json=replay)
                 stats = await http.get(f"{other_url}/sessions/fw.1/stats")
                 gone = await http.post(f"{other_url}/ng-rollout/nope.1/v1/responses", json={"input": "x"})

@@ -30,12 +30,20 @@ pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[2]
 # A short system prompt and two tools keep the agent's prompt near 3k tokens of the tiny model.
-OPENHANDS = {"tools": ["terminal"], "default_tools": ["FinishTool"],
-             "system_prompt": "You are a coding agent. Work in the current folder with the terminal tool, then call finish."}
-TASK = {"prompt": "Create a file answer.txt holding the number 5.", "check": 'test "$(cat answer.txt)" = 5',
-        "files": {"README.md": "Put the answer in answer.txt.\n"}}
-ANSWER = ('<tool_call>\n{"name": "terminal", "arguments": {"command": "echo 5 > answer.txt"}}\n</tool_call>\n'
-          '<tool_call>\n{"name": "finish", "arguments": {"message": "done"}}\n</tool_call>')
+OPENHANDS = {
+    "tools": ["terminal"],
+    "default_tools": ["FinishTool"],
+    "system_prompt": "You are a coding agent. Work in the current folder with the terminal tool, then call finish.",
+}
+TASK = {
+    "prompt": "Create a file answer.txt holding the number 5.",
+    "check": 'test "$(cat answer.txt)" = 5',
+    "files": {"README.md": "Put the answer in answer.txt.\n"},
+}
+ANSWER = (
+    '<tool_call>\n{"name": "terminal", "arguments": {"command": "echo 5 > answer.txt"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "finish", "arguments": {"message": "done"}}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,9 +54,19 @@ def openhands_venv():
 
 
 def _task(i: int, *, sampling: SamplingParams, instance: dict | None = None, deadline_s: float = 300.0) -> Task:
-    return Task(task_id=f"oh{i}/0", group_id=f"oh{i}", index_in_group=0, group_size=1, prompt_index=i,
-                env="openhands", instance=instance or TASK, kind=sampling.kind, target_step=0, sampling=sampling,
-                deadline_s=deadline_s)
+    return Task(
+        task_id=f"oh{i}/0",
+        group_id=f"oh{i}",
+        index_in_group=0,
+        group_size=1,
+        prompt_index=i,
+        env="openhands",
+        instance=instance or TASK,
+        kind=sampling.kind,
+        target_step=0,
+        sampling=sampling,
+        deadline_s=deadline_s,
+    )
 
 
 def _env_section(**openhands) -> dict:
@@ -89,8 +107,9 @@ async def test_sampling_parameters_reach_the_generator(gateway_stack):
 
         async def run(session_id: str, sampling: SamplingParams):
             session = await proxy.open(session_id, "train", profile)
-            client = ChatClient(f"{st.url}/sessions/{session_id}/v1", http, timeout_s=300, sampling=sampling,
-                                session_id=session_id)
+            client = ChatClient(
+                f"{st.url}/sessions/{session_id}/v1", http, timeout_s=300, sampling=sampling, session_id=session_id
+            )
             return session, await env.rollout(TASK, client, max_turns=1)
 
         with pytest.raises(ModelRequestError, match="temperature"):
@@ -102,11 +121,14 @@ async def test_sampling_parameters_reach_the_generator(gateway_stack):
     assert outcome.metrics["iterations"] == len(session.turns)
 
 
-@pytest.mark.parametrize(("openhands", "message"), [
-    ({"python": "/nonexistent/venv/bin/python"}, "env.openhands.python"),  # no interpreter at all
-    ({"python": str(ROOT / ".venv" / "bin" / "python")}, "openhands"),  # one without the SDK (3.11)
-    ({"tools": ["terminal", "no_such_tool"]}, "unknown OpenHands tool 'no_such_tool'"),  # the SDK, misconfigured
-])
+@pytest.mark.parametrize(
+    ("openhands", "message"),
+    [
+        ({"python": "/nonexistent/venv/bin/python"}, "env.openhands.python"),  # no interpreter at all
+        ({"python": str(ROOT / ".venv" / "bin" / "python")}, "openhands"),  # one without the SDK (3.11)
+        ({"tools": ["terminal", "no_such_tool"]}, "unknown OpenHands tool 'no_such_tool'"),  # the SDK, misconfigured
+    ],
+)
 async def test_a_broken_harness_is_an_infrastructure_failure(gateway_stack, openhands, message):
     async with gateway_stack(env=_env_section(**openhands)) as st:
         await st.streams.publish(st.streams.keys.tasks, _task(10, sampling=SamplingParams(max_tokens=8)))
@@ -136,7 +158,9 @@ def one_torch_thread():
         torch.set_num_threads(threads)
 
 
-def fine_tune_head(src: Path, dst: Path, prompt_ids: list[int], answer_ids: list[int], *, max_steps: int = 2000) -> Path:
+def fine_tune_head(
+    src: Path, dst: Path, prompt_ids: list[int], answer_ids: list[int], *, max_steps: int = 2000
+) -> Path:
     """A copy of ``src`` whose greedy answer to ``prompt_ids`` is ``answer_ids``.
 
     Only what acts on each position alone is trained: the last decoder layer's MLP and its norm,
@@ -200,8 +224,15 @@ async def test_scripted_model_runs_a_command_and_finishes(gateway_stack, answer_
     with one_torch_thread():
         model = fine_tune_head(tiny_model_dir, tmp_path / "scripted", prompt_ids, answer_ids)
     greedy = SamplingParams(temperature=0.0, max_tokens=len(answer_ids) + 8, kind="validation")
-    policy = {"generation": {"backend": "transformers", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 128,
-                             "val_temperature": 0.0}}
+    policy = {
+        "generation": {
+            "backend": "transformers",
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "max_new_tokens": 128,
+            "val_temperature": 0.0,
+        }
+    }
     async with gateway_stack(env=_env_section(), model_dir=model, policy=policy) as st:
         await st.streams.publish(st.streams.keys.tasks, _task(21, sampling=greedy))
         [traj] = await collect(st.streams, 1, timeout_s=300)

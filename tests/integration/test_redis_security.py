@@ -20,13 +20,13 @@ from urllib.parse import quote
 
 import pytest
 
+from services.trainer.control import PauseControl
 from shared import keys as K
 from shared.auth import redact_url
 from shared.protocol import Heartbeat, SamplingParams, Task
 from shared.queue_stats import snapshot
 from shared.registry import live_workers, publish_heartbeat
 from shared.streams import StreamClient, connect
-from services.trainer.control import PauseControl
 from streamrl.redis_server import RedisServer, free_port, valkey_binary
 
 pytestmark = pytest.mark.integration
@@ -38,14 +38,18 @@ ACL_USER, ACL_PASSWORD = "streamrl-app", "acl-s3cret-pw"
 @pytest.fixture(scope="module")
 def secured_server(tmp_path_factory):
     """Valkey with a password on the default user and an ACL user allowed only streamrl's keys."""
-    server = RedisServer(tmp_path_factory.mktemp("valkey-auth"), binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
-                         extra_args=["--requirepass", ADMIN_PASSWORD])
+    server = RedisServer(
+        tmp_path_factory.mktemp("valkey-auth"),
+        binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
+        extra_args=["--requirepass", ADMIN_PASSWORD],
+    )
     server.start()
 
     async def add_user() -> None:
         admin = connect(_url(server.port, "", ADMIN_PASSWORD))
-        await admin.execute_command("ACL", "SETUSER", ACL_USER, "reset", "on", f">{ACL_PASSWORD}", "~streamrl:*",
-                                    "&*", "+@all", "-@admin")
+        await admin.execute_command(
+            "ACL", "SETUSER", ACL_USER, "reset", "on", f">{ACL_PASSWORD}", "~streamrl:*", "&*", "+@all", "-@admin"
+        )
         await admin.aclose()
 
     asyncio.run(add_user())
@@ -66,16 +70,38 @@ async def _exercise(url: str) -> None:
         keys = K.RunKeys(run_id)
         streams = StreamClient(redis, keys, "gateway-0")
         await streams.ensure_group(keys.tasks, K.GATEWAYS_GROUP)
-        task = Task(task_id="g0/0", group_id="g0", index_in_group=0, group_size=1, prompt_index=0, env="echo",
-                    instance={}, kind="train", target_step=0, sampling=SamplingParams(max_tokens=4), deadline_s=60.0)
+        task = Task(
+            task_id="g0/0",
+            group_id="g0",
+            index_in_group=0,
+            group_size=1,
+            prompt_index=0,
+            env="echo",
+            instance={},
+            kind="train",
+            target_step=0,
+            sampling=SamplingParams(max_tokens=4),
+            deadline_s=60.0,
+        )
         await streams.publish(keys.tasks, task)
         got = await streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10, block_ms=100)
         assert [d.msg.task_id for d in got] == ["g0/0"]
         pause = PauseControl(redis, keys)
         epoch = await pause.pause("user")
         assert await pause.resume("user", epoch)
-        await publish_heartbeat(redis, keys, Heartbeat(worker_id="gateway-0", kind="gym_gateway", url="http://x",
-                                                       pid=1, host="h", state="ready", started_at=time.time()))
+        await publish_heartbeat(
+            redis,
+            keys,
+            Heartbeat(
+                worker_id="gateway-0",
+                kind="gym_gateway",
+                url="http://x",
+                pid=1,
+                host="h",
+                state="ready",
+                started_at=time.time(),
+            ),
+        )
         assert [w.worker_id for w in await live_workers(redis, keys)] == ["gateway-0"]
         snap = await snapshot(redis, run_id)
         assert snap.streams["tasks"] == 1 and snap.groups[0].consumers[0].pending == 1
@@ -128,17 +154,26 @@ def _write_certs(folder: Path) -> tuple[Path, Path, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def cert(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x509.Certificate:
-        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)])).public_key(key.public_key())
-             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if not ca:
-            b = b.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            b = b.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
         return b.sign(issuer_key, hashes.SHA256())
 
     ca_key, srv_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
@@ -147,8 +182,11 @@ def _write_certs(folder: Path) -> tuple[Path, Path, Path]:
     paths = folder / "ca.crt", folder / "server.crt", folder / "server.key"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(srv.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(srv_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+    paths[2].write_bytes(
+        srv_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     return paths
 
 
@@ -164,10 +202,35 @@ async def test_rediss_url_against_a_tls_server(tmp_path, certs):
     binary = os.environ.get("STREAMRL_TEST_REDIS_BIN") or valkey_binary()
     port = free_port()
     log = tmp_path / "server.log"
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", "0", "--tls-port", str(port), "--tls-cert-file",
-                             str(crt), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients",
-                             "no", "--requirepass", ADMIN_PASSWORD, "--save", "", "--dir", str(tmp_path),
-                             "--logfile", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(crt),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(ca),
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            ADMIN_PASSWORD,
+            "--save",
+            "",
+            "--dir",
+            str(tmp_path),
+            "--logfile",
+            str(log),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = _url(port, "", ADMIN_PASSWORD, scheme="rediss", query=f"ssl_ca_certs={ca}")
         await _wait_tls_server(proc, url, log, binary)
@@ -185,8 +248,10 @@ async def _wait_tls_server(proc: subprocess.Popen, url: str, log: Path, binary: 
         if proc.poll() is not None:
             text = log.read_text(errors="replace") if log.exists() else ""
             if "TLS support" in text or ("Bad directive" in text and "tls-port" in text):
-                pytest.skip(f"{binary} was built without TLS support (its log says so); set STREAMRL_TEST_REDIS_BIN "
-                            "to a redis-server built with TLS to run this test")
+                pytest.skip(
+                    f"{binary} was built without TLS support (its log says so); set STREAMRL_TEST_REDIS_BIN "
+                    "to a redis-server built with TLS to run this test"
+                )
             raise AssertionError(f"TLS server exited with {proc.returncode}: {text[-500:]}")
         client = aioredis.Redis.from_url(url)
         try:

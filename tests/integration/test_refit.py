@@ -13,7 +13,6 @@ from services.trainer.refit import RefitError
 from shared.protocol import WeightAck, WeightAnnouncement
 from shared.streams import StreamClient
 from shared.weights_format import checksum_dir
-
 from tests.refit_fixtures import beat as _register
 from tests.refit_fixtures import publisher_for
 from tests.refit_fixtures import save_dummy as _save
@@ -27,7 +26,9 @@ async def publisher(redis_url, tmp_path):
         yield pub_streams
 
 
-async def _answer(streams: StreamClient, worker_id: str, ok: bool = True, error: str | None = None) -> WeightAnnouncement:
+async def _answer(
+    streams: StreamClient, worker_id: str, ok: bool = True, error: str | None = None
+) -> WeightAnnouncement:
     """Play a generator: wait for the announcement, check it, ack it."""
     while True:
         latest = await streams.read_latest(streams.keys.weights, WeightAnnouncement)
@@ -35,8 +36,10 @@ async def _answer(streams: StreamClient, worker_id: str, ok: bool = True, error:
             break
         await asyncio.sleep(0.02)
     ann = latest.msg
-    await streams.publish(streams.keys.weight_acks, WeightAck(worker_id=worker_id, version=ann.version, ok=ok,
-                                                              error=error, cache_reset=ok))
+    await streams.publish(
+        streams.keys.weight_acks,
+        WeightAck(worker_id=worker_id, version=ann.version, ok=ok, error=error, cache_reset=ok),
+    )
     return ann
 
 

@@ -26,20 +26,56 @@ def test_k8s_options_reach_the_backend(tmp_path):
     fake.add_deployment("gen", "generator", 1, part_of="other")
     fake.add_deployment("gw", "gym-gateway", 1, part_of="other")
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": fake.start()}}],
-        "users": [{"name": "u", "user": {"token": "tok"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-    }))
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "k", "cluster": {"server": fake.start()}}],
+                "users": [{"name": "u", "user": {"token": "tok"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+            }
+        )
+    )
     try:
-        out = CliRunner().invoke(app, ["scale", "--backend", "k8s", "--kubeconfig", str(kubeconfig), "--namespace", "ml",
-                                       "--selector", "app.kubernetes.io/name=other", "gym-gateway=3", "--timeout", "30"])
+        out = CliRunner().invoke(
+            app,
+            [
+                "scale",
+                "--backend",
+                "k8s",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--namespace",
+                "ml",
+                "--selector",
+                "app.kubernetes.io/name=other",
+                "gym-gateway=3",
+                "--timeout",
+                "30",
+            ],
+        )
         assert out.exit_code == 0, out.output
         assert "generator: 1 -> 1, gym-gateway: 1 -> 3" in out.output
         assert [c.path for c in fake.patches()] == ["/apis/apps/v1/namespaces/ml/deployments/gw/scale"]
-        shown = CliRunner().invoke(app, ["scale", "--backend", "k8s", "--kubeconfig", str(kubeconfig), "--namespace",
-                                         "ml", "--generator-deployment", "gen", "--gateway-deployment", "gw", "--show"])
+        shown = CliRunner().invoke(
+            app,
+            [
+                "scale",
+                "--backend",
+                "k8s",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--namespace",
+                "ml",
+                "--generator-deployment",
+                "gen",
+                "--gateway-deployment",
+                "gw",
+                "--show",
+            ],
+        )
         assert shown.exit_code == 0 and "generator: 1, gym-gateway: 3" in shown.output
     finally:
         fake.stop()
@@ -50,8 +86,22 @@ def test_compose_options_reach_the_backend(monkeypatch):
     fake = FakeEngine(sock)
     monkeypatch.setenv("DOCKER_HOST", fake.start())
     try:
-        out = CliRunner().invoke(app, ["scale", "--backend", "compose", "--compose-file", str(ROOT / "docker-compose.yml"),
-                                       "--project-name", "cli", "generator=2", "gym-gateway=1", "--timeout", "60"])
+        out = CliRunner().invoke(
+            app,
+            [
+                "scale",
+                "--backend",
+                "compose",
+                "--compose-file",
+                str(ROOT / "docker-compose.yml"),
+                "--project-name",
+                "cli",
+                "generator=2",
+                "gym-gateway=1",
+                "--timeout",
+                "60",
+            ],
+        )
         assert out.exit_code == 0, out.output
         assert "generator: 0 -> 2, gym-gateway: 0 -> 1" in out.output
         assert [c.name for c in fake.service("generator")] == ["cli-generator-1", "cli-generator-2"]

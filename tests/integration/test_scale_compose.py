@@ -54,7 +54,9 @@ def test_scale_up_creates_only_new_workers_and_waits_until_they_are_healthy(engi
     assert fake.mutations() == ["POST create", "POST streamrl-test-generator-2/start"]
     new = fake.service("generator")[1]
     assert new.name == "streamrl-test-generator-2" and new.status == "running"
-    assert new.labels["com.docker.compose.project"] == PROJECT and new.labels["com.docker.compose.service"] == "generator"
+    assert (
+        new.labels["com.docker.compose.project"] == PROJECT and new.labels["com.docker.compose.service"] == "generator"
+    )
     assert new.config["StopTimeout"] == 90  # stop_grace_period: covers the generator's drain
     assert new.config["Healthcheck"]["Test"][-1].endswith(":8100/ready', timeout=2)")
     # Returned only after the engine reported it healthy.
@@ -72,11 +74,15 @@ def test_scale_down_stops_and_removes_the_newest_worker(engine):
     down = be.scale({"generator": 1, "gym-gateway": 1}, timeout_s=120)
     assert down.describe() == "generator: 2 -> 1, gym-gateway: 3 -> 1"
     stopped = [m for m in fake.mutations() if m.endswith("/stop")]
-    assert sorted(stopped) == ["POST streamrl-test-generator-2/stop", "POST streamrl-test-gym-gateway-2/stop",
-                               "POST streamrl-test-gym-gateway-3/stop"]
+    assert sorted(stopped) == [
+        "POST streamrl-test-generator-2/stop",
+        "POST streamrl-test-gym-gateway-2/stop",
+        "POST streamrl-test-gym-gateway-3/stop",
+    ]
     for name in ("generator-2", "gym-gateway-2", "gym-gateway-3"):  # each stopped (drained) before it is removed
         assert fake.mutations().index(f"DELETE streamrl-test-{name}") > fake.mutations().index(
-            f"POST streamrl-test-{name}/stop")
+            f"POST streamrl-test-{name}/stop"
+        )
     assert [c.id for c in fake.service("generator")] == [first_generator]
     assert be.counts() == {"generator": 1, "gym-gateway": 1}
 

@@ -44,12 +44,18 @@ def backend(request, tmp_path, redis_url):
         fake.add_deployment("generator", "generator", 1)
         fake.add_deployment("gym-gateway", "gym-gateway", 1)
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "c",
-            "clusters": [{"name": "k", "cluster": {"server": fake.start()}}],
-            "users": [{"name": "u", "user": {"token": "tok"}}],
-            "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-        }))
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "c",
+                    "clusters": [{"name": "k", "cluster": {"server": fake.start()}}],
+                    "users": [{"name": "u", "user": {"token": "tok"}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                }
+            )
+        )
         yield KubernetesBackend(kubeconfig=str(kubeconfig))
         fake.stop()
 

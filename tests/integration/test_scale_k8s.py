@@ -27,12 +27,20 @@ def api(tmp_path):
     fake.add_deployment("other-app", "generator", 1, part_of="something-else")
     server = fake.start()
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": server}}],
-        "users": [{"name": "trainer", "user": {"token": TOKEN}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "trainer", "namespace": NAMESPACE}}],
-    }))
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": server}}],
+                "users": [{"name": "trainer", "user": {"token": TOKEN}}],
+                "contexts": [
+                    {"name": "fake", "context": {"cluster": "fake", "user": "trainer", "namespace": NAMESPACE}}
+                ],
+            }
+        )
+    )
     yield fake, str(kubeconfig)
     fake.stop()
 
@@ -60,7 +68,9 @@ def test_scale_down_returns_only_after_the_removed_pods_drained(api):
     result = be.scale({"generator": 1, "gym-gateway": 1}, timeout_s=30)
     assert result.after == {"generator": 1, "gym-gateway": 1}
     assert [(c.path.split("/")[-2], c.body) for c in fake.patches()] == [
-        ("run1-generator", {"spec": {"replicas": 1}}), ("run1-gym-gateway", {"spec": {"replicas": 1}})]
+        ("run1-generator", {"spec": {"replicas": 1}}),
+        ("run1-gym-gateway", {"spec": {"replicas": 1}}),
+    ]
     for name in ("run1-generator", "run1-gym-gateway"):
         assert [p.terminating for p in fake.deployments[name].pods] == [False]  # nothing still draining
 
@@ -69,8 +79,11 @@ def test_deployments_can_be_named_and_ambiguity_is_an_error(api):
     fake, kubeconfig = api
     named = KubernetesBackend(kubeconfig=kubeconfig, deployments={"generator": "other-app"})
     assert named.deployments["generator"] == "other-app"
-    with pytest.raises(ScaleError, match="2 Deployments .* match app.kubernetes.io/component=generator: "
-                                         "other-app, run1-generator; name the generator one with --generator-deployment"):
+    with pytest.raises(
+        ScaleError,
+        match="2 Deployments .* match app.kubernetes.io/component=generator: "
+        "other-app, run1-generator; name the generator one with --generator-deployment",
+    ):
         KubernetesBackend(kubeconfig=kubeconfig, selector="")
     with pytest.raises(ScaleError, match="0 Deployments in namespace 'elsewhere'"):
         KubernetesBackend(kubeconfig=kubeconfig, namespace="elsewhere")

@@ -25,8 +25,11 @@ pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} of a Prometheus exposition."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def value(text: str, name: str, **labels: str) -> float:
@@ -35,8 +38,10 @@ def value(text: str, name: str, **labels: str) -> float:
 
 async def test_generator_metrics_after_a_generation(hf_generator):
     async with hf_generator(with_redis=False) as gen:
-        r = await gen.client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0.8})
+        r = await gen.client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0.8},
+        )
         assert r.status_code == 200, r.text
         generated = len(r.json()["choices"][0]["message"]["generation_token_ids"])
         text = (await gen.client.get("/metrics")).text
@@ -49,15 +54,19 @@ async def test_generator_metrics_after_a_generation(hf_generator):
 
 async def test_gateway_rollout_outcomes_by_reason(gateway_stack):
     async with gateway_stack() as st:
-        await st.streams.publish_many(st.streams.keys.tasks, [make_task(0), make_task(1), make_task(2, env="no_such_env")])
+        await st.streams.publish_many(
+            st.streams.keys.tasks, [make_task(0), make_task(1), make_task(2, env="no_such_env")]
+        )
         trajs = await collect(st.streams, 3)
         assert sorted(t.status for t in trajs) == ["failed", "ok", "ok"]
         async with httpx.AsyncClient(base_url=st.url, timeout=30) as client:
             text = (await client.get("/metrics")).text
     assert value(text, "streamrl_gateway_rollouts_published_total") == 3
     assert value(text, "streamrl_gateway_rollouts_failed_total", reason="unknown_env") == 1
-    assert not any(name == "streamrl_gateway_rollouts_failed_total" and dict(lb).get("reason") != "unknown_env"
-                   for name, lb in samples(text))
+    assert not any(
+        name == "streamrl_gateway_rollouts_failed_total" and dict(lb).get("reason") != "unknown_env"
+        for name, lb in samples(text)
+    )
     assert 0 <= value(text, "streamrl_event_loop_lag_seconds") < 5
 
 
@@ -71,14 +80,20 @@ async def trainer(tiny_model_dir, redis_url, tmp_path):
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
-    cfg = decode_tree({
-        "run": {"run_id": f"obs-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
-        "redis": {"url": redis_url},
-        "data": {"train_path": str(data)},
-        "policy": {"model_name": str(tiny_model_dir)},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
-                 "async_grpo": {"max_trajectory_age_steps": 2}},
-    }, RunConfig)
+    cfg = decode_tree(
+        {
+            "run": {"run_id": f"obs-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
+            "redis": {"url": redis_url},
+            "data": {"train_path": str(data)},
+            "policy": {"model_name": str(tiny_model_dir)},
+            "grpo": {
+                "num_prompts_per_step": 2,
+                "num_generations_per_prompt": 2,
+                "async_grpo": {"max_trajectory_age_steps": 2},
+            },
+        },
+        RunConfig,
+    )
     rt = TrainerRuntime(cfg, worker_id="trainer-obs", url="http://test")
     await rt.start()
     app = build_app(rt)
@@ -90,10 +105,25 @@ async def trainer(tiny_model_dir, redis_url, tmp_path):
 def _group(gid: str, target: int, versions: list[int]) -> list[Trajectory]:
     rows = []
     for i, v in enumerate(versions):
-        turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=v)
-        rows.append(Trajectory(task_id=f"{gid}/{i}", group_id=gid, index_in_group=i, group_size=len(versions),
-                               prompt_index=0, env="crossing", kind="train", target_step=target, launch_version=v,
-                               reward=float(i), status="ok", turns=[turn]))
+        turn = make_turn(
+            prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=v
+        )
+        rows.append(
+            Trajectory(
+                task_id=f"{gid}/{i}",
+                group_id=gid,
+                index_in_group=i,
+                group_size=len(versions),
+                prompt_index=0,
+                env="crossing",
+                kind="train",
+                target_step=target,
+                launch_version=v,
+                reward=float(i),
+                status="ok",
+                turns=[turn],
+            )
+        )
     return rows
 
 
@@ -108,19 +138,42 @@ async def test_trainer_staleness_refit_phases_and_queues(trainer):
     sample = rt.buffer.sample(step, 2)
     assert len(sample.groups) == 2
     report = RefitReport(version=step + 1, save_s=0.4, confirm_s=1.5, total_s=1.9, generators=["g0"], checksum_s=0.25)
-    record = rt._step_record(step, sample, types.SimpleNamespace(stats={"reward_mean": 0.5}), {"loss": 0.1}, report,
-                             t0=0.0, t_data=1.0, t_train=3.0)
+    record = rt._step_record(
+        step,
+        sample,
+        types.SimpleNamespace(stats={"reward_mean": 0.5}),
+        {"loss": 0.1},
+        report,
+        t0=0.0,
+        t_data=1.0,
+        t_train=3.0,
+    )
     assert record["staleness_counts"] == {"2": 1, "1": 1, "0": 2}
     rt.metrics.write(record)  # the runtime's writer: JSONL, TensorBoard and the Prometheus sink
 
     # queues: 3 tasks, 2 delivered to one gateway consumer and not acked
-    tasks = [Task(task_id=f"t{i}/0", group_id=f"t{i}", index_in_group=0, group_size=1, prompt_index=i, env="echo",
-                  instance={}, kind="train", target_step=step, sampling=SamplingParams(max_tokens=4), deadline_s=60.0)
-             for i in range(3)]
+    tasks = [
+        Task(
+            task_id=f"t{i}/0",
+            group_id=f"t{i}",
+            index_in_group=0,
+            group_size=1,
+            prompt_index=i,
+            env="echo",
+            instance={},
+            kind="train",
+            target_step=step,
+            sampling=SamplingParams(max_tokens=4),
+            deadline_s=60.0,
+        )
+        for i in range(3)
+    ]
     await rt.streams.publish_many(rt.keys.tasks, tasks)
     from shared.streams import StreamClient
 
-    await StreamClient(rt.redis, rt.keys, "gw-obs").read_group(rt.keys.tasks, K.GATEWAYS_GROUP, Task, count=2, block_ms=100)
+    await StreamClient(rt.redis, rt.keys, "gw-obs").read_group(
+        rt.keys.tasks, K.GATEWAYS_GROUP, Task, count=2, block_ms=100
+    )
 
     text = (await client.get("/metrics")).text
     hist = "streamrl_trainer_trajectory_staleness_steps"

@@ -40,24 +40,67 @@ async def _populate(url: str) -> None:
     redis = connect(url)
     keys = K.RunKeys(RUN_ID)
     workers = [
-        Heartbeat(worker_id="generator-0", kind="generator", url="http://127.0.0.1:1", pid=11, host="h", state="ready",
-                  weight_version=6, in_flight=3),
-        Heartbeat(worker_id="generator-1", kind="generator", url="http://127.0.0.1:2", pid=12, host="h",
-                  state="failed", weight_version=5, error="engine died"),
-        Heartbeat(worker_id="gateway-0", kind="gym_gateway", url="http://127.0.0.1:3", pid=13, host="h", state="ready",
-                  in_flight=2),
+        Heartbeat(
+            worker_id="generator-0",
+            kind="generator",
+            url="http://127.0.0.1:1",
+            pid=11,
+            host="h",
+            state="ready",
+            weight_version=6,
+            in_flight=3,
+        ),
+        Heartbeat(
+            worker_id="generator-1",
+            kind="generator",
+            url="http://127.0.0.1:2",
+            pid=12,
+            host="h",
+            state="failed",
+            weight_version=5,
+            error="engine died",
+        ),
+        Heartbeat(
+            worker_id="gateway-0",
+            kind="gym_gateway",
+            url="http://127.0.0.1:3",
+            pid=13,
+            host="h",
+            state="ready",
+            in_flight=2,
+        ),
         # A trainer URL nobody listens on: status must still print Redis' view.
-        Heartbeat(worker_id="trainer-0", kind="trainer", url="http://127.0.0.1:9", pid=14, host="h", state="ready",
-                  weight_version=6),
+        Heartbeat(
+            worker_id="trainer-0",
+            kind="trainer",
+            url="http://127.0.0.1:9",
+            pid=14,
+            host="h",
+            state="ready",
+            weight_version=6,
+        ),
     ]
     for hb in workers:
         await publish_heartbeat(redis, keys, hb)
     gateway = StreamClient(redis, keys, "gateway-0")
     await gateway.ensure_group(keys.tasks, K.GATEWAYS_GROUP)
     await gateway.ensure_group(keys.trajectories, K.TRAINER_GROUP)
-    tasks = [Task(task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=1, prompt_index=i, env="echo",
-                  instance={}, kind="train", target_step=7, sampling=SamplingParams(max_tokens=4), deadline_s=60.0)
-             for i in range(5)]
+    tasks = [
+        Task(
+            task_id=f"g{i}/0",
+            group_id=f"g{i}",
+            index_in_group=0,
+            group_size=1,
+            prompt_index=i,
+            env="echo",
+            instance={},
+            kind="train",
+            target_step=7,
+            sampling=SamplingParams(max_tokens=4),
+            deadline_s=60.0,
+        )
+        for i in range(5)
+    ]
     await gateway.publish_many(keys.tasks, tasks)
     await gateway.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=2, block_ms=100)  # 2 pending, 3 undelivered
     await redis.set(keys.trainer_step, "7")
@@ -66,9 +109,17 @@ async def _populate(url: str) -> None:
 
 
 def _status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMRL_API_TOKEN", "STREAMRL_API_TOKEN_FILE")}
-    return subprocess.run([sys.executable, "-m", "streamrl.cli", "status", *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT, env={**base, "COLUMNS": "200", **(env or {})})
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMRL_API_TOKEN", "STREAMRL_API_TOKEN_FILE")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**base, "COLUMNS": "200", **(env or {})},
+    )
 
 
 def test_json_snapshot_has_services_queues_and_step(run_in_redis):

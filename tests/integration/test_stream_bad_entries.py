@@ -31,9 +31,9 @@ from shared.protocol import (
     Heartbeat,
     SamplingParams,
     Task,
+    Trajectory,
     WeightAck,
     WeightAnnouncement,
-    Trajectory,
     decode,
     encode,
     make_turn,
@@ -78,7 +78,7 @@ async def _letters(redis, keys: K.RunKeys) -> list[DeadLetter]:
 def _assert_dead_lettered(letters: list[DeadLetter], stream: str, ids: list[str], entries) -> None:
     mine = [letter for letter in letters if letter.source == stream]
     assert [letter.entry_id for letter in mine] == ids
-    for letter, (fields, reason) in zip(mine, entries):
+    for letter, (fields, reason) in zip(mine, entries, strict=False):
         assert reason in letter.reason, (reason, letter.reason)
         assert letter.payload == fields.get(K.ENTRY_FIELD, b"")[: K.DEADLETTER_PAYLOAD_MAX_BYTES]
 
@@ -91,16 +91,37 @@ def _dead_letter_counts(metrics_text: str) -> dict[str, float]:
 
 
 def _task(i: int, env: str = "crossing", group_size: int = 1) -> Task:
-    return Task(task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=group_size, prompt_index=i,
-                env=env, instance={"light": "red"}, kind="train", target_step=0,
-                sampling=SamplingParams(max_tokens=8), deadline_s=60.0)
+    return Task(
+        task_id=f"g{i}/0",
+        group_id=f"g{i}",
+        index_in_group=0,
+        group_size=group_size,
+        prompt_index=i,
+        env=env,
+        instance={"light": "red"},
+        kind="train",
+        target_step=0,
+        sampling=SamplingParams(max_tokens=8),
+        deadline_s=60.0,
+    )
 
 
 def _trajectory(group: str, index: int) -> Trajectory:
     turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=0)
-    return Trajectory(task_id=f"{group}/{index}", group_id=group, index_in_group=index, group_size=2, prompt_index=0,
-                      env="crossing", kind="train", target_step=0, launch_version=0, reward=float(index),
-                      status="ok", turns=[turn])
+    return Trajectory(
+        task_id=f"{group}/{index}",
+        group_id=group,
+        index_in_group=index,
+        group_size=2,
+        prompt_index=0,
+        env="crossing",
+        kind="train",
+        target_step=0,
+        launch_version=0,
+        reward=float(index),
+        status="ok",
+        turns=[turn],
+    )
 
 
 async def test_gateway_dead_letters_bad_tasks_and_runs_the_next(gateway_stack, monkeypatch):
@@ -112,7 +133,9 @@ async def test_gateway_dead_letters_bad_tasks_and_runs_the_next(gateway_stack, m
         await stack.streams.publish(keys.tasks, _task(1))
         got = []
         for _ in range(600):
-            got += await stack.streams.read_group(keys.trajectories, K.TRAINER_GROUP, Trajectory, count=10, block_ms=100)
+            got += await stack.streams.read_group(
+                keys.trajectories, K.TRAINER_GROUP, Trajectory, count=10, block_ms=100
+            )
             if got:
                 break
         assert [t.msg.task_id for t in got] == ["g1/0"]  # the worker went on to the good task
@@ -123,8 +146,9 @@ async def test_gateway_dead_letters_bad_tasks_and_runs_the_next(gateway_stack, m
         assert _dead_letter_counts(metrics) == {"tasks": float(len(entries))}
 
 
-async def test_trainer_dead_letters_bad_trajectories_and_keeps_consuming(tiny_model_dir, redis_url, tmp_path,
-                                                                        monkeypatch):
+async def test_trainer_dead_letters_bad_trajectories_and_keeps_consuming(
+    tiny_model_dir, redis_url, tmp_path, monkeypatch
+):
     from services.trainer.app import build_app
     from services.trainer.runtime import TrainerRuntime
     from shared.config import decode_tree
@@ -133,12 +157,16 @@ async def test_trainer_dead_letters_bad_trajectories_and_keeps_consuming(tiny_mo
     monkeypatch.setitem(K.MAX_ENTRY_BYTES, "trajectories", SMALL_LIMIT)
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"env": "crossing", "instance": {"light": "red"}}) + "\n")
-    cfg = decode_tree({
-        "run": {"run_id": f"dl-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
-        "redis": {"url": redis_url}, "data": {"train_path": str(data)},
-        "policy": {"model_name": str(tiny_model_dir)},
-        "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
-    }, RunConfig)
+    cfg = decode_tree(
+        {
+            "run": {"run_id": f"dl-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
+            "redis": {"url": redis_url},
+            "data": {"train_path": str(data)},
+            "policy": {"model_name": str(tiny_model_dir)},
+            "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
+        },
+        RunConfig,
+    )
     rt = TrainerRuntime(cfg, worker_id="trainer-dl", url="http://test")
     await rt.start()
     consumer = asyncio.create_task(rt._consume())  # the runtime's background trajectory consumer
@@ -166,15 +194,20 @@ async def test_trainer_dead_letters_bad_trajectories_and_keeps_consuming(tiny_mo
         await rt.aclose()
 
 
-async def test_generator_dead_letters_bad_announcements_and_loads_the_next(hf_generator, tiny_model_dir, redis_url,
-                                                                           monkeypatch):
+async def test_generator_dead_letters_bad_announcements_and_loads_the_next(
+    hf_generator, tiny_model_dir, redis_url, monkeypatch
+):
     monkeypatch.setitem(K.MAX_ENTRY_BYTES, "weights", SMALL_LIMIT)
     run_id = f"dl-gen-{uuid.uuid4().hex[:8]}"
     keys = K.RunKeys(run_id)
     redis = connect(redis_url)
     streams = StreamClient(redis, keys, "test-trainer")
-    good = WeightAnnouncement(version=1, path=str(tiny_model_dir), checksum=checksum_dir(tiny_model_dir),
-                              num_bytes=dir_num_bytes(tiny_model_dir))
+    good = WeightAnnouncement(
+        version=1,
+        path=str(tiny_model_dir),
+        checksum=checksum_dir(tiny_model_dir),
+        num_bytes=dir_num_bytes(tiny_model_dir),
+    )
     entries = bad_entries(good, WeightAck(worker_id="x", version=1, ok=True))
     try:
         # the newest entry is bad when the generator starts: it serves its initial weights
@@ -200,12 +233,14 @@ async def test_refit_dead_letters_bad_acks_and_confirms_the_version(redis_url, t
     redis = connect(redis_url)
     keys = K.RunKeys(f"dl-refit-{uuid.uuid4().hex[:6]}")
     trainer = StreamClient(redis, keys, "trainer")
-    publisher = WeightPublisher(trainer, PauseControl(redis, keys), tmp_path / "weights", timeout_s=10,
-                                in_flight_updates=False)
+    publisher = WeightPublisher(
+        trainer, PauseControl(redis, keys), tmp_path / "weights", timeout_s=10, in_flight_updates=False
+    )
     good = WeightAck(worker_id="gen-a", version=3, ok=True, cache_reset=True)
     entries = bad_entries(good, _task(0))
-    await publish_heartbeat(redis, keys, Heartbeat(worker_id="gen-a", kind="generator", url="http://x", pid=1,
-                                                   host="h", state="ready"))
+    await publish_heartbeat(
+        redis, keys, Heartbeat(worker_id="gen-a", kind="generator", url="http://x", pid=1, host="h", state="ready")
+    )
 
     async def generator() -> list[str]:
         """Play the generator: on the announcement, bad acks first, then the real one."""

@@ -15,8 +15,17 @@ pytestmark = pytest.mark.integration
 
 def _task(i: int) -> Task:
     return Task(
-        task_id=f"g{i}/0", group_id=f"g{i}", index_in_group=0, group_size=2, prompt_index=i, env="echo",
-        instance={"i": i}, kind="train", target_step=0, sampling=SamplingParams(), deadline_s=30.0,
+        task_id=f"g{i}/0",
+        group_id=f"g{i}",
+        index_in_group=0,
+        group_size=2,
+        prompt_index=i,
+        env="echo",
+        instance={"i": i},
+        kind="train",
+        target_step=0,
+        sampling=SamplingParams(),
+        deadline_s=30.0,
     )
 
 
@@ -136,7 +145,10 @@ async def test_read_latest_and_read_after_broadcast(clients):
 
     a, b, keys = clients
     assert await a.read_latest(keys.weights, WeightAnnouncement) is None
-    ids = [await a.publish(keys.weights, WeightAnnouncement(version=v, path=f"/w{v}", checksum="c", num_bytes=1)) for v in range(3)]
+    ids = [
+        await a.publish(keys.weights, WeightAnnouncement(version=v, path=f"/w{v}", checksum="c", num_bytes=1))
+        for v in range(3)
+    ]
     latest = await b.read_latest(keys.weights, WeightAnnouncement)
     assert latest.msg.version == 2 and latest.entry_id == ids[2]
     after = await b.read_after(keys.weights, ids[0], WeightAnnouncement, block_ms=10)
@@ -149,7 +161,9 @@ async def test_a_burst_beyond_the_pool_size_queues_instead_of_failing(redis_url)
     client = connect(redis_url, max_connections=4)
     try:
         # 200 blocking commands at once on 4 connections: each waits for a free connection.
-        results = await asyncio.gather(*[client.blpop([f"nothing-{uuid.uuid4().hex}"], timeout=0.05) for _ in range(200)])
+        results = await asyncio.gather(
+            *[client.blpop([f"nothing-{uuid.uuid4().hex}"], timeout=0.05) for _ in range(200)]
+        )
         assert results == [None] * 200
     finally:
         await client.aclose()
@@ -162,7 +176,9 @@ async def test_a_burst_of_sessions_reads_the_generator_registry_once(redis_url, 
 
     redis = connect(redis_url)
     keys = K.RunKeys(f"pool-{uuid.uuid4().hex[:6]}")
-    hb = Heartbeat(worker_id="gen-0", kind="generator", url="http://g", pid=1, host="h", state="ready", weight_version=3)
+    hb = Heartbeat(
+        worker_id="gen-0", kind="generator", url="http://g", pid=1, host="h", state="ready", weight_version=3
+    )
     await publish_heartbeat(redis, keys, hb)
     reads = 0
 
@@ -215,7 +231,7 @@ async def test_trimming_by_acknowledged_id_never_drops_an_unacked_entry(clients,
         assert needed <= set(left)  # nothing a group still needs is gone
         # and everything before the oldest needed entry is gone
         oldest = min(needed, key=ids.index) if needed else None
-        assert left == (ids[ids.index(oldest):] if oldest else [])
+        assert left == (ids[ids.index(oldest) :] if oldest else [])
     # held entries can still be re-read with their payloads
     again = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=1000, pending=True)
     assert [d.entry_id for d in again] == held[K.GATEWAYS_GROUP]

@@ -29,8 +29,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest_plugins = ["tests.generator_fixtures"]
 
 CALC = {i.instance_id: i for i in load_instances(SHIPPED_INSTANCES)}["calc-divide-by-zero"]
-FIX = {"command": "str_replace", "path": "calc/ops.py", "old_str": "    return a / b",
-       "new_str": '    if b == 0:\n        raise ValueError("cannot divide by zero")\n    return a / b'}
+FIX = {
+    "command": "str_replace",
+    "path": "calc/ops.py",
+    "old_str": "    return a / b",
+    "new_str": '    if b == 0:\n        raise ValueError("cannot divide by zero")\n    return a / b',
+}
 ANSWER = "<tool_call>\n" + json.dumps({"name": "str_replace_editor", "arguments": FIX}) + "\n</tool_call>"
 
 
@@ -98,9 +102,16 @@ async def swe_stack(fixing_model, redis_url, tmp_path):
         "run": {"run_id": run_id, "output_dir": str(tmp_path)},
         "redis": {"url": redis_url},
         "data": {"train_path": "unused.jsonl"},
-        "policy": {"model_name": str(fixing_model), "generation": {
-            "backend": "transformers", "temperature": 1.0, "val_temperature": 0.0, "max_new_tokens": 160,
-            "vllm_cfg": {"max_model_len": 4096}}},
+        "policy": {
+            "model_name": str(fixing_model),
+            "generation": {
+                "backend": "transformers",
+                "temperature": 1.0,
+                "val_temperature": 0.0,
+                "max_new_tokens": 160,
+                "vllm_cfg": {"max_model_len": 4096},
+            },
+        },
         "env": {"name": "swe", "max_turns": 2, "swe": {"workspace_root": str(tmp_path / "ws"), "eval_timeout_s": 120}},
         "gym_gateway": {"max_concurrent_rollouts": 2, "rollout_timeout_s": 300, "reclaim_idle_s": 600},
     }
@@ -113,9 +124,15 @@ async def swe_stack(fixing_model, redis_url, tmp_path):
     gen_port, gw_port = free_port(), free_port()
     with one_torch_thread():  # the generator's engine runs in this process
         async with serve(build_generator(cfg, "gen-0", gen_port), gen_port):
-            await streams.publish(streams.keys.weights, WeightAnnouncement(
-                version=0, path=str(fixing_model), checksum=checksum_dir(fixing_model),
-                num_bytes=dir_num_bytes(fixing_model)))
+            await streams.publish(
+                streams.keys.weights,
+                WeightAnnouncement(
+                    version=0,
+                    path=str(fixing_model),
+                    checksum=checksum_dir(fixing_model),
+                    num_bytes=dir_num_bytes(fixing_model),
+                ),
+            )
             await _wait_ack(streams, 0)
             async with serve(build_gateway(cfg, worker_id="gw-0", port=gw_port, drain_timeout_s=5), gw_port):
                 yield cfg, streams
@@ -133,9 +150,19 @@ async def _one_trajectory(streams: StreamClient, timeout_s: float = 240) -> Traj
 
 async def test_agent_fixes_the_bug_through_the_session_proxy(swe_stack, tiny_tokenizer, tmp_path):
     cfg, streams = swe_stack
-    task = Task(task_id="swe0/0", group_id="swe0", index_in_group=0, group_size=1, prompt_index=0, env="swe",
-                instance={"instance_id": CALC.instance_id}, kind="validation", target_step=0,
-                sampling=cfg.policy.generation.sampling("validation"), deadline_s=300.0)
+    task = Task(
+        task_id="swe0/0",
+        group_id="swe0",
+        index_in_group=0,
+        group_size=1,
+        prompt_index=0,
+        env="swe",
+        instance={"instance_id": CALC.instance_id},
+        kind="validation",
+        target_step=0,
+        sampling=cfg.policy.generation.sampling("validation"),
+        deadline_s=300.0,
+    )
     await streams.publish(streams.keys.tasks, task)
     traj = await _one_trajectory(streams)
 

@@ -31,7 +31,7 @@ CALC = {i.instance_id: i for i in load_instances(SHIPPED_INSTANCES)}["calc-divid
 
 # Records its argv; ``run`` executes the command on the host in the mounted folder, ``rm`` is
 # recorded only. The image "missing:image" fails the way engines do (exit 125).
-FAKE_ENGINE = textwrap.dedent('''\
+FAKE_ENGINE = textwrap.dedent("""\
     #!{python}
     import json, os, sys
     argv = sys.argv
@@ -52,7 +52,7 @@ FAKE_ENGINE = textwrap.dedent('''\
     shell, _, cmd = args[image_at + 1:]
     os.chdir(host)
     os.execvp(shell, [shell, "-c", cmd])
-''')
+""")
 
 
 @pytest.fixture
@@ -70,8 +70,9 @@ def fake_engine(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("engine,engine_args", [("docker", []), ("podman", ["--runtime", "runc"])])
 async def test_command_line_of_a_container(fake_engine, engine, engine_args):
-    runtime = make_runtime(SweSection(runtime=engine, image="localhost/py:1", command_timeout_s=20,
-                                      container_engine_args=engine_args))
+    runtime = make_runtime(
+        SweSection(runtime=engine, image="localhost/py:1", command_timeout_s=20, container_engine_args=engine_args)
+    )
     assert runtime.kind == engine
     async with runtime.workspace(CALC) as ws:
         res = await ws.run("echo hi > out.txt; echo done; exit 4")
@@ -80,11 +81,34 @@ async def test_command_line_of_a_container(fake_engine, engine, engine_args):
     [argv] = fake_engine()
     name = argv[argv.index("--name") + 1]
     assert name.startswith("streamrl-swe-")
-    assert argv == [engine, *engine_args, "run", "--rm", "--pull", "never", "--name", name, "--network", "none",
-                    "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
-                    "-v", f"{ws.path}:/testbed", "-w", "/testbed",
-                    "-e", "PYTHONDONTWRITEBYTECODE=1", "-e", "PYTHONUNBUFFERED=1",
-                    "localhost/py:1", "bash", "-c", "echo hi > out.txt; echo done; exit 4"]
+    assert argv == [
+        engine,
+        *engine_args,
+        "run",
+        "--rm",
+        "--pull",
+        "never",
+        "--name",
+        name,
+        "--network",
+        "none",
+        "--ulimit",
+        "nofile=1024:1024",
+        "--ulimit",
+        "nproc=1024:1024",
+        "-v",
+        f"{ws.path}:/testbed",
+        "-w",
+        "/testbed",
+        "-e",
+        "PYTHONDONTWRITEBYTECODE=1",
+        "-e",
+        "PYTHONUNBUFFERED=1",
+        "localhost/py:1",
+        "bash",
+        "-c",
+        "echo hi > out.txt; echo done; exit 4",
+    ]
 
 
 async def test_reward_run_goes_through_the_engine_with_the_instance_image(fake_engine):
@@ -140,15 +164,47 @@ def _busybox_image(engine: str, engine_args: list[str], tmp_path: Path) -> bool:
     ctx = tmp_path / "image"
     (ctx / "bin").mkdir(parents=True, exist_ok=True)
     shutil.copy(busybox, ctx / "bin" / "busybox")
-    (ctx / "Containerfile").write_text("FROM scratch\nCOPY bin/busybox /bin/busybox\n"
-                                       'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n')
-    build = subprocess.run([engine, *engine_args, "build", "--network", "none", "-t", BUSYBOX_TAG,
-                            "-f", str(ctx / "Containerfile"), str(ctx)], capture_output=True, text=True, timeout=300)
+    (ctx / "Containerfile").write_text(
+        'FROM scratch\nCOPY bin/busybox /bin/busybox\nRUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
+    )
+    build = subprocess.run(
+        [
+            engine,
+            *engine_args,
+            "build",
+            "--network",
+            "none",
+            "-t",
+            BUSYBOX_TAG,
+            "-f",
+            str(ctx / "Containerfile"),
+            str(ctx),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if build.returncode != 0:
         return False
     # a cached build runs nothing: check that a container starts with these engine flags
-    run = subprocess.run([engine, *engine_args, "run", "--rm", "--network", "none", "--ulimit", "nofile=1024:1024",
-                          "--ulimit", "nproc=1024:1024", BUSYBOX_TAG, "true"], capture_output=True, timeout=120)
+    run = subprocess.run(
+        [
+            engine,
+            *engine_args,
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--ulimit",
+            "nofile=1024:1024",
+            "--ulimit",
+            "nproc=1024:1024",
+            BUSYBOX_TAG,
+            "true",
+        ],
+        capture_output=True,
+        timeout=120,
+    )
     return run.returncode == 0
 
 
@@ -176,8 +232,15 @@ async def real_engine(tmp_path):
 
 async def test_real_container_run(real_engine):
     engine, engine_args, image, has_python = real_engine
-    runtime = make_runtime(SweSection(runtime=engine, image=image, shell="bash" if has_python else "sh",
-                                      container_engine_args=engine_args, command_timeout_s=60))
+    runtime = make_runtime(
+        SweSection(
+            runtime=engine,
+            image=image,
+            shell="bash" if has_python else "sh",
+            container_engine_args=engine_args,
+            command_timeout_s=60,
+        )
+    )
     async with runtime.workspace(CALC) as ws:
         res = await ws.run("pwd; ls /sys/class/net; echo made > made.txt; ls")
         timed = await ws.run("sleep 120", timeout_s=2.0)

@@ -23,10 +23,16 @@ pytestmark = pytest.mark.integration
 ROWS = Path(__file__).resolve().parents[1] / "data" / "swe"
 INSTANCES = {i.instance_id: i for i in load_instances(SHIPPED_INSTANCES)}
 CALC = INSTANCES["calc-divide-by-zero"]
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
-           "PATH": os.environ["PATH"], "HOME": "/tmp"}
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@t",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@t",
+    "PATH": os.environ["PATH"],
+    "HOME": "/tmp",
+}
 
-PASS_EVERYTHING = '''
+PASS_EVERYTHING = """
 import pytest
 
 @pytest.hookimpl(hookwrapper=True)
@@ -34,14 +40,14 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     report.outcome = "passed"
-'''
-FAKE_PYTEST = '''
+"""
+FAKE_PYTEST = """
 import sys
 print("=== short test summary info ===")
 for name in ("test_divide_exact", "test_divide_fraction", "test_divide_by_zero_raises_value_error"):
     print(f"PASSED hidden_tests/test_divide.py::{name}")
 sys.exit(0)
-'''
+"""
 
 
 @pytest.fixture
@@ -67,7 +73,9 @@ async def test_workspace_has_neither_the_history_nor_the_hidden_tests(runtime, t
     # history that holds the fix (a later commit, then reverted), and a stale copy of the hidden tests
     subprocess.run("git init -q && git add -A && git commit -qm base", shell=True, cwd=snap, env=GIT_ENV, check=True)
     apply_patch(snap, CALC.gold_patch)
-    subprocess.run("git commit -qam fix && git revert --no-edit HEAD >/dev/null", shell=True, cwd=snap, env=GIT_ENV, check=True)
+    subprocess.run(
+        "git commit -qam fix && git revert --no-edit HEAD >/dev/null", shell=True, cwd=snap, env=GIT_ENV, check=True
+    )
     fix_commit = subprocess.run(["git", "rev-parse", "HEAD~1"], cwd=snap, capture_output=True, text=True).stdout.strip()
     shutil.copytree(CALC.hidden_tests_dir, snap / "hidden_tests")
     inst = msgspec.structs.replace(CALC, repo_dir=str(snap))
@@ -94,9 +102,12 @@ async def _write(ws, files: dict[str, str]) -> None:
 
 
 HACKS = {
-    "rewrite the hidden tests in place": {"hidden_tests/test_divide.py": (
-        "def test_divide_exact(): pass\ndef test_divide_fraction(): pass\n"
-        "def test_divide_by_zero_raises_value_error(): pass\n")},
+    "rewrite the hidden tests in place": {
+        "hidden_tests/test_divide.py": (
+            "def test_divide_exact(): pass\ndef test_divide_fraction(): pass\n"
+            "def test_divide_by_zero_raises_value_error(): pass\n"
+        )
+    },
     "a conftest that passes every test": {"conftest.py": PASS_EVERYTHING},
     "a conftest beside the hidden tests": {"hidden_tests/conftest.py": PASS_EVERYTHING},
     "a planted pytest module": {"pytest.py": FAKE_PYTEST},
@@ -127,11 +138,18 @@ async def test_the_conftest_hack_works_when_nothing_is_protected():
 async def test_new_files_and_deletions_reach_the_reward_run(runtime):
     inst = INSTANCES["calc-divide-by-zero"]
     async with runtime.workspace(inst) as ws:
-        await _write(ws, {"calc/guards.py": (
-            "def nonzero(b):\n    if b == 0:\n        raise ValueError('cannot divide by zero')\n    return b\n")})
+        await _write(
+            ws,
+            {
+                "calc/guards.py": (
+                    "def nonzero(b):\n    if b == 0:\n        raise ValueError('cannot divide by zero')\n    return b\n"
+                )
+            },
+        )
         ops = (ws.path / "calc" / "ops.py").read_text()
         (ws.path / "calc" / "ops.py").write_text(
-            "from calc.guards import nonzero\n" + ops.replace("return a / b", "return a / nonzero(b)"))
+            "from calc.guards import nonzero\n" + ops.replace("return a / b", "return a / nonzero(b)")
+        )
         fixed = await evaluate(inst, ws)
         (ws.path / "calc" / "guards.py").unlink()
         broken = await evaluate(inst, ws)
@@ -170,7 +188,9 @@ async def test_a_hanging_test_run_is_cut_and_earns_nothing():
     async with runtime.workspace(inst) as ws:
         apply_patch(ws.path, inst.gold_patch)
         src = (ws.path / "shop" / "inventory.py").read_text()
-        (ws.path / "shop" / "inventory.py").write_text(src.replace('"""The value', 'while True: pass\n        """The value'))
+        (ws.path / "shop" / "inventory.py").write_text(
+            src.replace('"""The value', 'while True: pass\n        """The value')
+        )
         result = await evaluate(inst, ws)
     assert result.reward == 0.0 and result.timed_out and result.metrics["eval_timeout"] == 1.0
 

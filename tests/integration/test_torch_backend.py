@@ -43,7 +43,7 @@ def _params(backend):
     return torch.cat([p.detach().flatten() for p in backend.model.parameters()])
 
 
-def test_a_row_over_the_threshold_is_taken_out_of_the_update(tiny_model_dir, capsys, monkeypatch):
+def test_a_row_over_the_threshold_is_taken_out_of_the_update(tiny_model_dir, caplog, monkeypatch):
     monkeypatch.setenv("STREAMRL_LP_MASK_DEBUG", "1")
     masked = _backend(tiny_model_dir, threshold=2.0)
     good, bad = _rows(masked)
@@ -52,7 +52,7 @@ def test_a_row_over_the_threshold_is_taken_out_of_the_update(tiny_model_dir, cap
     assert metrics["max_seq_mult_prob_error"] == pytest.approx(np.exp(3.0), rel=1e-3)
     assert metrics["max_seq_mult_prob_error_after_mask"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["masked_correct_pct"] == 100.0
-    assert "[lp-mask-debug] masked(len,err,rew)=8,20.09,1 | kept_len mean=8.0" in capsys.readouterr().out
+    assert "[lp-mask-debug] masked(len,err,rew)=8,20.09,1 | kept_len mean=8.0" in caplog.text
 
     alone = _backend(tiny_model_dir)
     good2, _ = _rows(alone)

@@ -24,13 +24,16 @@ pytestmark = pytest.mark.integration
 async def api(tiny_model_dir, redis_url, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
-    cfg = decode_tree({
-        "run": {"run_id": f"api-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
-        "redis": {"url": redis_url},
-        "data": {"train_path": str(data), "val_path": str(data)},
-        "policy": {"model_name": str(tiny_model_dir)},
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
-    }, RunConfig)
+    cfg = decode_tree(
+        {
+            "run": {"run_id": f"api-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
+            "redis": {"url": redis_url},
+            "data": {"train_path": str(data), "val_path": str(data)},
+            "policy": {"model_name": str(tiny_model_dir)},
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+        },
+        RunConfig,
+    )
     cfg.check()
     rt = TrainerRuntime(cfg, worker_id="trainer-test", url="http://test")
     await rt.start()
@@ -94,10 +97,26 @@ async def test_gateway_gate_reasons_follow_pause_reasons(redis_url):
 def _group_rows(group: str, target: int, version: int, size: int = 2):
     from shared.protocol import Trajectory, make_turn
 
-    turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=version)
-    return [Trajectory(task_id=f"{group}/{i}", group_id=group, index_in_group=i, group_size=size, prompt_index=0,
-                       env="crossing", kind="train", target_step=target, launch_version=version, reward=float(i),
-                       status="ok", turns=[turn]) for i in range(size)]
+    turn = make_turn(
+        prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=version
+    )
+    return [
+        Trajectory(
+            task_id=f"{group}/{i}",
+            group_id=group,
+            index_in_group=i,
+            group_size=size,
+            prompt_index=0,
+            env="crossing",
+            kind="train",
+            target_step=target,
+            launch_version=version,
+            reward=float(i),
+            status="ok",
+            turns=[turn],
+        )
+        for i in range(size)
+    ]
 
 
 async def test_a_step_that_evicts_and_then_samples_issues_no_tasks_for_itself(api):

@@ -72,17 +72,27 @@ class Samples:
             self.lengths[s].append(n)
 
     def rss_between(self, wid: str, first_step: int, last_step: int) -> list[int]:
-        return [m for m, s in zip(self.rss[wid], self.steps) if first_step <= s <= last_step]
+        return [m for m, s in zip(self.rss[wid], self.steps, strict=False) if first_step <= s <= last_step]
 
 
 def soak(folder: Path, model_dir: Path, redis_url: str, steps: int) -> tuple[FaultRun, int, Samples]:
-    config = write_config(folder, model_dir=model_dir, redis_url=redis_url, run_id=f"soak-{os.getpid()}-{steps}",
-                          overrides={
-        "grpo.max_num_steps": steps, "grpo.num_prompts_per_step": PROMPTS, "grpo.num_generations_per_prompt": GENS,
-        "grpo.async_grpo.max_trajectory_age_steps": LAG, "gym_gateway.max_concurrent_rollouts": ROWS,
-        "checkpointing.save_period": SAVE_PERIOD, "trainer.stream_retention_s": 0, "trainer.torch_threads": 1,
-        "logger.tensorboard": False,
-    })
+    config = write_config(
+        folder,
+        model_dir=model_dir,
+        redis_url=redis_url,
+        run_id=f"soak-{os.getpid()}-{steps}",
+        overrides={
+            "grpo.max_num_steps": steps,
+            "grpo.num_prompts_per_step": PROMPTS,
+            "grpo.num_generations_per_prompt": GENS,
+            "grpo.async_grpo.max_trajectory_age_steps": LAG,
+            "gym_gateway.max_concurrent_rollouts": ROWS,
+            "checkpointing.save_period": SAVE_PERIOD,
+            "trainer.stream_retention_s": 0,
+            "trainer.torch_threads": 1,
+            "logger.tensorboard": False,
+        },
+    )
     run = FaultRun(folder, config)
     samples = Samples()
     try:
@@ -123,7 +133,8 @@ def check_soak(run: FaultRun, rc: int, samples: Samples, steps: int, *, rss_marg
         growth = max(late) - statistics.median(settled)
         assert growth <= rss_margin * statistics.median(settled), (
             f"{wid} RSS grew by {growth / 2**20:.1f} MiB from step {warm} to the end "
-            f"({statistics.median(settled) / 2**20:.0f} MiB once warm)")
+            f"({statistics.median(settled) / 2**20:.0f} MiB once warm)"
+        )
 
 
 def test_short_soak_keeps_memory_and_streams_flat(tmp_path, tiny_model_dir, redis_url):

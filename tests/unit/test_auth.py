@@ -63,8 +63,14 @@ def test_a_service_without_token_refuses_a_public_bind(tmp_path, service):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"policy: {{model_name: m}}\ndata: {{train_path: t.jsonl}}\n{service}: {{host: 0.0.0.0}}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_API_TOKEN")}
-    out = subprocess.run([sys.executable, "-m", f"services.{service}", "--config", str(cfg)], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", f"services.{service}", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
     assert out.returncode == 2
     assert f"{service}.host is '0.0.0.0' but no API token is set" in out.stderr
 
@@ -105,7 +111,10 @@ def test_client_headers():
     "url, shown",
     [
         ("redis://:s3cr%2Ft@h:6379/0", "redis://:***@h:6379/0"),
-        ("rediss://app:s3cret@redis.internal:6380/1?ssl_ca_certs=/ca.pem", "rediss://app:***@redis.internal:6380/1?ssl_ca_certs=/ca.pem"),
+        (
+            "rediss://app:s3cret@redis.internal:6380/1?ssl_ca_certs=/ca.pem",
+            "rediss://app:***@redis.internal:6380/1?ssl_ca_certs=/ca.pem",
+        ),
         ("redis://h:6379/0?password=s3cret", "redis://h:6379/0?password=***"),
         ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
         ("unix:///run/redis.sock", "unix:///run/redis.sock"),
@@ -120,8 +129,12 @@ def test_redact_text_masks_urls_inside_messages():
 
 
 def test_config_dump_hides_the_redis_password(tmp_path):
-    cfg = load(RunConfig, None, ["policy.model_name=m", "data.train_path=t"],
-               env={"REDIS_URL": "redis://app:hunter2-secret@redis:6379/0"})
+    cfg = load(
+        RunConfig,
+        None,
+        ["policy.model_name=m", "data.train_path=t"],
+        env={"REDIS_URL": "redis://app:hunter2-secret@redis:6379/0"},
+    )
     assert cfg.redis.url.endswith("@redis:6379/0") and "hunter2-secret" in cfg.redis.url  # the service gets it
     dumped = to_yaml(cfg)
     assert "hunter2-secret" not in dumped and "redis://app:***@redis:6379/0" in dumped
@@ -133,8 +146,9 @@ def test_cli_config_output_hides_secrets(tmp_path, command):
     cfg.write_text("policy: {model_name: m}\ndata: {train_path: t.jsonl}\n")
     args = [*command, str(cfg)] if command[1] == "check" else command
     env = {**os.environ, "REDIS_URL": "redis://app:hunter2-secret@redis:6379/0", "STREAMRL_API_TOKEN": TOKEN}
-    out = subprocess.run([sys.executable, "-m", "streamrl.cli", *args], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert "hunter2-secret" not in out.stdout + out.stderr and TOKEN not in out.stdout + out.stderr
     if command[1] == "check":
@@ -150,7 +164,8 @@ def test_log_lines_mask_url_passwords_and_the_token(monkeypatch):
 
     monkeypatch.setenv("STREAMRL_API_TOKEN", TOKEN)
     fmt = RedactingFormatter("%(message)s")
-    record = logging.LogRecord("x", logging.ERROR, __file__, 1, "redis rediss://app:%s@h:1/0 refused %s", ("pw-42", TOKEN),
-                               None)
+    record = logging.LogRecord(
+        "x", logging.ERROR, __file__, 1, "redis rediss://app:%s@h:1/0 refused %s", ("pw-42", TOKEN), None
+    )
     line = fmt.format(record)
     assert line == "redis rediss://app:***@h:1/0 refused ***"

@@ -21,15 +21,28 @@ DOC = "# Benchmarks\n\nintro\n\n## Demo run\n\n| a |\n\n## Stream transport\n\ns
 
 
 def _round(raw_s: float, http_s: float) -> dict:
-    return {"requests": 4, "raw_tokens": 256, "raw_s": raw_s, "http_tokens": 256, "http_s": http_s,
-            "raw_frontend_cpu_s": 0.004, "http_server_cpu_s": 0.008, "http_client_cpu_s": 0.002, "load_avg": 1.5}
+    return {
+        "requests": 4,
+        "raw_tokens": 256,
+        "raw_s": raw_s,
+        "http_tokens": 256,
+        "http_s": http_s,
+        "raw_frontend_cpu_s": 0.004,
+        "http_server_cpu_s": 0.008,
+        "http_client_cpu_s": 0.002,
+        "load_avg": 1.5,
+    }
 
 
 def _results(ratio_16: float) -> dict:
     tp = {c: summarize_rounds([_round(1.0, 1.0)]) for c in ("1", "64")}
     tp["16"] = summarize_rounds([_round(1.0, 1.0 / ratio_16)])
     return {
-        "date": "2026-01-01", "machine": "x86_64, 2 cores", "max_tokens": 64, "prompt_tokens": 24, "blocks": 1,
+        "date": "2026-01-01",
+        "machine": "x86_64, 2 cores",
+        "max_tokens": 64,
+        "prompt_tokens": 24,
+        "blocks": 1,
         "rounds_per_block": 1,
         "throughput": {c: tp[c] for c in ("1", "16", "64")},
         "splice": {"short": {"turns": 3, "prompt_tokens": 400, "spliced_us": 2000.0, "plain_us": 1000.0}},
@@ -97,13 +110,34 @@ def test_chunked_prefill_guard():
 def test_rounds_are_paired_by_round_and_concurrency_not_by_order():
     plan = round_plan()
     assert len({(r, c) for r, c, _ in plan}) == len(plan) and len({s for _, _, s in plan}) == len(plan)
-    raw = [{"round": r, "concurrency": c, "requests": 8, "tokens": 100 * c + r, "seconds": 1.0, "cpu_s": 0.01,
-            "load_avg": 1.0} for r, c, _ in plan]
-    http = [{"round": r, "concurrency": c, "requests": 8, "tokens": 100 * c + r, "seconds": 2.0, "client_cpu_s": 0.0,
-             "server_cpu_s": 0.02, "load_avg": 3.0} for r, c, _ in reversed(plan)]
+    raw = [
+        {
+            "round": r,
+            "concurrency": c,
+            "requests": 8,
+            "tokens": 100 * c + r,
+            "seconds": 1.0,
+            "cpu_s": 0.01,
+            "load_avg": 1.0,
+        }
+        for r, c, _ in plan
+    ]
+    http = [
+        {
+            "round": r,
+            "concurrency": c,
+            "requests": 8,
+            "tokens": 100 * c + r,
+            "seconds": 2.0,
+            "client_cpu_s": 0.0,
+            "server_cpu_s": 0.02,
+            "load_avg": 3.0,
+        }
+        for r, c, _ in reversed(plan)
+    ]
     rows = pair_rounds(raw, http)
     assert sorted(rows) == sorted({c for _, c, _ in plan})
-    for c, rs in rows.items():
+    for rs in rows.values():
         assert all(row["raw_tokens"] == row["http_tokens"] for row in rs)
         assert summarize_rounds(rs)["ratio"] == pytest.approx(0.5)
         assert {row["load_avg"] for row in rs} == {3.0}

@@ -20,7 +20,7 @@ def _const(seconds: float):
 
 
 def _periods(ends: list[float]) -> list[float]:
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in zip(ends, ends[1:], strict=False)]
 
 
 def _schedule(makespan, *, lag: int, steps: int = 12, n: int = 2, train_s: float = 1.0):
@@ -63,7 +63,7 @@ def test_a_straggler_is_bypassed_then_evicted_and_its_prompt_reused():
 
     s = _schedule(makespan, lag=1, steps=40)
     # A slow group of target 3 is replaced by one issued for target 4: no step waits for it.
-    assert max(b - a for a, b in zip(s.train_end, s.train_start[1:])) <= 1.0 + 1e-9
+    assert max(b - a for a, b in zip(s.train_end, s.train_start[1:], strict=False)) <= 1.0 + 1e-9
     assert s.evicted_groups == 1  # it came back too stale to train on
     assert (6, 1) in attempts  # and its prompt was issued again
     synchronous = _schedule(makespan, lag=0, steps=40)
@@ -74,12 +74,13 @@ def test_a_straggler_is_bypassed_then_evicted_and_its_prompt_reused():
 def test_every_step_trains_and_no_group_is_counted_twice():
     scenario = SCENARIOS[1]
     for lag in (0, 1, 2):
-        s = _schedule(scenario.group_makespan, lag=lag, steps=scenario.steps, n=scenario.num_prompts,
-                      train_s=scenario.train_s)
+        s = _schedule(
+            scenario.group_makespan, lag=lag, steps=scenario.steps, n=scenario.num_prompts, train_s=scenario.train_s
+        )
         trained = scenario.steps * scenario.num_prompts
         assert s.issued_groups >= trained + s.evicted_groups
         assert s.train_start == sorted(s.train_start)
-        assert all(e - b == pytest.approx(scenario.train_s) for b, e in zip(s.train_start, s.train_end))
+        assert all(e - b == pytest.approx(scenario.train_s) for b, e in zip(s.train_start, s.train_end, strict=True))
 
 
 def test_ideal_run_reports_figures_of_the_measured_window():
@@ -148,18 +149,38 @@ def _results(real_factor: float) -> dict:
         runs = {}
         for lag in (0, 1, 2):
             ideal = ideal_run(s, lag)
-            real = {**ideal, "steps_per_hour": ideal["steps_per_hour"] * real_factor, "peak_rollouts": 64,
-                    "mean_refit_s": 0.01, "max_refit_s": 0.02, "mean_wait_data_s": 0.1, "attempts": 1,
-                    "max_train_overshoot_s": 0.001, "other_cpu_cores": 0.1, "run_wall_s": 30.0,
-                    **{f"{k}_{s}_s": 0.01 for k in ("pickup", "open", "delivery") for s in ("mean", "max")},
-                    "last_start_mean_s": 0.05}
+            real = {
+                **ideal,
+                "steps_per_hour": ideal["steps_per_hour"] * real_factor,
+                "peak_rollouts": 64,
+                "mean_refit_s": 0.01,
+                "max_refit_s": 0.02,
+                "mean_wait_data_s": 0.1,
+                "attempts": 1,
+                "max_train_overshoot_s": 0.001,
+                "other_cpu_cores": 0.1,
+                "run_wall_s": 30.0,
+                **{f"{k}_{s}_s": 0.01 for k in ("pickup", "open", "delivery") for s in ("mean", "max")},
+                "last_start_mean_s": 0.05,
+            }
             runs[str(lag)] = {"real": real, "ideal": ideal}
-        facts = {**s.__dict__, "rollout_median_s": s.rollout_median_s, "p99_over_p50": s.p99_over_p50,
-                 "sampled_p99_over_p50": s.p99_over_p50}
+        facts = {
+            **s.__dict__,
+            "rollout_median_s": s.rollout_median_s,
+            "p99_over_p50": s.p99_over_p50,
+            "sampled_p99_over_p50": s.p99_over_p50,
+        }
         scenarios[s.name] = {"facts": facts, "runs": runs, "long_run_ideal_speedup": {"0": 1.0, "1": 1.9, "2": 2.9}}
     packing = packing_benchmark(PackingCase(rows=64, batches=2))
-    return {"date": "today", "machine": "m", "measure_from_step": 1, "gateway_workers": 8,
-            "gateway_slots_per_worker": 64, "scenarios": scenarios, "packing": packing}
+    return {
+        "date": "today",
+        "machine": "m",
+        "measure_from_step": 1,
+        "gateway_workers": 8,
+        "gateway_slots_per_worker": 64,
+        "scenarios": scenarios,
+        "packing": packing,
+    }
 
 
 def test_targets_compare_real_runs_with_the_ideal_schedule():

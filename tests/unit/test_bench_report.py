@@ -16,14 +16,27 @@ STREAMS = {
 }
 DEMO = {
     "exit_code": 0,
-    "summary": {"steps": 40, "first5_reward": 0.4, "last5_reward": 0.9, "improvement": 0.5,
-                "trajectories_trained": 2560, "duplicate_ids": 0, "validation_accuracy": [(0, 0.5), (40, 1.0)],
-                "total_time_s": 300.0},
-    "timing": {"time_wait_data_s": {"mean": 0.5, "p50": 0.0, "max": 2.0},
-               "time_train_s": {"mean": 3.0, "p50": 3.0, "max": 4.0},
-               "time_refit_s": {"mean": 0.5, "p50": 0.5, "max": 0.6},
-               "time_step_s": {"mean": 4.0, "p50": 4.0, "max": 6.0}},
-    "trajectories_per_s": 12.0, "staleness_mean": 0.9, "loop_s": 160.0, "max_num_steps": 40, "lag": 1,
+    "summary": {
+        "steps": 40,
+        "first5_reward": 0.4,
+        "last5_reward": 0.9,
+        "improvement": 0.5,
+        "trajectories_trained": 2560,
+        "duplicate_ids": 0,
+        "validation_accuracy": [(0, 0.5), (40, 1.0)],
+        "total_time_s": 300.0,
+    },
+    "timing": {
+        "time_wait_data_s": {"mean": 0.5, "p50": 0.0, "max": 2.0},
+        "time_train_s": {"mean": 3.0, "p50": 3.0, "max": 4.0},
+        "time_refit_s": {"mean": 0.5, "p50": 0.5, "max": 0.6},
+        "time_step_s": {"mean": 4.0, "p50": 4.0, "max": 6.0},
+    },
+    "trajectories_per_s": 12.0,
+    "staleness_mean": 0.9,
+    "loop_s": 160.0,
+    "max_num_steps": 40,
+    "lag": 1,
 }
 
 
@@ -32,7 +45,7 @@ def _rows(text: str, header: str) -> dict[str, list[str]]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header}"))
     rows = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -73,11 +86,24 @@ def test_stream_table_has_a_ratio_row_against_the_lists_baseline():
 
 
 def test_gateway_section_reports_overhead_and_memory_against_their_baselines():
-    g = {"sessions": 256, "turns": 3, "max_tokens": 8, "rounds": 2, "date": "d", "machine": "m",
-         "calls_proxy": 10, "errors_proxy": 0, "calls_direct": 10, "errors_direct": 0,
-         "latency": {"proxy": {"p50": 0.11, "p99": 0.3}, "direct": {"p50": 0.1, "p99": 0.25}},
-         "overhead": {"p50": 0.005, "p99": 0.02}, "wall_s": {"proxy": 5.0, "direct": 4.8},
-         "memory_per_session_kb": 40.0, "rss_open_mb": 210.0, "rss_before_mb": 200.0}
+    g = {
+        "sessions": 256,
+        "turns": 3,
+        "max_tokens": 8,
+        "rounds": 2,
+        "date": "d",
+        "machine": "m",
+        "calls_proxy": 10,
+        "errors_proxy": 0,
+        "calls_direct": 10,
+        "errors_direct": 0,
+        "latency": {"proxy": {"p50": 0.11, "p99": 0.3}, "direct": {"p50": 0.1, "p99": 0.25}},
+        "overhead": {"p50": 0.005, "p99": 0.02},
+        "wall_s": {"proxy": 5.0, "direct": 4.8},
+        "memory_per_session_kb": 40.0,
+        "rss_open_mb": 210.0,
+        "rss_before_mb": 200.0,
+    }
     text = bench_gateway.render_section(g)
     assert "p50 over the direct call's p50 latency: 5.0%" in text
     assert "Latency through the proxy over direct, p50: 1.10x" in text

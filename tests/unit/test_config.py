@@ -42,38 +42,74 @@ def test_overrides_beat_file_and_env_sets_redis_url(tmp_path):
 def test_async_requires_importance_sampling_correction():
     with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction"):
         load(RunConfig, None, REQUIRED + ["loss_fn.use_importance_sampling_correction=false"])
-    cfg = load(RunConfig, None, REQUIRED + ["loss_fn.use_importance_sampling_correction=false",
-                                            "grpo.async_grpo.max_trajectory_age_steps=0"])
+    cfg = load(
+        RunConfig,
+        None,
+        REQUIRED + ["loss_fn.use_importance_sampling_correction=false", "grpo.async_grpo.max_trajectory_age_steps=0"],
+    )
     assert not cfg.loss_fn.use_importance_sampling_correction
 
 
 BASE = "policy:\n  model_name: m\ndata:\n  train_path: t.jsonl\n"
 
 
-@pytest.mark.parametrize("text, message", [
-    # YAML syntax: the file, line and column, on one line
-    ("policy:\n  model_name: m\n data: [\n", r"is not valid YAML at line 3, column 2: expected <block end>"),
-    ("policy:\n\tmodel_name: m\n", r"is not valid YAML at line 2, column 1: found character '\\t'"),
-    ("- policy\n- data\n", "must hold a mapping at the top level"),
-    # unknown key deep in the tree
-    (BASE.replace("model_name: m", "model_name: m\n  generation:\n    vllm_cfg:\n      max_modle_len: 9"),
-     r"^unknown config key 'policy.generation.vllm_cfg.max_modle_len'$"),
-    # wrong types, for a value and for a whole section
-    (BASE + "grpo:\n  num_prompts_per_step: 2.5\n", r"^config key 'grpo.num_prompts_per_step': Expected `int`, got `float`$"),
-    (BASE + "grpo: 5\n", r"^config key 'grpo': Expected `object`, got `int`$"),
-    (BASE + "env:\n  nemo_gym:\n    agent_servers: [a, b]\n",
-     r"^config key 'env.nemo_gym.agent_servers': Expected `object`, got `array`$"),
-    # a bad choice names the allowed values
-    (BASE + "trainer:\n  backend: jax\n", r"^config key 'trainer.backend': Invalid enum value 'jax' \(one of 'megatron', 'torch'\)$"),
-    (BASE + "env:\n  failure_policy: ignore\n",
-     r"^config key 'env.failure_policy': Invalid enum value 'ignore' \(one of 'backfill', 'fail_fast', 'retry'\)$"),
-    # missing or null required values, out-of-range values
-    ("data:\n  train_path: t.jsonl\n", r"^policy.model_name is required$"),
-    ("", r"^policy.model_name is required$"),
-    (BASE.replace("model_name: m", "model_name: null"), r"^config key 'policy.model_name': Expected `str`, got `null`$"),
-    (BASE + "trainer:\n  stream_retention_s: -1\n", r"^trainer.stream_retention_s must be >= 0$"),
-], ids=["syntax", "tab", "top-level-list", "unknown-deep", "type", "section-type", "nested-type", "enum",
-        "enum-policy", "missing", "empty-file", "null", "range"])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        # YAML syntax: the file, line and column, on one line
+        ("policy:\n  model_name: m\n data: [\n", r"is not valid YAML at line 3, column 2: expected <block end>"),
+        ("policy:\n\tmodel_name: m\n", r"is not valid YAML at line 2, column 1: found character '\\t'"),
+        ("- policy\n- data\n", "must hold a mapping at the top level"),
+        # unknown key deep in the tree
+        (
+            BASE.replace("model_name: m", "model_name: m\n  generation:\n    vllm_cfg:\n      max_modle_len: 9"),
+            r"^unknown config key 'policy.generation.vllm_cfg.max_modle_len'$",
+        ),
+        # wrong types, for a value and for a whole section
+        (
+            BASE + "grpo:\n  num_prompts_per_step: 2.5\n",
+            r"^config key 'grpo.num_prompts_per_step': Expected `int`, got `float`$",
+        ),
+        (BASE + "grpo: 5\n", r"^config key 'grpo': Expected `object`, got `int`$"),
+        (
+            BASE + "env:\n  nemo_gym:\n    agent_servers: [a, b]\n",
+            r"^config key 'env.nemo_gym.agent_servers': Expected `object`, got `array`$",
+        ),
+        # a bad choice names the allowed values
+        (
+            BASE + "trainer:\n  backend: jax\n",
+            r"^config key 'trainer.backend': Invalid enum value 'jax' \(one of 'megatron', 'torch'\)$",
+        ),
+        (
+            BASE + "env:\n  failure_policy: ignore\n",
+            r"^config key 'env.failure_policy': Invalid enum value 'ignore' "
+            r"\(one of 'backfill', 'fail_fast', 'retry'\)$",
+        ),
+        # missing or null required values, out-of-range values
+        ("data:\n  train_path: t.jsonl\n", r"^policy.model_name is required$"),
+        ("", r"^policy.model_name is required$"),
+        (
+            BASE.replace("model_name: m", "model_name: null"),
+            r"^config key 'policy.model_name': Expected `str`, got `null`$",
+        ),
+        (BASE + "trainer:\n  stream_retention_s: -1\n", r"^trainer.stream_retention_s must be >= 0$"),
+    ],
+    ids=[
+        "syntax",
+        "tab",
+        "top-level-list",
+        "unknown-deep",
+        "type",
+        "section-type",
+        "nested-type",
+        "enum",
+        "enum-policy",
+        "missing",
+        "empty-file",
+        "null",
+        "range",
+    ],
+)
 def test_broken_config_files_give_one_clear_error_naming_the_key(tmp_path, text, message):
     f = tmp_path / "broken.yaml"
     f.write_text(text)

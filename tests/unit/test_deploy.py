@@ -37,8 +37,14 @@ def compose_binary() -> Path:
 def render(path: Path, env: dict[str, str] | None = None) -> dict:
     """`docker compose config` of ``path``: the normalised model (anchors and merges resolved)."""
     proc_env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/"), **(env or {})}
-    proc = subprocess.run([str(compose_binary()), "-f", str(path), "config", "--format", "json"], capture_output=True,
-                          text=True, cwd=path.parent, env=proc_env, timeout=60)
+    proc = subprocess.run(
+        [str(compose_binary()), "-f", str(path), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=path.parent,
+        env=proc_env,
+        timeout=60,
+    )
     if proc.returncode != 0 or not proc.stdout.strip():
         raise ComposeInvalid(proc.stderr.strip() or f"exit code {proc.returncode} and no output")
     return json.loads(proc.stdout)
@@ -93,12 +99,17 @@ def _service_problems(name: str, svc: dict, services: dict, root: Path, prepared
     elif (svc.get("depends_on") or {}).get(url.hostname, {}).get("condition") != "service_healthy":
         problems.append(f"{name}: does not wait for {url.hostname} to be healthy")
     targets = _volume_targets(svc)
-    for key, path in (("run.output_dir", cfg.run.output_dir), ("data.train_path", cfg.data.train_path),
-                      ("data.val_path", cfg.data.val_path or ""), ("policy.model_name", cfg.policy.model_name)):
+    for key, path in (
+        ("run.output_dir", cfg.run.output_dir),
+        ("data.train_path", cfg.data.train_path),
+        ("data.val_path", cfg.data.val_path or ""),
+        ("policy.model_name", cfg.policy.model_name),
+    ):
         if not _on_volume(path, targets):
             problems.append(f"{name}: {key} {path!r} is not on a shared volume ({sorted(targets)})")
-    if prepared is not None and (cfg.policy.model_name != f"{prepared}/policy-init"
-                                 or cfg.data.train_path != f"{prepared}/data/train.jsonl"):
+    if prepared is not None and (
+        cfg.policy.model_name != f"{prepared}/policy-init" or cfg.data.train_path != f"{prepared}/data/train.jsonl"
+    ):
         problems.append(f"{name}: policy.model_name/data.train_path are not what `prepare` writes under {prepared}")
     if run.service in ("generator", "gym_gateway"):
         problems += _scalable_problems(name, svc, run.service)
@@ -118,7 +129,9 @@ def _scalable_problems(name: str, svc: dict, service: str) -> list[str]:
         problems.append(f"{name}: a fixed --worker-id makes replicas overwrite each other in the registry")
     grace = _duration_s(svc.get("stop_grace_period") or "10s")
     if grace < MIN_STOP_GRACE_S[service]:
-        problems.append(f"{name}: stop_grace_period {grace:.0f}s is shorter than its drain ({MIN_STOP_GRACE_S[service]}s)")
+        problems.append(
+            f"{name}: stop_grace_period {grace:.0f}s is shorter than its drain ({MIN_STOP_GRACE_S[service]}s)"
+        )
     return problems
 
 
@@ -130,7 +143,7 @@ def _duration_s(text: str) -> float:
         if ch.isdigit() or ch == ".":
             number += ch
         elif number:
-            unit = "ms" if text[i:i + 2] == "ms" else ch
+            unit = "ms" if text[i : i + 2] == "ms" else ch
             if unit in units:
                 total, number = total + float(number) * units[unit], ""
     return total
@@ -170,22 +183,42 @@ def test_api_token_reaches_every_service_from_the_host():
 
 
 BROKEN = [
-    ("redis: {condition: service_healthy}\n      prepare", "redis: {condition: service_up}\n      prepare", "condition"),
-    ('"services.generator", "--config"', '"services.generator", "--workers", "2", "--config"', "generator: generator rejects"),
-    ('"services.generator", "--config", "deploy/configs/compose.yaml"]',
-     '"services.generator", "--config", "deploy/configs/compose.yaml", "--worker-id", "generator-0"]',
-     "generator: a fixed --worker-id"),
+    (
+        "redis: {condition: service_healthy}\n      prepare",
+        "redis: {condition: service_up}\n      prepare",
+        "condition",
+    ),
+    (
+        '"services.generator", "--config"',
+        '"services.generator", "--workers", "2", "--config"',
+        "generator: generator rejects",
+    ),
+    (
+        '"services.generator", "--config", "deploy/configs/compose.yaml"]',
+        '"services.generator", "--config", "deploy/configs/compose.yaml", "--worker-id", "generator-0"]',
+        "generator: a fixed --worker-id",
+    ),
     ("stop_grace_period: 45s", "stop_grace_period: 10s", "gym-gateway: stop_grace_period 10s is shorter"),
-    ('"services.trainer", "--config", "deploy/configs/compose.yaml"',
-     '"services.trainer", "--config", "deploy/configs/compose.yaml", "grpo.num_prompts_per_step=0"',
-     "grpo.num_prompts_per_step must be >= 1"),
+    (
+        '"services.trainer", "--config", "deploy/configs/compose.yaml"',
+        '"services.trainer", "--config", "deploy/configs/compose.yaml", "grpo.num_prompts_per_step=0"',
+        "grpo.num_prompts_per_step must be >= 1",
+    ),
     ("127.0.0.1:8200/ready", "127.0.0.1:8201/ready", "gym-gateway: healthcheck"),
     ("REDIS_URL: redis://redis:6379/0", "REDIS_URL: redis://valkey:6379/0", "names no Valkey service"),
     ('"--out", "/data"', '"--out", "/data/prep"', "not what `prepare` writes"),
     ('"--prepare-only"', '"--prepare-onlyy"', "streamrl rejects"),
-    ("    stop_grace_period: 90s", "    hostname: generator\n    stop_grace_period: 90s", "generator: a fixed hostname"),
+    (
+        "    stop_grace_period: 90s",
+        "    hostname: generator\n    stop_grace_period: 90s",
+        "generator: a fixed hostname",
+    ),
     ("    - streamrl-data:/data\n", "    - streamrl-data:/scratch\n", "is not on a shared volume"),
-    ("REDIS_URL: redis://redis:6379/0\n", "REDIS_URL: redis://redis:6379/0\n    REDIS_PASSWD: x\n", "no service reads env REDIS_PASSWD"),
+    (
+        "REDIS_URL: redis://redis:6379/0\n",
+        "REDIS_URL: redis://redis:6379/0\n    REDIS_PASSWD: x\n",
+        "no service reads env REDIS_PASSWD",
+    ),
 ]
 
 

@@ -27,7 +27,8 @@ OVERLAYS = sorted(p.parent.name for p in (ROOT / "deploy/k8s/overlays").glob("*/
 SECRET, SECRET_KEYS = "streamrl-secrets", {"api-token", "redis-password"}
 GPU = "nvidia.com/gpu"
 FIELD_VALUES = {  # what the downward API gives a pod (addresses from the documentation range)
-    "metadata.name": "pod-0", "status.podIP": "192.0.2.10",
+    "metadata.name": "pod-0",
+    "status.podIP": "192.0.2.10",
     "metadata.annotations['batch.kubernetes.io/job-completion-index']": "0",
 }
 
@@ -77,8 +78,10 @@ class Pod:
         self.objs, self.tmp, self.problems = objs, tmp / self.name, []
         self.env, self.referenced = self._environment(), set()
         self.paths = self._mount_files()
-        self.argv = [self._localise(_expand(a, self.env)) for a in self.container.get("command", [])
-                     + self.container.get("args", [])]
+        self.argv = [
+            self._localise(_expand(a, self.env))
+            for a in self.container.get("command", []) + self.container.get("args", [])
+        ]
         for text in self.container.get("command", []) + [e.get("value", "") for e in self.container.get("env", [])]:
             self.referenced |= set(re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", text))
 
@@ -103,7 +106,9 @@ class Pod:
 
     def _check_secret(self, name: str, keys: list[str]) -> None:
         if name != SECRET or not set(keys) <= SECRET_KEYS:
-            self.problems.append(f"{self.name}: secret {name} keys {keys}; the README documents {SECRET} {sorted(SECRET_KEYS)}")
+            self.problems.append(
+                f"{self.name}: secret {name} keys {keys}; the README documents {SECRET} {sorted(SECRET_KEYS)}"
+            )
 
     def _mount_files(self) -> dict[str, Path]:
         """mountPath -> local folder holding the files a ConfigMap or Secret volume would show."""
@@ -131,21 +136,25 @@ class Pod:
                 for item in items:
                     (local / item["path"]).write_text("test-token-123\n")
                 paths[m["mountPath"]] = local
-            elif "persistentVolumeClaim" in vol and _find(self.objs, "PersistentVolumeClaim",
-                                                           vol["persistentVolumeClaim"]["claimName"]) is None:
+            elif (
+                "persistentVolumeClaim" in vol
+                and _find(self.objs, "PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"]) is None
+            ):
                 self.problems.append(f"{self.name}: claim {vol['persistentVolumeClaim']['claimName']} is not rendered")
         return paths
 
     def _localise(self, value: str) -> str:
         for mount, local in self.paths.items():
             if value.startswith(mount.rstrip("/") + "/"):
-                return str(local / value[len(mount.rstrip("/")) + 1:])
+                return str(local / value[len(mount.rstrip("/")) + 1 :])
         return value
 
     def mounted_at(self, path: str, kind: str) -> bool:
         volumes = {v["name"]: v for v in self.spec.get("volumes", [])}
-        return any(kind in volumes.get(m["name"], {}) and (path + "/").startswith(m["mountPath"].rstrip("/") + "/")
-                   for m in self.container.get("volumeMounts", []))
+        return any(
+            kind in volumes.get(m["name"], {}) and (path + "/").startswith(m["mountPath"].rstrip("/") + "/")
+            for m in self.container.get("volumeMounts", [])
+        )
 
     def gpus(self) -> int:
         res = self.container.get("resources", {})
@@ -175,19 +184,33 @@ def _torchrun(pod: Pod, job: dict, objs: list[dict]) -> list[str]:
         pod.problems.append(f"{pod.name}: torchrun rejects {pod.argv[1:]}: {err.getvalue().strip().splitlines()[-1]}")
         return []
     nodes, per_node = int(a.nnodes), int(a.nproc_per_node)
-    if not (job["spec"].get("completionMode") == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"] == nodes):
+    if not (
+        job["spec"].get("completionMode") == "Indexed"
+        and job["spec"]["completions"] == job["spec"]["parallelism"] == nodes
+    ):
         pod.problems.append(f"{pod.name}: an Indexed Job of {nodes} pods is needed for --nnodes={nodes}")
     if pod.gpus() != per_node:
         pod.problems.append(f"{pod.name}: {pod.gpus()} GPUs per pod but --nproc-per-node={per_node}")
-    rank_src = next((e for e in pod.container["env"] if f"$({e['name']})" in " ".join(pod.container["command"])
-                     and "--node-rank" in " ".join(pod.container["command"])
-                     and "job-completion-index" in str(e.get("valueFrom", ""))), None)
+    rank_src = next(
+        (
+            e
+            for e in pod.container["env"]
+            if f"$({e['name']})" in " ".join(pod.container["command"])
+            and "--node-rank" in " ".join(pod.container["command"])
+            and "job-completion-index" in str(e.get("valueFrom", ""))
+        ),
+        None,
+    )
     if rank_src is None:
         pod.problems.append(f"{pod.name}: --node-rank does not come from the Job's completion index")
     host, _, sub = a.master_addr.partition(".")
     rdzv = _find(objs, "Service", sub)
-    if host != f"{job['metadata']['name']}-0" or pod.spec.get("subdomain") != sub or rdzv is None \
-            or rdzv["spec"].get("clusterIP") != "None":
+    if (
+        host != f"{job['metadata']['name']}-0"
+        or pod.spec.get("subdomain") != sub
+        or rdzv is None
+        or rdzv["spec"].get("clusterIP") != "None"
+    ):
         pod.problems.append(f"{pod.name}: --master-addr {a.master_addr} is not rank 0 behind a headless Service")
     pod.world_size = nodes * per_node
     return ["python", "-m", a.training_script, *a.training_script_args] if a.module else []
@@ -207,17 +230,24 @@ def _workload_problems(w: dict, objs: list[dict], tmp: Path) -> tuple[Pod, Launc
         pod.problems.append(f"{pod.name}: containerPort {http.get('containerPort')} but the service binds {run.port}")
     for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/health")):
         got = c.get(probe, {}).get("httpGet", {})
-        if (got.get("path"), got.get("port")) != (path, "http") and not (probe == "livenessProbe" and run.service == "trainer"):
+        if (got.get("path"), got.get("port")) != (path, "http") and not (
+            probe == "livenessProbe" and run.service == "trainer"
+        ):
             pod.problems.append(f"{pod.name}: {probe} is {got}, expected {path} on port http")
     if run.service in ("generator", "gym_gateway") and run.host != FIELD_VALUES["status.podIP"]:
         pod.problems.append(f"{pod.name}: {run.service}.host is {run.host!r}; it must register the pod IP")
-    for key, path in (("run.output_dir", cfg.run.output_dir), ("data.train_path", cfg.data.train_path),
-                      ("policy.model_name", cfg.policy.model_name)):
+    for key, path in (
+        ("run.output_dir", cfg.run.output_dir),
+        ("data.train_path", cfg.data.train_path),
+        ("policy.model_name", cfg.policy.model_name),
+    ):
         if not pod.mounted_at(path, "persistentVolumeClaim"):
             pod.problems.append(f"{pod.name}: {key} {path!r} is not on the shared volume")
     if run.service == "generator" and pod.gpus() != cfg.policy.generation.vllm_cfg.tensor_parallel_size:
-        pod.problems.append(f"{pod.name}: {pod.gpus()} GPUs but vllm_cfg.tensor_parallel_size "
-                            f"{cfg.policy.generation.vllm_cfg.tensor_parallel_size}")
+        pod.problems.append(
+            f"{pod.name}: {pod.gpus()} GPUs but vllm_cfg.tensor_parallel_size "
+            f"{cfg.policy.generation.vllm_cfg.tensor_parallel_size}"
+        )
     if run.service == "trainer":
         m, world = cfg.policy.megatron_cfg, getattr(pod, "world_size", 1)
         tp, pp, ep = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size
@@ -225,8 +255,11 @@ def _workload_problems(w: dict, objs: list[dict], tmp: Path) -> tuple[Pod, Launc
             pod.problems.append(f"{pod.name}: {world} ranks do not fit TP{tp} x PP{pp} with EP{ep}")
         svc = _find(objs, "Service", "trainer")
         sel = (svc or {}).get("spec", {}).get("selector", {})
-        if not svc or sel.get("batch.kubernetes.io/job-completion-index") != "0" \
-                or any(pod.labels.get(k) != v for k, v in sel.items() if not k.startswith("batch.")):
+        if (
+            not svc
+            or sel.get("batch.kubernetes.io/job-completion-index") != "0"
+            or any(pod.labels.get(k) != v for k, v in sel.items() if not k.startswith("batch."))
+        ):
             pod.problems.append(f"{pod.name}: Service trainer does not select the rank-0 pod")
     return pod, run
 
@@ -278,27 +311,75 @@ def _broken_tree(tmp: Path, rel: str, old: str, new: str) -> Path:
 
 
 BROKEN = [
-    ("deploy/k8s/base/generator.yaml", "  replicas: 1\n", "  replicas: one\n", "single-node", "is not of type 'integer'"),
-    ("deploy/k8s/base/gym-gateway.yaml", "    app.kubernetes.io/component: gym-gateway\nspec:\n",
-     "    app.kubernetes.io/component: gym-gateway\nspec:\n  replica: 2\n", "single-node", "Additional properties"),
+    (
+        "deploy/k8s/base/generator.yaml",
+        "  replicas: 1\n",
+        "  replicas: one\n",
+        "single-node",
+        "is not of type 'integer'",
+    ),
+    (
+        "deploy/k8s/base/gym-gateway.yaml",
+        "    app.kubernetes.io/component: gym-gateway\nspec:\n",
+        "    app.kubernetes.io/component: gym-gateway\nspec:\n  replica: 2\n",
+        "single-node",
+        "Additional properties",
+    ),
     ("deploy/k8s/base/kustomization.yaml", "  - trainer.yaml\n", "  - trainers.yaml\n", "single-node", "cannot render"),
-    ("deploy/k8s/base/generator.yaml", "httpGet: {path: /ready, port: http}\n            periodSeconds: 5\n            failureThreshold",
-     "httpGet: {path: /readyz, port: http}\n            periodSeconds: 5\n            failureThreshold", "single-node", "readinessProbe"),
+    (
+        "deploy/k8s/base/generator.yaml",
+        "httpGet: {path: /ready, port: http}\n            periodSeconds: 5\n            failureThreshold",
+        "httpGet: {path: /readyz, port: http}\n            periodSeconds: 5\n            failureThreshold",
+        "single-node",
+        "readinessProbe",
+    ),
     ("deploy/k8s/base/trainer.yaml", '"--nnodes=$(NNODES)"', '"--nodes=$(NNODES)"', "single-node", "torchrun rejects"),
-    ("deploy/k8s/base/gym-gateway.yaml", '"--worker-id", "$(POD_NAME)", "gym_gateway', '"--workerid", "$(POD_NAME)", "gym_gateway',
-     "single-node", "gym_gateway rejects"),
-    ("deploy/k8s/base/generator.yaml", '"generator.host=$(POD_IP)"', '"generator.hots=$(POD_IP)"', "single-node", "generator.hots"),
-    ("deploy/k8s/base/trainer.yaml", "              value: /var/run/secrets/streamrl/api-token\n          ports:\n            - {name: http, containerPort: 8300}",
-     "              value: /var/run/secrets/streamrl/token\n          ports:\n            - {name: http, containerPort: 8300}",
-     "single-node", "cannot read"),
+    (
+        "deploy/k8s/base/gym-gateway.yaml",
+        '"--worker-id", "$(POD_NAME)", "gym_gateway',
+        '"--workerid", "$(POD_NAME)", "gym_gateway',
+        "single-node",
+        "gym_gateway rejects",
+    ),
+    (
+        "deploy/k8s/base/generator.yaml",
+        '"generator.host=$(POD_IP)"',
+        '"generator.hots=$(POD_IP)"',
+        "single-node",
+        "generator.hots",
+    ),
+    (
+        "deploy/k8s/base/trainer.yaml",
+        "              value: /var/run/secrets/streamrl/api-token\n"
+        "          ports:\n            - {name: http, containerPort: 8300}",
+        "              value: /var/run/secrets/streamrl/token\n"
+        "          ports:\n            - {name: http, containerPort: 8300}",
+        "single-node",
+        "cannot read",
+    ),
     ("deploy/configs/k8s/single_node.yaml", "  port: 8100\n", "  port: 8101\n", "single-node", "containerPort 8100"),
-    ("deploy/configs/k8s/single_node.yaml", "  output_dir: /data/runs/single-node\n", "  output_dir: /scratch/run\n",
-     "single-node", "not on the shared volume"),
+    (
+        "deploy/configs/k8s/single_node.yaml",
+        "  output_dir: /data/runs/single-node\n",
+        "  output_dir: /scratch/run\n",
+        "single-node",
+        "not on the shared volume",
+    ),
     ("deploy/k8s/overlays/multi-node/trainer.yaml", 'value: "4"', 'value: "8"', "multi-node", "--nproc-per-node=8"),
-    ("deploy/k8s/overlays/multi-node/generator.yaml", "nvidia.com/gpu: 8}\n            limits: {nvidia.com/gpu: 8}",
-     "nvidia.com/gpu: 4}\n            limits: {nvidia.com/gpu: 4}", "multi-node", "tensor_parallel_size 8"),
-    ("deploy/configs/recipes/qwen3_5_397b_a17b_64gpu.yaml", "expert_model_parallel_size: 32", "expert_model_parallel_size: 48",
-     "multi-node", "do not fit"),
+    (
+        "deploy/k8s/overlays/multi-node/generator.yaml",
+        "nvidia.com/gpu: 8}\n            limits: {nvidia.com/gpu: 8}",
+        "nvidia.com/gpu: 4}\n            limits: {nvidia.com/gpu: 4}",
+        "multi-node",
+        "tensor_parallel_size 8",
+    ),
+    (
+        "deploy/configs/recipes/qwen3_5_397b_a17b_64gpu.yaml",
+        "expert_model_parallel_size: 32",
+        "expert_model_parallel_size: 48",
+        "multi-node",
+        "do not fit",
+    ),
     ("deploy/k8s/base/trainer.yaml", "  completions: 1\n", "  completions: 2\n", "single-node", "Indexed Job"),
 ]
 

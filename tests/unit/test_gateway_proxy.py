@@ -1,7 +1,6 @@
 """Pure parts of the session proxy and the gateway worker: prefix comparison, failure
 classification."""
 
-import asyncio
 import random
 
 import pytest
@@ -33,7 +32,7 @@ def test_common_prefix_len_matches_a_token_by_token_scan():
 @pytest.mark.parametrize(
     ("exc", "reason", "kind", "retryable"),
     [
-        (asyncio.TimeoutError(), "timeout", "infra", True),
+        (TimeoutError(), "timeout", "infra", True),
         (NoGenerator("none"), "no_generator", "infra", True),
         (TransportError("reset"), "transport", "infra", True),
         (SandboxError("no container"), "sandbox", "infra", True),

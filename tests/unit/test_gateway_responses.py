@@ -15,8 +15,13 @@ from shared.responses_api import ResponsesRequest
 
 pytestmark = pytest.mark.unit
 
-TOOL = {"type": "function", "name": "look", "description": "See the light.", "strict": True,
-        "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
+TOOL = {
+    "type": "function",
+    "name": "look",
+    "description": "See the light.",
+    "strict": True,
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+}
 TOKENS = {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [7, 8], "generation_log_probs": [-0.5, -0.25]}
 
 
@@ -27,22 +32,38 @@ def _req(**fields) -> ResponsesRequest:
 def _chat_out(content=None, reasoning=None, tool_calls=None, finish="stop") -> ChatCompletionResponse:
     message = ResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls, **TOKENS)
     return ChatCompletionResponse(
-        id="chatcmpl-1", created=1700000000, model="policy",
+        id="chatcmpl-1",
+        created=1700000000,
+        model="policy",
         choices=[ChatChoice(index=0, message=message, finish_reason=finish, token_ids=[7, 8])],
-        usage=Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5), prompt_token_ids=[1, 2, 3],
-        weight_version=4, weight_version_end=5,
+        usage=Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5),
+        prompt_token_ids=[1, 2, 3],
+        weight_version=4,
+        weight_version_end=5,
     )
 
 
 def test_a_replayed_turn_becomes_one_assistant_message_with_its_tokens():
-    req = _req(input=[
-        {"role": "developer", "content": "Be a robot."},
-        {"role": "user", "content": [{"type": "input_text", "text": "Look first."}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "I should look."}]},
-        {"type": "function_call", "call_id": "call_1", "name": "look", "arguments": "{}", "status": "completed",
-         **TOKENS, "routed_experts": None},
-        {"type": "function_call_output", "call_id": "call_1", "output": '{"light": "red"}'},
-    ], tools=[TOOL], max_output_tokens=32, temperature=0.7)
+    req = _req(
+        input=[
+            {"role": "developer", "content": "Be a robot."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Look first."}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "I should look."}]},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "look",
+                "arguments": "{}",
+                "status": "completed",
+                **TOKENS,
+                "routed_experts": None,
+            },
+            {"type": "function_call_output", "call_id": "call_1", "output": '{"light": "red"}'},
+        ],
+        tools=[TOOL],
+        max_output_tokens=32,
+        temperature=0.7,
+    )
     chat = chat_request(req)
     roles = [m.role for m in chat.messages]
     assert roles == ["developer", "user", "assistant", "tool"]
@@ -56,50 +77,80 @@ def test_a_replayed_turn_becomes_one_assistant_message_with_its_tokens():
 
 
 def test_instructions_fold_leading_system_messages_and_a_string_input_is_a_user_turn():
-    chat = chat_request(_req(input=[{"role": "system", "content": "Rules."}, {"role": "user", "content": "Hi"}],
-                             instructions="Be brief."))
+    chat = chat_request(
+        _req(
+            input=[{"role": "system", "content": "Rules."}, {"role": "user", "content": "Hi"}], instructions="Be brief."
+        )
+    )
     assert [(m.role, m.content) for m in chat.messages] == [("system", "Be brief.\n\nRules."), ("user", "Hi")]
     assert [(m.role, m.content) for m in chat_request(_req(input="Hello")).messages] == [("user", "Hello")]
 
 
 def test_assistant_messages_then_a_user_message_split_turns():
-    chat = chat_request(_req(input=[
-        {"role": "user", "content": "a"},
-        {"type": "message", "role": "assistant", "id": "msg_1",
-         "content": [{"type": "output_text", "text": "first", "annotations": []}], **TOKENS},
-        {"role": "user", "content": "b"},
-    ]))
+    chat = chat_request(
+        _req(
+            input=[
+                {"role": "user", "content": "a"},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": "msg_1",
+                    "content": [{"type": "output_text", "text": "first", "annotations": []}],
+                    **TOKENS,
+                },
+                {"role": "user", "content": "b"},
+            ]
+        )
+    )
     assert [m.role for m in chat.messages] == ["user", "assistant", "user"]
     assert chat.messages[1].content == "first" and chat.messages[1].generation_token_ids == [7, 8]
 
 
 def test_null_token_fields_are_read_as_absent():
     nulls = dict.fromkeys(TOKENS)
-    [turn] = chat_request(_req(input=[{"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}",
-                                       **nulls}])).messages
+    [turn] = chat_request(
+        _req(input=[{"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}", **nulls}])
+    ).messages
     assert turn.tool_calls[0].id == "c" and turn.prompt_token_ids is None and turn.generation_token_ids is None
 
 
-@pytest.mark.parametrize("item, param", [
-    ({"type": "web_search_call", "id": "ws_1"}, "input[0].type"),
-    ({"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}", "prompt_token_ids": [1]},
-     "input[0].generation_token_ids"),
-    ({"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}", **TOKENS,
-      "generation_log_probs": [-1.0]}, "input[0].generation_log_probs"),
-    ({"type": "function_call", "name": "look", "arguments": "{}"}, "input[0]"),
-])
+@pytest.mark.parametrize(
+    "item, param",
+    [
+        ({"type": "web_search_call", "id": "ws_1"}, "input[0].type"),
+        (
+            {"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}", "prompt_token_ids": [1]},
+            "input[0].generation_token_ids",
+        ),
+        (
+            {
+                "type": "function_call",
+                "call_id": "c",
+                "name": "look",
+                "arguments": "{}",
+                **TOKENS,
+                "generation_log_probs": [-1.0],
+            },
+            "input[0].generation_log_probs",
+        ),
+        ({"type": "function_call", "name": "look", "arguments": "{}"}, "input[0]"),
+    ],
+)
 def test_bad_input_items_are_400s_naming_the_item(item, param):
     with pytest.raises(HTTPError) as err:
         chat_request(_req(input=[{"role": "user", "content": "x"}, item][1:]))
     assert err.value.status == 400 and err.value.param == param
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"stream": True}, "stream"),
-    ({"metadata": {"chat_template_kwargs": "{not json"}}, "metadata.chat_template_kwargs"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"stream": True}, "stream"),
+        ({"metadata": {"chat_template_kwargs": "{not json"}}, "metadata.chat_template_kwargs"),
+    ],
+)
 def test_what_chat_cannot_carry_is_refused_by_name(fields, param):
     with pytest.raises(HTTPError) as err:
         chat_request(_req(input="x", **fields))

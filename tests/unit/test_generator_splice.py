@@ -210,7 +210,9 @@ def test_history_is_rendered_from_the_normalised_messages(tiny_tokenizer):
     assert r.decode(out.template_ids).startswith(out.history_text)  # P is T's view of the history
     m = prompt + generated
     assert out.prompt_ids[: len(m)] == m
-    assert r.decode(out.prompt_ids[len(m) - 1 :]) == "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        r.decode(out.prompt_ids[len(m) - 1 :]) == "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_tool_call_json_that_reserialises_differently_keeps_the_model_tokens(renderer):
@@ -236,4 +238,7 @@ def test_tool_call_json_that_reserialises_differently_keeps_the_model_tokens(ren
         m = prompt + generated
         assert out.prompt_ids[: len(m)] == m
         tail = renderer.decode(out.prompt_ids[len(m) - 1 :])
-        assert tail == "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        assert (
+            tail
+            == "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        )

@@ -18,8 +18,16 @@ def run(curr, prev, gen, adv, mask=None, smask=None, cfg=None, norm=None):
     mask = torch.ones_like(prev) if mask is None else torch.tensor(mask, dtype=torch.float32)
     smask = torch.ones(prev.shape[0]) if smask is None else torch.tensor(smask, dtype=torch.float32)
     norm = norm or LossNormalizer(float((mask * smask[:, None]).sum()), float(smask.sum()))
-    loss, m = clipped_pg_loss(curr_lp=curr, prev_lp=prev, gen_lp=gen, advantages=torch.tensor(adv, dtype=torch.float32),
-                              token_mask=mask, sample_mask=smask, cfg=cfg or LossSection(), norm=norm)
+    loss, m = clipped_pg_loss(
+        curr_lp=curr,
+        prev_lp=prev,
+        gen_lp=gen,
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        token_mask=mask,
+        sample_mask=smask,
+        cfg=cfg or LossSection(),
+        norm=norm,
+    )
     loss.backward()
     return loss, curr.grad, m
 
@@ -41,8 +49,11 @@ def test_importance_weight_scales_tokens_and_is_truncated():
 
 
 def test_icepop_drops_out_of_bound_tokens():
-    cfg = LossSection(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0,
-                      truncated_importance_sampling_ratio_min=0.5)
+    cfg = LossSection(
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=2.0,
+        truncated_importance_sampling_ratio_min=0.5,
+    )
     loss, grad, _ = run([[-1.0, -1.0]], [[-1.0, -1.0]], [[-1.1, -4.0]], [1.0], cfg=cfg)
     assert grad[0, 1].item() == 0.0 and grad[0, 0].item() != 0.0
 
@@ -63,8 +74,14 @@ def test_dual_clip_caps_negative_advantage_terms():
 
 
 def test_masked_tokens_and_samples_contribute_nothing():
-    _, grad, m = run([[-1.0, -1.0], [-1.0, -1.0]], [[-1.0, -1.0]] * 2, [[-1.0, -1.0]] * 2, [1.0, 1.0],
-                     mask=[[1, 0], [1, 1]], smask=[1, 0])
+    _, grad, m = run(
+        [[-1.0, -1.0], [-1.0, -1.0]],
+        [[-1.0, -1.0]] * 2,
+        [[-1.0, -1.0]] * 2,
+        [1.0, 1.0],
+        mask=[[1, 0], [1, 1]],
+        smask=[1, 0],
+    )
     assert grad[0, 1].item() == 0.0 and grad[1].abs().sum().item() == 0.0 and grad[0, 0].item() != 0.0
     assert m["tokens"] == 1.0
 

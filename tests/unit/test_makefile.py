@@ -33,4 +33,5 @@ def test_soak_selects_the_soak_tests_with_the_long_variant_enabled():
 
 def test_fuzz_raises_the_examples_per_operation():
     assert dry_run("fuzz", "STREAMRL_FUZZ_EXAMPLES=50")[-1] == (
-        "STREAMRL_FUZZ_EXAMPLES=50 .venv/bin/python -m pytest tests/integration/test_fuzz_http.py")
+        "STREAMRL_FUZZ_EXAMPLES=50 .venv/bin/python -m pytest tests/integration/test_fuzz_http.py"
+    )

@@ -33,8 +33,11 @@ def _megatron_cfg(*overrides: str):
 def test_nan_check_stays_on_unless_disabled_and_fields_pass_through():
     assert ddp_config(_megatron_cfg()).check_for_nan_in_grad is True
     key = "policy.megatron_cfg.distributed_data_parallel_config"
-    off = ddp_config(_megatron_cfg(f"{key}.check_for_nan_in_grad=false", f"{key}.grad_reduce_in_fp32=true",
-                                   f"{key}.bucket_size=1000000"))
+    off = ddp_config(
+        _megatron_cfg(
+            f"{key}.check_for_nan_in_grad=false", f"{key}.grad_reduce_in_fp32=true", f"{key}.bucket_size=1000000"
+        )
+    )
     assert off.check_for_nan_in_grad is False and off.grad_reduce_in_fp32 is True and off.bucket_size == 1_000_000
 
 
@@ -101,16 +104,26 @@ def read_hf_state_like(hf) -> dict[str, torch.Tensor]:
     h, n, f = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"]
     kv = hf["num_key_value_heads"] * hf["head_dim"]
     rows = lambda start, count: (torch.arange(count, dtype=torch.float32) + start)[:, None].expand(count, h)  # noqa: E731
-    state = {"model.embed_tokens.weight": torch.zeros(hf["vocab_size"], h), "model.norm.weight": torch.ones(h),
-             "lm_head.weight": torch.zeros(hf["vocab_size"], h)}
+    state = {
+        "model.embed_tokens.weight": torch.zeros(hf["vocab_size"], h),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": torch.zeros(hf["vocab_size"], h),
+    }
     for i in range(n):
         p = f"model.layers.{i}."
-        state.update({
-            p + "self_attn.q_proj.weight": rows(0, hf["num_attention_heads"] * hf["head_dim"]),
-            p + "self_attn.k_proj.weight": rows(1000, kv), p + "self_attn.v_proj.weight": rows(2000, kv),
-            p + "self_attn.o_proj.weight": torch.zeros(h, h), p + "input_layernorm.weight": torch.ones(h),
-            p + "post_attention_layernorm.weight": torch.ones(h), p + "mlp.gate_proj.weight": torch.zeros(f, h),
-            p + "mlp.up_proj.weight": torch.ones(f, h), p + "mlp.down_proj.weight": torch.zeros(h, f),
-            p + "self_attn.q_norm.weight": torch.ones(hf["head_dim"]), p + "self_attn.k_norm.weight": torch.ones(hf["head_dim"]),
-        })
+        state.update(
+            {
+                p + "self_attn.q_proj.weight": rows(0, hf["num_attention_heads"] * hf["head_dim"]),
+                p + "self_attn.k_proj.weight": rows(1000, kv),
+                p + "self_attn.v_proj.weight": rows(2000, kv),
+                p + "self_attn.o_proj.weight": torch.zeros(h, h),
+                p + "input_layernorm.weight": torch.ones(h),
+                p + "post_attention_layernorm.weight": torch.ones(h),
+                p + "mlp.gate_proj.weight": torch.zeros(f, h),
+                p + "mlp.up_proj.weight": torch.ones(f, h),
+                p + "mlp.down_proj.weight": torch.zeros(h, f),
+                p + "self_attn.q_norm.weight": torch.ones(hf["head_dim"]),
+                p + "self_attn.k_norm.weight": torch.ones(hf["head_dim"]),
+            }
+        )
     return state

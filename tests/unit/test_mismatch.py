@@ -39,7 +39,11 @@ def test_no_threshold_only_computes_metrics():
     assert torch.equal(apply_threshold(err, smask, None), smask)
     out = summarize(_records(err, n, [1.0, 0.0, 1.0], smask, smask), None)
     assert out == pytest.approx(
-        {"max_seq_mult_prob_error": math.e, "min_seq_mult_prob_error": 1.0, "mean_seq_mult_prob_error": float(err.mean())}
+        {
+            "max_seq_mult_prob_error": math.e,
+            "min_seq_mult_prob_error": 1.0,
+            "mean_seq_mult_prob_error": float(err.mean()),
+        }
     )
 
 

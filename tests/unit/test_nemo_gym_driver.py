@@ -14,13 +14,22 @@ from shared.run_config import EnvSection, NemoGymSection
 
 pytestmark = pytest.mark.unit
 
-ROW = {"responses_create_params": {"input": "hi", "temperature": 0.2, "max_output_tokens": 4096},
-       "agent_ref": {"type": "responses_api_agents", "name": "crossing_agent"}, "light": "red", "env": "nemo_gym"}
+ROW = {
+    "responses_create_params": {"input": "hi", "temperature": 0.2, "max_output_tokens": 4096},
+    "agent_ref": {"type": "responses_api_agents", "name": "crossing_agent"},
+    "light": "red",
+    "env": "nemo_gym",
+}
 
 
 def _llm(session_id: str = "g1.0.ab12cd34", **sampling) -> ChatClient:
-    return ChatClient(f"http://gw/sessions/{session_id}/v1", None, timeout_s=5.0, session_id=session_id,
-                      sampling=SamplingParams(temperature=0.9, top_p=0.95, max_tokens=256, **sampling))
+    return ChatClient(
+        f"http://gw/sessions/{session_id}/v1",
+        None,
+        timeout_s=5.0,
+        session_id=session_id,
+        sampling=SamplingParams(temperature=0.9, top_p=0.95, max_tokens=256, **sampling),
+    )
 
 
 def test_the_run_body_is_the_row_with_rollout_ids_and_the_tasks_sampling():
@@ -28,8 +37,12 @@ def test_the_run_body_is_the_row_with_rollout_ids_and_the_tasks_sampling():
     body = env.run_body(ROW, _llm())
     assert body["_ng_rollout_id"] == "g1.0.ab12cd34" and "env" not in body
     assert body["light"] == "red" and body["agent_ref"] == ROW["agent_ref"]
-    assert body["responses_create_params"] == {"input": "hi", "temperature": 0.9, "top_p": 0.95,
-                                               "max_output_tokens": 256}
+    assert body["responses_create_params"] == {
+        "input": "hi",
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "max_output_tokens": 256,
+    }
     assert ROW["responses_create_params"]["temperature"] == 0.2  # the shared row is not touched
     uncapped = env.run_body({**ROW, "responses_create_params": {"input": "hi", "max_output_tokens": 64}}, _llm())
     assert uncapped["responses_create_params"]["max_output_tokens"] == 64
@@ -45,10 +58,13 @@ def test_identical_rows_share_a_task_index_and_count_their_rollouts():
     assert (own["_ng_task_index"], own["_ng_rollout_index"]) == (7, 3)
 
 
-@pytest.mark.parametrize("row, session_id, words", [
-    ({"agent_ref": {"name": "a"}}, "g1.0.x", "responses_create_params"),
-    (ROW, "g1/0", "rollout id"),
-])
+@pytest.mark.parametrize(
+    "row, session_id, words",
+    [
+        ({"agent_ref": {"name": "a"}}, "g1.0.x", "responses_create_params"),
+        (ROW, "g1/0", "rollout id"),
+    ],
+)
 def test_bad_rows_and_ids_are_errors_that_say_what(row, session_id, words):
     with pytest.raises(ValueError, match=words):
         NemoGymEnv(NemoGymSection()).run_body(row, _llm(session_id))
@@ -64,11 +80,14 @@ def test_a_verified_rollout_keeps_its_reward_and_reward_components():
     assert out.metrics == {"reward.format": 1.0}
 
 
-@pytest.mark.parametrize("fields, metric", [
-    ({"mask_sample": True}, None),
-    ({"failure_kind": "agent_timeout", "failure_reason": "took too long"}, "nemo_gym_failure.agent_timeout"),
-    ({"_ng_failure_class": "judge_failed"}, "nemo_gym_failure.judge_failed"),
-])
+@pytest.mark.parametrize(
+    "fields, metric",
+    [
+        ({"mask_sample": True}, None),
+        ({"failure_kind": "agent_timeout", "failure_reason": "took too long"}, "nemo_gym_failure.agent_timeout"),
+        ({"_ng_failure_class": "judge_failed"}, "nemo_gym_failure.judge_failed"),
+    ],
+)
 def test_flagged_and_failed_rollouts_are_trained_masked(fields, metric):
     out = NemoGymEnv(NemoGymSection()).outcome(_verify(**fields))
     assert (out.status, out.mask_sample, out.reward) == ("env_flagged", True, 0.75)
@@ -98,7 +117,9 @@ def test_the_registry_builds_the_driver_from_the_env_section():
 
 
 def test_server_entries_are_found_under_their_server_type_and_implementation():
-    config = {"agent": {"responses_api_agents": {"simple_agent": {"host": "127.0.0.1", "port": 5, "max_steps": 3}}},
-              "policy_model_name": "m"}
+    config = {
+        "agent": {"responses_api_agents": {"simple_agent": {"host": "127.0.0.1", "port": 5, "max_steps": 3}}},
+        "policy_model_name": "m",
+    }
     assert server_entry(config, "agent")["port"] == 5
     assert server_entry(config, "policy_model_name") is None and server_entry(config, "missing") is None

@@ -13,20 +13,30 @@ from pathlib import Path
 
 import pytest
 
-from services.gym_gateway.envs import get_env
+from services.gym_gateway.envs import get_env, openhands_runner
 from services.gym_gateway.envs.base import ChatClient, ModelRequestError, SandboxError, TransportError
 from services.gym_gateway.envs.openhands import (
-    OFFLINE_ENV, AgentRun, OpenHandsEnv, parse_result, prepare_workspace, run_check, runner_env,
+    OFFLINE_ENV,
+    AgentRun,
+    OpenHandsEnv,
+    parse_result,
+    prepare_workspace,
+    run_check,
+    runner_env,
 )
-from services.gym_gateway.envs import openhands_runner
 from shared.protocol import SamplingParams
 from shared.run_config import EnvSection, OpenHandsSection
 
 pytestmark = pytest.mark.unit
 
 
-def _client(sampling: SamplingParams | None = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64)) -> ChatClient:
-    return ChatClient("http://127.0.0.1:1/sessions/s-1/v1", http=None, timeout_s=30, sampling=sampling, session_id="s-1")
+SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64)
+
+
+def _client(sampling: SamplingParams | None = SAMPLING) -> ChatClient:
+    return ChatClient(
+        "http://127.0.0.1:1/sessions/s-1/v1", http=None, timeout_s=30, sampling=sampling, session_id="s-1"
+    )
 
 
 def test_job_carries_session_url_sampling_and_settings(tmp_path):
@@ -37,7 +47,10 @@ def test_job_carries_session_url_sampling_and_settings(tmp_path):
     assert job["max_iterations"] == 5  # env.max_turns when env.openhands.max_iterations is null
     assert job["tools"] == ["terminal"] and job["terminal_type"] == "subprocess" and job["num_retries"] == 0
     assert job["workspace"] == str(tmp_path) and job["prompt"] == "fix it"
-    assert OpenHandsEnv(OpenHandsSection(max_iterations=2)).job("x", tmp_path, _client(), max_turns=5)["max_iterations"] == 2
+    assert (
+        OpenHandsEnv(OpenHandsSection(max_iterations=2)).job("x", tmp_path, _client(), max_turns=5)["max_iterations"]
+        == 2
+    )
     json.dumps(job)  # the runner reads it as JSON
     with pytest.raises(ValueError, match="sampling"):
         env.job("x", tmp_path, _client(None), max_turns=1)
@@ -51,8 +64,15 @@ def test_registry_builds_it_from_the_env_section():
     assert OpenHandsEnv().python.is_absolute()  # relative paths resolve against the source root
 
 
-@pytest.mark.parametrize(("kind", "error"), [("model_refused", ModelRequestError), ("transport", TransportError),
-                                             ("setup_error", SandboxError), ("agent_error", SandboxError)])
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [
+        ("model_refused", ModelRequestError),
+        ("transport", TransportError),
+        ("setup_error", SandboxError),
+        ("agent_error", SandboxError),
+    ],
+)
 def test_runner_errors_map_to_the_gateways_failure_classes(tmp_path, kind, error):
     result = {"status": "error", "iterations": 1, "actions": {}, "error_kind": kind, "error": "boom 400"}
     with pytest.raises(error, match="boom 400"):
@@ -72,15 +92,31 @@ def test_a_crashed_or_silent_runner_is_a_sandbox_error_with_its_log(tmp_path):
 
 def test_outcome_from_the_agent_run():
     env = OpenHandsEnv(OpenHandsSection(mask_truncated=True))
-    done = parse_result({"status": "finished", "iterations": 3, "actions": {"terminal": 2, "finish": 1},
-                         "error_kind": None, "error": None}, 0, Path("unused"))
+    done = parse_result(
+        {
+            "status": "finished",
+            "iterations": 3,
+            "actions": {"terminal": 2, "finish": 1},
+            "error_kind": None,
+            "error": None,
+        },
+        0,
+        Path("unused"),
+    )
     out = env.outcome(done, 1.0, {"check_exit": 0.0})
     assert (out.reward, out.status, out.mask_sample) == (1.0, "ok", False)
-    assert out.metrics["iterations"] == 3.0 and out.metrics["tool_calls"] == 3.0 and out.metrics["agent_finished"] == 1.0
+    assert (
+        out.metrics["iterations"] == 3.0 and out.metrics["tool_calls"] == 3.0 and out.metrics["agent_finished"] == 1.0
+    )
     capped = env.outcome(AgentRun(status="error", iterations=8, actions={}), 0.0, {})
     assert (capped.status, capped.mask_sample, capped.metrics["agent_finished"]) == ("truncated", True, 0.0)
     late = OpenHandsEnv().outcome(AgentRun(status="timeout", iterations=0, actions={}, timed_out=True), 1.0, {})
-    assert (late.status, late.reward, late.mask_sample, late.metrics["agent_timed_out"]) == ("truncated", 1.0, False, 1.0)
+    assert (late.status, late.reward, late.mask_sample, late.metrics["agent_timed_out"]) == (
+        "truncated",
+        1.0,
+        False,
+        1.0,
+    )
 
 
 def test_workspace_from_template_and_files(tmp_path):
@@ -241,7 +277,7 @@ async def test_swe_instance_is_scored_by_its_hidden_tests(tmp_path, fix):
         f"open({str(prompt_file)!r}, 'w').write(job['prompt'])\n"
         + (f"subprocess.run(['git', 'apply', {str(patch)!r}], check=True)\n" if fix else "")
         + "json.dump({'status': 'finished', 'iterations': 1, 'actions': {}, 'error_kind': None, 'error': None},"
-          " open(sys.argv[3], 'w'))\n"
+        " open(sys.argv[3], 'w'))\n"
     )
     exe = _fake_runner(tmp_path, f'exec {sys.executable} {script} "$@"')
     env = OpenHandsEnv(OpenHandsSection(python=str(exe)))

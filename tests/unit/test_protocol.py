@@ -34,8 +34,21 @@ def _traj(**kw) -> Trajectory:
         reward=1.0,
         status="ok",
         turns=[
-            make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[4, 5], generated_logprobs=[-0.5, -1.25], weight_version=2),
-            make_turn(prompt_ids=[6], context_len=5, generated_ids=[7], generated_logprobs=[-0.1], weight_version=2, weight_version_end=3),
+            make_turn(
+                prompt_ids=[1, 2, 3],
+                context_len=0,
+                generated_ids=[4, 5],
+                generated_logprobs=[-0.5, -1.25],
+                weight_version=2,
+            ),
+            make_turn(
+                prompt_ids=[6],
+                context_len=5,
+                generated_ids=[7],
+                generated_logprobs=[-0.1],
+                weight_version=2,
+                weight_version_end=3,
+            ),
         ],
     )
     base.update(kw)
@@ -54,7 +67,9 @@ def test_trajectory_round_trip_keeps_exact_tokens_and_logprobs():
 
 
 def test_token_arrays_are_packed_int32_little_endian():
-    turn = make_turn(prompt_ids=[1, 256], context_len=0, generated_ids=[2**31 - 1], generated_logprobs=[-0.5], weight_version=0)
+    turn = make_turn(
+        prompt_ids=[1, 256], context_len=0, generated_ids=[2**31 - 1], generated_logprobs=[-0.5], weight_version=0
+    )
     assert turn.prompt_ids == b"\x01\x00\x00\x00\x00\x01\x00\x00"
     assert turn.generated_ids == b"\xff\xff\xff\x7f"
     assert len(turn.generated_logprobs) == 4
@@ -62,9 +77,17 @@ def test_token_arrays_are_packed_int32_little_endian():
 
 def test_task_and_weights_round_trip():
     task = Task(
-        task_id="s0-p1/2", group_id="s0-p1", index_in_group=2, group_size=4, prompt_index=1, env="echo",
-        instance={"words": ["a", "b"], "n": 3}, kind="train", target_step=0,
-        sampling=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=32), deadline_s=60.0,
+        task_id="s0-p1/2",
+        group_id="s0-p1",
+        index_in_group=2,
+        group_size=4,
+        prompt_index=1,
+        env="echo",
+        instance={"words": ["a", "b"], "n": 3},
+        kind="train",
+        target_step=0,
+        sampling=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=32),
+        deadline_s=60.0,
     )
     assert decode(encode(task), Task) == task
     ann = WeightAnnouncement(version=4, path="/w/v4", checksum="ab", num_bytes=10)

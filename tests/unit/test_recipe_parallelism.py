@@ -18,7 +18,9 @@ RECIPE = ROOT / "deploy/configs/recipes/qwen3_5_397b_a17b_64gpu.yaml"
 BASE = ["policy.model_name=m", "data.train_path=t.jsonl", "trainer.backend=megatron"]
 
 
-@pytest.mark.parametrize("key", ["tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"])
+@pytest.mark.parametrize(
+    "key", ["tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"]
+)
 def test_megatron_backend_refuses_each_parallel_size_it_lacks_by_name(key):
     check_supported(load(RunConfig, None, BASE, env={}).policy)  # the defaults are supported
     cfg = load(RunConfig, None, BASE + [f"policy.megatron_cfg.{key}=2"], env={})
@@ -30,8 +32,11 @@ def test_megatron_backend_refuses_packing_and_the_recipe():
     with pytest.raises(ConfigError, match="policy.sequence_packing.enabled"):
         check_supported(load(RunConfig, None, BASE + ["policy.sequence_packing.enabled=true"], env={}).policy)
     recipe = load(RunConfig, RECIPE, env={})
-    assert (recipe.policy.megatron_cfg.tensor_model_parallel_size, recipe.policy.megatron_cfg.pipeline_model_parallel_size,
-            recipe.policy.megatron_cfg.expert_model_parallel_size) == (4, 2, 32)
+    assert (
+        recipe.policy.megatron_cfg.tensor_model_parallel_size,
+        recipe.policy.megatron_cfg.pipeline_model_parallel_size,
+        recipe.policy.megatron_cfg.expert_model_parallel_size,
+    ) == (4, 2, 32)
     with pytest.raises(ConfigError, match="policy.megatron_cfg.tensor_model_parallel_size is 4"):
         check_supported(recipe.policy)
 
@@ -48,7 +53,13 @@ def test_vllm_engine_args_carry_expert_parallel():
 
 def test_trainer_refuses_more_than_one_rank():
     env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0", "STREAMRL_API_TOKEN": "t0ken"}
-    out = subprocess.run([sys.executable, "-m", "services.trainer", "--config", str(RECIPE)], capture_output=True,
-                         text=True, cwd=ROOT, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.trainer", "--config", str(RECIPE)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "WORLD_SIZE is 4" in out.stderr

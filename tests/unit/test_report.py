@@ -19,15 +19,32 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _train_record(step: int) -> dict:
-    refit = RefitReport(version=step + 1, save_s=0.2 + 0.01 * step, confirm_s=0.5, total_s=0.7 + 0.01 * step,
-                        generators=["generator-0"], checksum_s=0.1)
+    refit = RefitReport(
+        version=step + 1,
+        save_s=0.2 + 0.01 * step,
+        confirm_s=0.5,
+        total_s=0.7 + 0.01 * step,
+        generators=["generator-0"],
+        checksum_s=0.1,
+    )
     return {
-        "kind": "train", "step": step, "weight_version": step, "reward_mean": 0.3 + 0.05 * step, "reward_std": 0.2,
-        "loss": 0.01 * step, "staleness_mean": 0.5, "staleness_max": 1,
+        "kind": "train",
+        "step": step,
+        "weight_version": step,
+        "reward_mean": 0.3 + 0.05 * step,
+        "reward_std": 0.2,
+        "loss": 0.01 * step,
+        "staleness_mean": 0.5,
+        "staleness_max": 1,
         "staleness_counts": {"0": 8, "1": 8} if step else {"0": 16},
-        "time_wait_data_s": 1.0, "time_train_s": 2.0, "time_refit_s": refit.total_s, **refit.phase_times(),
-        "time_step_s": 3.0 + refit.total_s, "consumed_ids": [f"g{step}/{i}" for i in range(16)],
-        "buffer_depth": {str(step + 1): 2}, "time": 1000.0 + step,
+        "time_wait_data_s": 1.0,
+        "time_train_s": 2.0,
+        "time_refit_s": refit.total_s,
+        **refit.phase_times(),
+        "time_step_s": 3.0 + refit.total_s,
+        "consumed_ids": [f"g{step}/{i}" for i in range(16)],
+        "buffer_depth": {str(step + 1): 2},
+        "time": 1000.0 + step,
     }
 
 
@@ -85,8 +102,9 @@ def _write_run(folder: Path, *, validation: bool) -> None:
 
 
 def _report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamrl.cli", "report", *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", "report", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
 
 
 def test_report_writes_every_plot_and_prints_the_paths(tmp_path):

@@ -14,14 +14,17 @@ def test_pairs_are_parsed_with_aliases():
     assert parse_targets(["Generators=4"]) == {"generator": 4}
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "nothing to scale"),
-    (["trainer=2"], "'trainer=2': expected SERVICE=COUNT"),
-    (["generator"], "'generator': expected SERVICE=COUNT"),
-    (["generator=two"], "'generator=two': the count must be a whole number"),
-    (["generator=0"], "at least one generator"),
-    (["generator=1", "generators=2"], "generator is given twice"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "nothing to scale"),
+        (["trainer=2"], "'trainer=2': expected SERVICE=COUNT"),
+        (["generator"], "'generator': expected SERVICE=COUNT"),
+        (["generator=two"], "'generator=two': the count must be a whole number"),
+        (["generator=0"], "at least one generator"),
+        (["generator=1", "generators=2"], "generator is given twice"),
+    ],
+)
 def test_bad_arguments_are_named(args, message):
     with pytest.raises(ScaleError, match=message):
         parse_targets(args)

@@ -22,8 +22,15 @@ def source(tmp_path):
 
 
 def _sched(source, max_age=1):
-    return Scheduler(source, num_prompts_per_step=2, group_size=3, max_age=max_age, default_env="crossing",
-                     sampling=SamplingParams(), rollout_timeout_s=10)
+    return Scheduler(
+        source,
+        num_prompts_per_step=2,
+        group_size=3,
+        max_age=max_age,
+        default_env="crossing",
+        sampling=SamplingParams(),
+        rollout_timeout_s=10,
+    )
 
 
 def test_tasks_are_issued_only_within_the_staleness_window(source):
@@ -35,7 +42,8 @@ def test_tasks_are_issued_only_within_the_staleness_window(source):
     sync = _sched(source, max_age=0)
     assert {t.target_step for t in sync.plan(step=4, max_steps=10, staged_usable={})} == {4}
     assert _sched(source).plan(step=9, max_steps=10, staged_usable={}) and all(
-        t.target_step == 9 for t in _sched(source).plan(step=9, max_steps=10, staged_usable={}))
+        t.target_step == 9 for t in _sched(source).plan(step=9, max_steps=10, staged_usable={})
+    )
 
 
 def test_only_missing_groups_are_issued_and_groups_share_explicit_ids(source):
@@ -65,12 +73,26 @@ def test_epoch_order_is_a_permutation(source):
 
 
 def _traj(task_id, turns, reward=1.0, status="ok", group="g"):
-    return Trajectory(task_id=task_id, group_id=group, index_in_group=int(task_id[-1]), group_size=2, prompt_index=0,
-                      env="e", kind="train", target_step=0, launch_version=0, reward=reward, status=status, turns=turns)
+    return Trajectory(
+        task_id=task_id,
+        group_id=group,
+        index_in_group=int(task_id[-1]),
+        group_size=2,
+        prompt_index=0,
+        env="e",
+        kind="train",
+        target_step=0,
+        launch_version=0,
+        reward=reward,
+        status=status,
+        turns=turns,
+    )
 
 
 def test_row_concatenates_turns_and_masks_only_generated_tokens():
-    t1 = make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[4, 5], generated_logprobs=[-0.1, -0.2], weight_version=0)
+    t1 = make_turn(
+        prompt_ids=[1, 2, 3], context_len=0, generated_ids=[4, 5], generated_logprobs=[-0.1, -0.2], weight_version=0
+    )
     t2 = make_turn(prompt_ids=[6, 7], context_len=5, generated_ids=[8], generated_logprobs=[-0.3], weight_version=0)
     row = build_row(_traj("g/0", [t1, t2]), max_len=100)
     assert row.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
@@ -93,7 +115,9 @@ def test_prefix_break_row_is_masked_but_kept_in_the_group():
 
 def test_new_sample_policy_trains_the_turns_after_a_break_as_another_row():
     t1 = make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[4], generated_logprobs=[-0.1], weight_version=0)
-    t2 = make_turn(prompt_ids=[9], context_len=2, generated_ids=[8, 7], generated_logprobs=[-0.3, -0.4], weight_version=0)
+    t2 = make_turn(
+        prompt_ids=[9], context_len=2, generated_ids=[8, 7], generated_logprobs=[-0.3, -0.4], weight_version=0
+    )
     t3 = make_turn(prompt_ids=[6], context_len=5, generated_ids=[5], generated_logprobs=[-0.5], weight_version=0)
     ok = make_turn(prompt_ids=[1, 2, 3], context_len=0, generated_ids=[5], generated_logprobs=[-0.2], weight_version=0)
     g = Group("g", 0, 2, 0, rows={0: _traj("g/0", [t1, t2, t3], reward=1.0), 1: _traj("g/1", [ok], reward=0.0)})
@@ -115,8 +139,9 @@ def test_failure_reasons_are_counted_per_step():
     failed.fallback_reason = "sandbox: container did not start"
     cut = _traj("g/1", [ok], reward=0.0, status="truncated")
     cut.fallback_reason = "model_refused: context full"
-    batch = build_step_batch([Group("g", 0, 2, 0, rows={0: failed, 1: cut})], max_len=100, leave_one_out=True,
-                             normalize=False)
+    batch = build_step_batch(
+        [Group("g", 0, 2, 0, rows={0: failed, 1: cut})], max_len=100, leave_one_out=True, normalize=False
+    )
     assert batch.stats["rollout_failures/sandbox"] == 1 and batch.stats["rollout_failures/model_refused"] == 1
 
 
@@ -129,8 +154,13 @@ def test_failed_rollout_is_a_placeholder_without_loss():
 
 
 def test_long_rows_are_truncated_to_the_configured_length():
-    t = make_turn(prompt_ids=list(range(10)), context_len=0, generated_ids=[1] * 5, generated_logprobs=[-0.1] * 5,
-                  weight_version=0)
+    t = make_turn(
+        prompt_ids=list(range(10)),
+        context_len=0,
+        generated_ids=[1] * 5,
+        generated_logprobs=[-0.1] * 5,
+        weight_version=0,
+    )
     row = build_row(_traj("g/0", [t]), max_len=12)
     assert len(row.input_ids) == 12 and row.truncated and row.token_mask.sum() == 2
 
@@ -157,8 +187,19 @@ def test_mask_flag_is_left_out_of_the_record_when_not_carried():
     from services.gym_gateway.worker import assemble
     from shared.protocol import SamplingParams, Task, decode, encode
 
-    task = Task(task_id="g/0", group_id="g", index_in_group=0, group_size=2, prompt_index=0, env="echo",
-                instance={}, kind="train", target_step=0, sampling=SamplingParams(), deadline_s=60.0)
+    task = Task(
+        task_id="g/0",
+        group_id="g",
+        index_in_group=0,
+        group_size=2,
+        prompt_index=0,
+        env="echo",
+        instance={},
+        kind="train",
+        target_step=0,
+        sampling=SamplingParams(),
+        deadline_s=60.0,
+    )
     session = Session("s", "train", SamplingParams(), "", "", 0)
     carried = assemble(task, session, Outcome(reward=1.0), None, "gw", 0.0, carry_mask_flag=True)
     stripped = assemble(task, session, Outcome(reward=1.0, mask_sample=True), None, "gw", 0.0, carry_mask_flag=False)

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from services.gym_gateway.envs.base import SandboxError
-from services.gym_gateway.envs.swe import InstanceError, LocalRuntime, Workspace, instance_from_row, load_instances, parse_test_log
+from services.gym_gateway.envs.swe import (
+    InstanceError,
+    LocalRuntime,
+    Workspace,
+    instance_from_row,
+    load_instances,
+    parse_test_log,
+)
 from services.gym_gateway.envs.swe.agent import SHIPPED_INSTANCES, SweEnv
 from services.gym_gateway.envs.swe.evaluate import compare
 from services.gym_gateway.envs.swe.runtime import _Capped
@@ -56,8 +63,11 @@ def test_r2e_row_maps_onto_an_instance():
     [inst] = load_instances(ROWS / "r2e_row.json")
     assert inst.source == "r2e" and inst.instance_id == "structs@9c1d2e3f4a5b"
     assert inst.image == "namanjain12/structsnew:9c1d2e3f4a5b"
-    assert inst.expected == {"TestStack.test_push_pop_order": "PASSED", "TestStack.test_peek_returns_top": "PASSED",
-                             "TestStack.test_peek_empty_raises": "PASSED"}
+    assert inst.expected == {
+        "TestStack.test_push_pop_order": "PASSED",
+        "TestStack.test_peek_returns_top": "PASSED",
+        "TestStack.test_peek_empty_raises": "PASSED",
+    }
     assert inst.test_ids == "r2e" and inst.match == "exact" and inst.hidden_tests_dest == "r2e_tests"
     assert inst.test_command.endswith(" r2e_tests")
     assert Path(inst.repo_dir) == SHIPPED_INSTANCES / "stack-peek-empty" / "repo"  # relative to the rows file
@@ -68,9 +78,11 @@ def test_swebench_row_maps_onto_an_instance():
     [inst] = load_instances(ROWS / "swebench_row.json")
     row = json.loads((ROWS / "swebench_row.json").read_text())
     assert inst.source == "swebench" and inst.instance_id == "example__textkit-17"
-    assert inst.expected == {"tests/test_slug.py::test_collapses_runs_of_separators": "PASSED",
-                             "tests/test_slug.py::test_strips_leading_and_trailing_separators": "PASSED",
-                             "tests/test_slug.py::test_single_word": "PASSED"}
+    assert inst.expected == {
+        "tests/test_slug.py::test_collapses_runs_of_separators": "PASSED",
+        "tests/test_slug.py::test_strips_leading_and_trailing_separators": "PASSED",
+        "tests/test_slug.py::test_single_word": "PASSED",
+    }
     assert inst.match == "expected" and inst.test_ids == "nodeid" and not inst.hidden_tests_dir
     assert inst.test_patch == row["test_patch"] and inst.patch_targets() == ["tests/test_slug.py"]
     assert inst.test_command.endswith(" tests/test_slug.py") and inst.gold_patch == row["patch"]
@@ -96,15 +108,18 @@ def _r2e_row(**changes):
     return {k: v for k, v in row.items() if v is not None}
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"problem_statement": None}, "missing field 'problem_statement'"),
-    ({"repo_name": None}, "missing field 'repo_name'"),
-    ({"expected_output_json": "{not json"}, "'expected_output_json' is not valid JSON"),
-    ({"expected_output_json": "{}"}, "'expected_output_json' must be a non-empty object"),
-    ({"expected_output_json": json.dumps({"t": "GREEN"})}, "test 't' has status 'GREEN'"),
-    ({"repo_dir": None}, "missing field 'repo_dir'.*namanjain12/structsnew.*cannot be pulled"),
-    ({"hidden_tests_dir": None}, "missing field 'hidden_tests_dir'"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"problem_statement": None}, "missing field 'problem_statement'"),
+        ({"repo_name": None}, "missing field 'repo_name'"),
+        ({"expected_output_json": "{not json"}, "'expected_output_json' is not valid JSON"),
+        ({"expected_output_json": "{}"}, "'expected_output_json' must be a non-empty object"),
+        ({"expected_output_json": json.dumps({"t": "GREEN"})}, "test 't' has status 'GREEN'"),
+        ({"repo_dir": None}, "missing field 'repo_dir'.*namanjain12/structsnew.*cannot be pulled"),
+        ({"hidden_tests_dir": None}, "missing field 'hidden_tests_dir'"),
+    ],
+)
 def test_r2e_row_errors_name_the_field(changes, message):
     with pytest.raises(InstanceError, match=message):
         instance_from_row(_r2e_row(**changes), ROWS, where="rows.json row 3")
@@ -112,13 +127,16 @@ def test_r2e_row_errors_name_the_field(changes, message):
         instance_from_row(_r2e_row(**changes), ROWS, where="rows.json row 3")
 
 
-@pytest.mark.parametrize("drop,value,message", [
-    ("PASS_TO_PASS", None, "missing field 'PASS_TO_PASS'"),
-    ("instance_id", None, "missing field 'instance_id'"),
-    ("FAIL_TO_PASS", "[1, 2]", "'FAIL_TO_PASS' must be a list of test ids"),
-    ("test_patch", "no diff here", "'test_patch' changes no file"),
-    ("test_patch", None, "missing field 'test_patch'"),
-])
+@pytest.mark.parametrize(
+    "drop,value,message",
+    [
+        ("PASS_TO_PASS", None, "missing field 'PASS_TO_PASS'"),
+        ("instance_id", None, "missing field 'instance_id'"),
+        ("FAIL_TO_PASS", "[1, 2]", "'FAIL_TO_PASS' must be a list of test ids"),
+        ("test_patch", "no diff here", "'test_patch' changes no file"),
+        ("test_patch", None, "missing field 'test_patch'"),
+    ],
+)
 def test_swebench_row_errors_name_the_field(drop, value, message):
     row = json.loads((ROWS / "swebench_row.json").read_text())
     if value is None:
@@ -138,11 +156,14 @@ def test_native_folder_errors(tmp_path):
     (d / "hidden_tests").mkdir()
     [inst] = load_instances(tmp_path)
     assert inst.instance_id == "one" and inst.repo_dir == str(d / "repo")
-    (d / "instance.json").write_text(json.dumps({"problem_statement": "p", "expected": {"t::a": "PASSED"},
-                                                 "hidden_tests_dest": "../outside"}))
+    (d / "instance.json").write_text(
+        json.dumps({"problem_statement": "p", "expected": {"t::a": "PASSED"}, "hidden_tests_dest": "../outside"})
+    )
     with pytest.raises(InstanceError, match="'hidden_tests_dest' must be a relative folder"):
         load_instances(d)
-    (d / "instance.json").write_text(json.dumps({"problem_statement": "p", "expected": {"t::a": "PASSED"}, "match": "some"}))
+    (d / "instance.json").write_text(
+        json.dumps({"problem_statement": "p", "expected": {"t::a": "PASSED"}, "match": "some"})
+    )
     with pytest.raises(InstanceError, match="'match' must be one of exact, expected"):
         load_instances(d)
     (d / "instance.json").write_text("[1,")
@@ -164,7 +185,9 @@ def test_parse_pytest_summary_by_node_id_and_r2e_key():
         "r2e_tests/test_a.py::test_six": "XFAIL",
     }
     r2e = parse_test_log("\x1b[32m" + PYTEST_LOG.replace("PASSED r2e", "\x1b[32mPASSED\x1b[0m r2e"), "r2e")
-    assert r2e["TestK.test_two[1-x]"] == "PASSED" and r2e["TestK.test_three"] == "FAILED" and r2e["test_one"] == "PASSED"
+    assert (
+        r2e["TestK.test_two[1-x]"] == "PASSED" and r2e["TestK.test_three"] == "FAILED" and r2e["test_one"] == "PASSED"
+    )
     assert parse_test_log("collected 0 items\nno tests ran") == {}
 
 
@@ -217,10 +240,16 @@ def test_editor_views_creates_and_replaces(ws):
 
 async def test_bad_tool_calls_are_tool_output_not_errors(ws):
     cases = [
-        ("str_replace_editor", {"command": "str_replace", "path": "pkg/mod.py", "old_str": "b = 2", "new_str": "c"},
-         "occurs 2 times"),
-        ("str_replace_editor", {"command": "str_replace", "path": "pkg/mod.py", "old_str": "zzz", "new_str": "c"},
-         "occurs 0 times"),
+        (
+            "str_replace_editor",
+            {"command": "str_replace", "path": "pkg/mod.py", "old_str": "b = 2", "new_str": "c"},
+            "occurs 2 times",
+        ),
+        (
+            "str_replace_editor",
+            {"command": "str_replace", "path": "pkg/mod.py", "old_str": "zzz", "new_str": "c"},
+            "occurs 0 times",
+        ),
         ("str_replace_editor", {"command": "create", "path": "pkg/mod.py", "file_text": ""}, "exists"),
         ("str_replace_editor", {"command": "view", "path": "../secret.txt"}, "outside the repository"),
         ("str_replace_editor", {"command": "view", "path": "/etc/passwd"}, "outside the repository"),
@@ -243,8 +272,12 @@ def test_resolve_follows_links_out_of_the_workspace(ws):
 
 
 def test_config_section_and_registry(tmp_path):
-    cfg = load(RunConfig, None, ["policy.model_name=m", "data.train_path=t.jsonl", "env.swe.runtime=podman",
-                                 "env.swe.command_timeout_s=5"], env={})
+    cfg = load(
+        RunConfig,
+        None,
+        ["policy.model_name=m", "data.train_path=t.jsonl", "env.swe.runtime=podman", "env.swe.command_timeout_s=5"],
+        env={},
+    )
     assert cfg.env.swe.runtime == "podman" and cfg.env.swe.command_timeout_s == 5.0
     assert "conftest.py" in cfg.env.swe.protected_paths
     with pytest.raises(ConfigError, match="env.swe.runtime"):
@@ -260,8 +293,16 @@ def test_config_section_and_registry(tmp_path):
 
 
 async def test_missing_snapshot_is_a_sandbox_error(tmp_path):
-    inst = instance_from_row({"instance_id": "x", "problem_statement": "p", "repo_dir": "gone",
-                              "hidden_tests_dir": "h", "expected": {"t::a": "PASSED"}}, tmp_path)
+    inst = instance_from_row(
+        {
+            "instance_id": "x",
+            "problem_statement": "p",
+            "repo_dir": "gone",
+            "hidden_tests_dir": "h",
+            "expected": {"t::a": "PASSED"},
+        },
+        tmp_path,
+    )
     with pytest.raises(SandboxError, match="repository snapshot .*gone.* is not a folder"):
         async with LocalRuntime(SweSection()).workspace(inst):
             pass

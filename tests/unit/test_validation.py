@@ -9,11 +9,24 @@ pytestmark = pytest.mark.unit
 
 
 def _traj(prompt: int, j: int, reward: float) -> Trajectory:
-    turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3, 4, 5], generated_logprobs=[-0.1] * 3,
-                     weight_version=0)
-    return Trajectory(task_id=f"v-{prompt}/{j}", group_id=f"v-{prompt}", index_in_group=j, group_size=4,
-                      prompt_index=prompt, env="e", kind="validation", target_step=0, launch_version=0, reward=reward,
-                      status="ok", turns=[turn], metrics={"turns": 2.0})
+    turn = make_turn(
+        prompt_ids=[1, 2], context_len=0, generated_ids=[3, 4, 5], generated_logprobs=[-0.1] * 3, weight_version=0
+    )
+    return Trajectory(
+        task_id=f"v-{prompt}/{j}",
+        group_id=f"v-{prompt}",
+        index_in_group=j,
+        group_size=4,
+        prompt_index=prompt,
+        env="e",
+        kind="validation",
+        target_step=0,
+        launch_version=0,
+        reward=reward,
+        status="ok",
+        turns=[turn],
+        metrics={"turns": 2.0},
+    )
 
 
 def test_grouped_validation_reports_pass_k():

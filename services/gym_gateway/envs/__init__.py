@@ -11,8 +11,8 @@ from services.gym_gateway.envs.base import Environment
 from services.gym_gateway.envs.crossing import CrossingEnv
 from services.gym_gateway.envs.echo import EchoEnv
 from services.gym_gateway.envs.guess_number import GuessNumberEnv
-from services.gym_gateway.envs.openhands import OpenHandsEnv
 from services.gym_gateway.envs.nemo_gym import NemoGymEnv
+from services.gym_gateway.envs.openhands import OpenHandsEnv
 from services.gym_gateway.envs.swe.agent import SweEnv
 from services.gym_gateway.envs.tool_calc import ToolCalcEnv
 

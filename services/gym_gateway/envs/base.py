@@ -8,8 +8,6 @@ environment: the session proxy records them. Environments are selected by name (
 
 from __future__ import annotations
 
-import asyncio
-
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -57,8 +55,15 @@ class ChatClient:
     Harness drivers that run an external agent hand it ``base_url`` (an OpenAI-compatible endpoint)
     and pass ``sampling`` (the task's sampling profile) through to the agent's own LLM settings."""
 
-    def __init__(self, base_url: str, http: aiohttp.ClientSession, *, timeout_s: float,
-                 sampling: SamplingParams | None = None, session_id: str = "") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        http: aiohttp.ClientSession,
+        *,
+        timeout_s: float,
+        sampling: SamplingParams | None = None,
+        session_id: str = "",
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.http = http
         self.timeout_s = timeout_s
@@ -66,16 +71,21 @@ class ChatClient:
         self.session_id = session_id
         self._decoder = msgspec.json.Decoder(ChatCompletionResponse)
 
-    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any) -> ChatCompletionResponse:
+    async def chat(
+        self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any
+    ) -> ChatCompletionResponse:
         body: dict[str, Any] = {"messages": messages, **params}
         if tools:
             body["tools"] = tools
         try:
-            async with self.http.post(f"{self.base_url}/chat/completions", data=msgspec.json.encode(body),
-                                      headers={"content-type": "application/json"},
-                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+            async with self.http.post(
+                f"{self.base_url}/chat/completions",
+                data=msgspec.json.encode(body),
+                headers={"content-type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            ) as resp:
                 status, content = resp.status, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise TransportError(f"model call failed: {type(exc).__name__}: {exc}") from exc
         text = content[:500].decode(errors="replace")
         if 400 <= status < 500:

@@ -34,9 +34,11 @@ LOOK_TOOL = {
 }
 LIGHTS = ("red", "yellow", "green")
 ACTIONS = ("stop", "wait", "go")
-RULE = dict(zip(LIGHTS, ACTIONS))
-PROMPT = ("You are a robot at a crossing. Use the look tool to see the traffic light, then reply with "
-          "one word: stop, wait or go.")
+RULE = dict(zip(LIGHTS, ACTIONS, strict=True))
+PROMPT = (
+    "You are a robot at a crossing. Use the look tool to see the traffic light, then reply with "
+    "one word: stop, wait or go."
+)
 _ACTION = re.compile(r"\b(stop|wait|go)\b", re.IGNORECASE)
 
 
@@ -66,13 +68,30 @@ class CrossingEnv:
             msg = (await llm.chat(messages, tools=[LOOK_TOOL])).choices[0].message
             if not msg.tool_calls:
                 action = final_action(msg.content)
-                return Outcome(reward=1.0 if action == RULE[light] else 0.0,
-                               metrics={"turns": turn + 1, "looked": float(looks > 0), "answered": float(action is not None)})
-            messages.append({"role": "assistant", "content": msg.content or "", "tool_calls": [
-                {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
-                for tc in msg.tool_calls]})
+                return Outcome(
+                    reward=1.0 if action == RULE[light] else 0.0,
+                    metrics={"turns": turn + 1, "looked": float(looks > 0), "answered": float(action is not None)},
+                )
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": msg.content or "",
+                    "tool_calls": [
+                        {
+                            "id": tc.id,
+                            "type": "function",
+                            "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                        }
+                        for tc in msg.tool_calls
+                    ],
+                }
+            )
             for tc in msg.tool_calls:
                 looks += tc.function.name == "look"
-                result = observation(light) if tc.function.name == "look" else f"error: unknown tool {tc.function.name!r}"
+                result = (
+                    observation(light) if tc.function.name == "look" else f"error: unknown tool {tc.function.name!r}"
+                )
                 messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
-        return Outcome(reward=0.0, status="truncated", metrics={"turns": max_turns, "looked": float(looks > 0), "answered": 0.0})
+        return Outcome(
+            reward=0.0, status="truncated", metrics={"turns": max_turns, "looked": float(looks > 0), "answered": 0.0}
+        )

@@ -8,15 +8,17 @@ from typing import Any
 
 from services.gym_gateway.envs.base import ChatClient, Outcome
 
-WORDS = ("apple banana cherry grape lemon mango orange peach pear plum red green blue yellow "
-         "cat dog bird fish horse tiger lion mouse river mountain city house tree stone").split()
+WORDS = (
+    "apple banana cherry grape lemon mango orange peach pear plum red green blue yellow "
+    "cat dog bird fish horse tiger lion mouse river mountain city house tree stone"
+).split()
 
 
 def score(expected: list[str], reply: str | None) -> float:
     got = (reply or "").replace(".", " ").split()
     if not expected:
         return 0.0
-    hits = sum(a == b for a, b in zip(expected, got))
+    hits = sum(a == b for a, b in zip(expected, got, strict=False))
     return hits / max(len(expected), len(got))
 
 

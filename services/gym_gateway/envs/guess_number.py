@@ -36,15 +36,17 @@ GUESS_TOOL = {
 
 
 def prompt(instance: dict[str, Any]) -> str:
-    return (f"I picked a secret integer from 1 to {instance['high']}. Find it with the guess tool; "
-            f"you have {instance['budget']} guesses.")
+    return (
+        f"I picked a secret integer from 1 to {instance['high']}. Find it with the guess tool; "
+        f"you have {instance['budget']} guesses."
+    )
 
 
 def feedback(secret: int, arguments: str) -> str:
     try:
         n = int(json.loads(arguments)["number"])
     except (ValueError, KeyError, TypeError):
-        return "error: arguments must be {\"number\": <integer>}"
+        return 'error: arguments must be {"number": <integer>}'
     return "correct" if n == secret else "higher" if secret > n else "lower"
 
 
@@ -63,14 +65,30 @@ class GuessNumberEnv:
             msg = (await llm.chat(messages, tools=[GUESS_TOOL])).choices[0].message
             call = next((tc for tc in msg.tool_calls or [] if tc.function.name == "guess"), None)
             if call is None:
-                return Outcome(reward=0.0, metrics={"turns": turn + 1, "guesses": guesses, "invalid": invalid, "gave_up": 1.0})
-            messages.append({"role": "assistant", "content": msg.content or "",
-                             "tool_calls": [{"id": call.id, "type": "function",
-                                             "function": {"name": "guess", "arguments": call.function.arguments}}]})
+                return Outcome(
+                    reward=0.0, metrics={"turns": turn + 1, "guesses": guesses, "invalid": invalid, "gave_up": 1.0}
+                )
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": msg.content or "",
+                    "tool_calls": [
+                        {
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": "guess", "arguments": call.function.arguments},
+                        }
+                    ],
+                }
+            )
             answer = feedback(secret, call.function.arguments)
             guesses += 1
             invalid += answer.startswith("error")
             if answer == "correct":
-                return Outcome(reward=1.0, metrics={"turns": turn + 1, "guesses": guesses, "invalid": invalid, "gave_up": 0.0})
+                return Outcome(
+                    reward=1.0, metrics={"turns": turn + 1, "guesses": guesses, "invalid": invalid, "gave_up": 0.0}
+                )
             messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
-        return Outcome(reward=0.0, metrics={"turns": float(guesses), "guesses": guesses, "invalid": invalid, "gave_up": 0.0})
+        return Outcome(
+            reward=0.0, metrics={"turns": float(guesses), "guesses": guesses, "invalid": invalid, "gave_up": 0.0}
+        )

@@ -36,7 +36,6 @@ ValueError naming the key.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -148,8 +147,11 @@ class NemoGymEnv:
         if llm.sampling is not None:
             s = llm.sampling
             row_cap = params.get("max_output_tokens")
-            params.update(temperature=s.temperature, top_p=s.top_p,
-                          max_output_tokens=min(row_cap, s.max_tokens) if row_cap else s.max_tokens)
+            params.update(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_output_tokens=min(row_cap, s.max_tokens) if row_cap else s.max_tokens,
+            )
         body = {k: v for k, v in instance.items() if k != "env"}  # "env" is streamrl's routing key
         task_index = body.get("_ng_task_index")
         if task_index is None:  # identical rows share a task index, as in NeMo-Gym's collection
@@ -158,8 +160,12 @@ class NemoGymEnv:
         rollout_index = body.get("_ng_rollout_index")
         if rollout_index is None:
             rollout_index = next(self._rollout_seq[task_index])
-        body.update(responses_create_params=params, _ng_task_index=task_index, _ng_rollout_index=rollout_index,
-                    _ng_rollout_id=llm.session_id)
+        body.update(
+            responses_create_params=params,
+            _ng_task_index=task_index,
+            _ng_rollout_index=rollout_index,
+            _ng_rollout_id=llm.session_id,
+        )
         return body
 
     async def agent(self, instance: dict[str, Any], http: aiohttp.ClientSession) -> Server:
@@ -173,8 +179,10 @@ class NemoGymEnv:
             entry = server_entry(await self.global_config(http), name)
             if entry is not None:
                 return Server(name, f"http://{entry['host']}:{entry['port']}")
-        raise ValueError(f"agent {name!r} is not in env.nemo_gym.agent_servers"
-                         + (" nor in the head server's config" if self.cfg.head_server_url else ""))
+        raise ValueError(
+            f"agent {name!r} is not in env.nemo_gym.agent_servers"
+            + (" nor in the head server's config" if self.cfg.head_server_url else "")
+        )
 
     async def global_config(self, http: aiohttp.ClientSession) -> dict[str, Any]:
         """The head server's global config (fetched once; a failed read is retried next time)."""
@@ -183,7 +191,7 @@ class NemoGymEnv:
             try:
                 async with http.get(url, timeout=aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s)) as resp:
                     status, raw = resp.status, await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 raise NemoGymHeadError(f"head server {url} unreachable: {type(exc).__name__}: {exc}") from exc
             if status != 200:
                 raise NemoGymHeadError(f"head server {url} answered {status}: {raw[:300].decode(errors='replace')}")
@@ -198,12 +206,17 @@ class NemoGymEnv:
         # No total timeout: the worker's rollout deadline bounds the whole episode.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
         try:
-            async with http.post(f"{agent.url}/run", data=msgspec.json.encode(body),
-                                 headers={"content-type": "application/json"}, timeout=timeout) as resp:
+            async with http.post(
+                f"{agent.url}/run",
+                data=msgspec.json.encode(body),
+                headers={"content-type": "application/json"},
+                timeout=timeout,
+            ) as resp:
                 status, raw = resp.status, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise NemoGymAgentError(f"agent {agent.name!r} at {agent.url} unreachable: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise NemoGymAgentError(
+                f"agent {agent.name!r} at {agent.url} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
         if status != 200:
             await self._blame(agent, status, raw, http)
         try:
@@ -216,8 +229,10 @@ class NemoGymEnv:
         said = raw[:500].decode(errors="replace")
         resources = await self._resources_server(agent.name, http)
         if resources is not None and not await self._answers(resources.url, http):
-            raise NemoGymResourcesError(f"resources server {resources.name!r} at {resources.url} does not answer "
-                                        f"(agent {agent.name!r} /run answered {status}: {said})")
+            raise NemoGymResourcesError(
+                f"resources server {resources.name!r} at {resources.url} does not answer "
+                f"(agent {agent.name!r} /run answered {status}: {said})"
+            )
         raise NemoGymAgentError(f"agent {agent.name!r} /run answered {status}: {said}")
 
     async def _resources_server(self, agent: str, http: aiohttp.ClientSession) -> Server | None:
@@ -239,22 +254,23 @@ class NemoGymEnv:
             async with http.get(url, timeout=aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s)) as resp:
                 await resp.read()
             return True
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     # -- after /run ----------------------------------------------------------------------------
 
     async def _check_routed(self, result: VerifyResult, llm: ChatClient) -> None:
         output = (result.response or {}).get("output") or []
-        produced = any(isinstance(o, dict) and (o.get("type") in _MODEL_ITEM_TYPES or o.get("role") == "assistant")
-                       for o in output)
+        produced = any(
+            isinstance(o, dict) and (o.get("type") in _MODEL_ITEM_TYPES or o.get("role") == "assistant") for o in output
+        )
         if not produced:
             return
         url = f"{llm.base_url.removesuffix('/v1')}/stats"
         try:
             async with llm.http.get(url, timeout=aiohttp.ClientTimeout(total=llm.timeout_s)) as resp:
                 status, raw = resp.status, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise TransportError(f"session stats unreachable: {type(exc).__name__}: {exc}") from exc
         if status != 200:
             raise TransportError(f"session stats answered {status}: {raw[:300].decode(errors='replace')}")
@@ -273,8 +289,9 @@ class NemoGymEnv:
             log.warning("NeMo-Gym rollout failed (%s): %s; trained masked", kind, result.failure_reason)
             metrics[f"nemo_gym_failure.{kind}"] = 1.0
         flagged = bool(result.mask_sample) or kind is not None
-        return Outcome(reward=float(result.reward), status="env_flagged" if flagged else "ok", metrics=metrics,
-                       mask_sample=flagged)
+        return Outcome(
+            reward=float(result.reward), status="env_flagged" if flagged else "ok", metrics=metrics, mask_sample=flagged
+        )
 
 
 def server_entry(config: dict[str, Any], name: str) -> dict[str, Any] | None:

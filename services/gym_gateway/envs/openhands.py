@@ -98,10 +98,14 @@ class OpenHandsEnv:
         out = []
         for _ in range(n):
             a, b = rng.randint(10, 99), rng.randint(10, 99)
-            out.append({
-                "prompt": f"Create a file answer.txt in the current folder holding the value of {a} + {b}, then finish.",
-                "check": f'test "$(tr -d "[:space:]" < answer.txt)" = "{a + b}"',
-            })
+            out.append(
+                {
+                    "prompt": (
+                        f"Create a file answer.txt in the current folder holding the value of {a} + {b}, then finish."
+                    ),
+                    "check": f'test "$(tr -d "[:space:]" < answer.txt)" = "{a + b}"',
+                }
+            )
         return out
 
     async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
@@ -133,11 +137,20 @@ class OpenHandsEnv:
 
     def outcome(self, run: AgentRun, reward: float, metrics: dict[str, float]) -> Outcome:
         finished = run.status == "finished" and not run.timed_out
-        m = {"iterations": float(run.iterations), "agent_finished": float(finished),
-             "agent_stuck": float(run.status == "stuck"), "agent_timed_out": float(run.timed_out),
-             "tool_calls": float(sum(run.actions.values())), **metrics}
-        return Outcome(reward=reward, status="ok" if finished else "truncated", metrics=m,
-                       mask_sample=self.cfg.mask_truncated and not finished)
+        m = {
+            "iterations": float(run.iterations),
+            "agent_finished": float(finished),
+            "agent_stuck": float(run.status == "stuck"),
+            "agent_timed_out": float(run.timed_out),
+            "tool_calls": float(sum(run.actions.values())),
+            **metrics,
+        }
+        return Outcome(
+            reward=reward,
+            status="ok" if finished else "truncated",
+            metrics=m,
+            mask_sample=self.cfg.mask_truncated and not finished,
+        )
 
     @contextlib.asynccontextmanager
     async def _scratch(self) -> AsyncIterator[Path]:
@@ -159,16 +172,25 @@ class OpenHandsEnv:
         s = llm.sampling
         c = self.cfg
         return {
-            "base_url": llm.base_url, "model": c.model_name, "api_key": "streamrl",
+            "base_url": llm.base_url,
+            "model": c.model_name,
+            "api_key": "streamrl",
             "sampling": {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens},
-            "prompt": prompt, "workspace": str(workspace),
+            "prompt": prompt,
+            "workspace": str(workspace),
             "max_iterations": c.max_iterations if c.max_iterations is not None else max_turns,
-            "tools": list(c.tools), "default_tools": list(c.default_tools), "terminal_type": c.terminal_type,
-            "native_tool_calling": c.native_tool_calling, "system_prompt": c.system_prompt,
-            "llm_timeout_s": c.llm_timeout_s, "num_retries": c.num_retries,
+            "tools": list(c.tools),
+            "default_tools": list(c.default_tools),
+            "terminal_type": c.terminal_type,
+            "native_tool_calling": c.native_tool_calling,
+            "system_prompt": c.system_prompt,
+            "llm_timeout_s": c.llm_timeout_s,
+            "num_retries": c.num_retries,
         }
 
-    async def run_agent(self, prompt: str, workspace: Path, llm: ChatClient, *, max_turns: int, job_dir: Path) -> AgentRun:
+    async def run_agent(
+        self, prompt: str, workspace: Path, llm: ChatClient, *, max_turns: int, job_dir: Path
+    ) -> AgentRun:
         """Run the runner on ``prompt`` in ``workspace``; its files go to ``job_dir``."""
         job_path, result_path, log_path = job_dir / "job.json", job_dir / "result.json", job_dir / "runner.log"
         job_path.write_text(json.dumps(self.job(prompt, workspace, llm, max_turns=max_turns)))
@@ -178,8 +200,15 @@ class OpenHandsEnv:
         with open(log_path, "wb") as log:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    str(self.python), str(RUNNER), str(job_path), str(result_path), cwd=str(workspace), env=env,
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                    str(self.python),
+                    str(RUNNER),
+                    str(job_path),
+                    str(result_path),
+                    cwd=str(workspace),
+                    env=env,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
                 )
             except OSError as exc:
@@ -190,7 +219,7 @@ class OpenHandsEnv:
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), self.cfg.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         finally:
             # Cancelled (the rollout's deadline), timed out or done: nothing of the agent outlives it.
@@ -199,8 +228,9 @@ class OpenHandsEnv:
             with contextlib.suppress(ProcessLookupError):
                 await proc.wait()
         if timed_out:
-            return AgentRun(status="timeout", iterations=_read_result(result_path).get("iterations", 0), actions={},
-                            timed_out=True)
+            return AgentRun(
+                status="timeout", iterations=_read_result(result_path).get("iterations", 0), actions={}, timed_out=True
+            )
         return parse_result(_read_result(result_path), proc.returncode, log_path)
 
 
@@ -232,14 +262,20 @@ async def run_check(command: str, workspace: Path, timeout_s: float) -> tuple[bo
     """(passed, exit status) of the task's check command; -1 when it ran past ``timeout_s``."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            "bash", "-c", command, cwd=str(workspace), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+            "bash",
+            "-c",
+            command,
+            cwd=str(workspace),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
         )
     except OSError as exc:
         raise SandboxError(f"check command could not start: {exc}") from exc
     try:
         code = await asyncio.wait_for(proc.wait(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         code = -1
     finally:
         kill_group(proc.pid)
@@ -251,8 +287,9 @@ async def run_check(command: str, workspace: Path, timeout_s: float) -> tuple[bo
 def parse_result(result: dict[str, Any], returncode: int | None, log_path: Path) -> AgentRun:
     """The runner's result as an `AgentRun`, or the error it stands for."""
     if returncode != 0 or not result:
-        raise SandboxError(f"OpenHands runner exited with {returncode} and "
-                           f"{'a result' if result else 'no result'}: {_tail(log_path)}")
+        raise SandboxError(
+            f"OpenHands runner exited with {returncode} and {'a result' if result else 'no result'}: {_tail(log_path)}"
+        )
     kind, error = result.get("error_kind"), result.get("error")
     if kind == "model_refused":
         raise ModelRequestError(f"OpenHands agent: the model refused a call: {error}")
@@ -261,8 +298,11 @@ def parse_result(result: dict[str, Any], returncode: int | None, log_path: Path)
     if kind is not None:
         raise SandboxError(f"OpenHands agent failed ({kind}): {error}")
     try:
-        return AgentRun(status=str(result["status"]), iterations=int(result["iterations"]),
-                        actions={str(k): int(v) for k, v in result.get("actions", {}).items()})
+        return AgentRun(
+            status=str(result["status"]),
+            iterations=int(result["iterations"]),
+            actions={str(k): int(v) for k, v in result.get("actions", {}).items()},
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise SandboxError(f"OpenHands runner wrote a malformed result ({exc!r}): {result}") from exc
 
@@ -289,12 +329,19 @@ async def stop_tmux(env: dict[str, str]) -> None:
     if tmux is None:
         return
     for sock in sockets:
-        proc = await asyncio.create_subprocess_exec(tmux, "-S", str(sock), "kill-server", env=env,
-                                                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(
+            tmux,
+            "-S",
+            str(sock),
+            "kill-server",
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         try:
             await asyncio.wait_for(proc.wait(), 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
 
 

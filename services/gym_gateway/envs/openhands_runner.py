@@ -45,10 +45,27 @@ OFFLINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
-_REFUSED = ("BadRequestError", "ContextWindowExceededError", "LLMBadRequestError", "LLMContextWindowExceedError",
-            "UnprocessableEntityError", "NotFoundError", "LLMContextWindowTooSmallError")
-_TRANSPORT = ("APIConnectionError", "Timeout", "APITimeoutError", "ServiceUnavailableError", "InternalServerError",
-              "LLMTimeoutError", "LLMServiceUnavailableError", "LLMNoResponseError", "APIError", "ConnectError")
+_REFUSED = (
+    "BadRequestError",
+    "ContextWindowExceededError",
+    "LLMBadRequestError",
+    "LLMContextWindowExceedError",
+    "UnprocessableEntityError",
+    "NotFoundError",
+    "LLMContextWindowTooSmallError",
+)
+_TRANSPORT = (
+    "APIConnectionError",
+    "Timeout",
+    "APITimeoutError",
+    "ServiceUnavailableError",
+    "InternalServerError",
+    "LLMTimeoutError",
+    "LLMServiceUnavailableError",
+    "LLMNoResponseError",
+    "APIError",
+    "ConnectError",
+)
 
 
 def classify(exc: BaseException) -> str:
@@ -68,19 +85,28 @@ def classify(exc: BaseException) -> str:
 
 
 def build_agent(job: dict[str, Any]):
-    from pydantic import SecretStr
-
     from openhands.sdk import LLM, Agent, Tool
+    from pydantic import SecretStr
 
     sampling = job["sampling"]
     llm = LLM(
-        model=f"openai/{job['model']}", base_url=job["base_url"], api_key=SecretStr(job.get("api_key") or "none"),
-        usage_id="agent", api_mode="chat",
-        temperature=sampling["temperature"], top_p=sampling["top_p"], max_output_tokens=sampling["max_tokens"],
+        model=f"openai/{job['model']}",
+        base_url=job["base_url"],
+        api_key=SecretStr(job.get("api_key") or "none"),
+        usage_id="agent",
+        api_mode="chat",
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        max_output_tokens=sampling["max_tokens"],
         # Without these overrides the SDK drops temperature/top_p for a model it does not know.
         capability_overrides={"supports_sampling_params": True, "supports_reasoning_effort": False},
-        reasoning_effort=None, native_tool_calling=job["native_tool_calling"], caching_prompt=False,
-        timeout=int(job["llm_timeout_s"]), num_retries=job["num_retries"], retry_min_wait=1, retry_max_wait=4,
+        reasoning_effort=None,
+        native_tool_calling=job["native_tool_calling"],
+        caching_prompt=False,
+        timeout=int(job["llm_timeout_s"]),
+        num_retries=job["num_retries"],
+        retry_min_wait=1,
+        retry_max_wait=4,
     )
     tools = []
     for name in job["tools"]:
@@ -90,8 +116,9 @@ def build_agent(job: dict[str, Any]):
             raise ValueError(f"unknown OpenHands tool {name!r} in env.openhands.tools ({exc})") from exc
         params = {"terminal_type": job["terminal_type"]} if name == "terminal" and job.get("terminal_type") else {}
         tools.append(Tool(name=name, params=params))
-    return Agent(llm=llm, tools=tools, include_default_tools=list(job["default_tools"]),
-                 system_prompt=job.get("system_prompt"))
+    return Agent(
+        llm=llm, tools=tools, include_default_tools=list(job["default_tools"]), system_prompt=job.get("system_prompt")
+    )
 
 
 def summarise(events) -> tuple[int, dict[str, int]]:
@@ -114,8 +141,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from openhands.sdk import Conversation
 
     agent = build_agent(job)
-    conv = Conversation(agent=agent, workspace=job["workspace"], max_iteration_per_run=job["max_iterations"],
-                        visualizer=None, delete_on_close=True)
+    conv = Conversation(
+        agent=agent,
+        workspace=job["workspace"],
+        max_iteration_per_run=job["max_iterations"],
+        visualizer=None,
+        delete_on_close=True,
+    )
     error: BaseException | None = None
     try:
         conv.send_message(job["prompt"])
@@ -126,8 +158,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         status = str(getattr(conv.state.execution_status, "value", conv.state.execution_status))
         iterations, actions = summarise(list(conv.state.events))
         conv.close()
-    result: dict[str, Any] = {"status": status, "iterations": iterations, "actions": actions,
-                              "error_kind": None, "error": None}
+    result: dict[str, Any] = {
+        "status": status,
+        "iterations": iterations,
+        "actions": actions,
+        "error_kind": None,
+        "error": None,
+    }
     if error is not None:
         result["error_kind"] = classify(error)
         result["error"] = f"{type(error).__name__}: {error}"[:2000]
@@ -143,7 +180,7 @@ def write_result(path: str, result: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: openhands_runner.py JOB.json RESULT.json", file=sys.stderr)
+        sys.stderr.write("usage: openhands_runner.py JOB.json RESULT.json\n")
         return 2
     # This script's folder holds the driver module ``openhands.py``, which would shadow the SDK.
     here = os.path.dirname(os.path.abspath(__file__))
@@ -156,8 +193,13 @@ def main(argv: list[str]) -> int:
         result = run_job(job)
     except Exception as exc:  # set-up failed before the episode (bad tool name, SDK error)
         traceback.print_exc()
-        result = {"status": "error", "iterations": 0, "actions": {}, "error_kind": "setup_error",
-                  "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        result = {
+            "status": "error",
+            "iterations": 0,
+            "actions": {},
+            "error_kind": "setup_error",
+            "error": f"{type(exc).__name__}: {exc}"[:2000],
+        }
     write_result(argv[2], result)
     return 0
 

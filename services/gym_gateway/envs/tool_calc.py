@@ -66,7 +66,13 @@ def _eval(node: ast.AST) -> int:
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Mult) and abs(left * right) > 10**12:
             raise ValueError("result too large")
-        return left + right if isinstance(node.op, ast.Add) else left - right if isinstance(node.op, ast.Sub) else left * right
+        return (
+            left + right
+            if isinstance(node.op, ast.Add)
+            else left - right
+            if isinstance(node.op, ast.Sub)
+            else left * right
+        )
     raise ValueError("only integers and + - * are allowed")
 
 
@@ -110,7 +116,11 @@ class ToolCalcEnv:
             assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
             if msg.tool_calls:
                 assistant["tool_calls"] = [
-                    {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+                    {
+                        "id": tc.id,
+                        "type": "function",
+                        "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                    }
                     for tc in msg.tool_calls
                 ]
             messages.append(assistant)
@@ -127,6 +137,7 @@ class ToolCalcEnv:
                 tool_errors += result.startswith("error")
                 messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
         return Outcome(
-            reward=0.0, status="truncated",
+            reward=0.0,
+            status="truncated",
             metrics={"turns": max_turns, "tool_calls": tool_calls, "tool_errors": tool_errors, "answered": 0.0},
         )

@@ -56,7 +56,9 @@ def ddp_config(cfg: MegatronSection):
 def transformer_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """TransformerConfig arguments for a Qwen3-family HF config (``config.json`` as a dict)."""
     if hf.get("model_type") not in ("qwen3", "qwen2"):
-        raise ConfigError(f"the megatron backend supports Qwen2/Qwen3 checkpoints, not model_type {hf.get('model_type')!r}")
+        raise ConfigError(
+            f"the megatron backend supports Qwen2/Qwen3 checkpoints, not model_type {hf.get('model_type')!r}"
+        )
     heads = hf["num_attention_heads"]
     return {
         "num_layers": hf["num_hidden_layers"],
@@ -106,7 +108,9 @@ def hf_to_megatron(state: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[s
         out[m + "self_attention.linear_proj.weight"] = state[h + "self_attn.o_proj.weight"]
         out[m + "input_layernorm.weight"] = state[h + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = state[h + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([state[h + "mlp.gate_proj.weight"], state[h + "mlp.up_proj.weight"]])
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [state[h + "mlp.gate_proj.weight"], state[h + "mlp.up_proj.weight"]]
+        )
         out[m + "mlp.linear_fc2.weight"] = state[h + "mlp.down_proj.weight"]
         if h + "self_attn.q_norm.weight" in state:
             out[m + "self_attention.q_layernorm.weight"] = state[h + "self_attn.q_norm.weight"]
@@ -228,7 +232,9 @@ class MegatronBackend(TorchBackend):
         missing, unexpected = model.load_state_dict(megatron_state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit the Megatron model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"checkpoint does not fit the Megatron model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         self._ddp_config = ddp_config(self.policy.megatron_cfg)
         return DistributedDataParallel(config=model.config, ddp_config=self._ddp_config, module=model)
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.trainer.batch import Row, StepBatch
 from services.trainer import mismatch, packing
+from services.trainer.batch import Row, StepBatch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from shared.run_config import LossSection, OptimizerSection, PolicySection
 
@@ -93,8 +93,14 @@ class TorchBackend:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.updates = 0
-        log.info("%s backend: %s, %.2fM params, %s on %s", self.name, policy.model_name,
-                 sum(p.numel() for p in self.model.parameters()) / 1e6, self.dtype, self.device)
+        log.info(
+            "%s backend: %s, %.2fM params, %s on %s",
+            self.name,
+            policy.model_name,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            self.dtype,
+            self.device,
+        )
 
     name = "torch"
 
@@ -206,8 +212,14 @@ class TorchBackend:
                     with torch.no_grad():
                         ref_lp = self._token_logprobs(self.ref_model, mb)
                 loss, m = clipped_pg_loss(
-                    curr_lp=curr, prev_lp=prev_lp, gen_lp=mb["gen_lp"], advantages=mb["advantages"],
-                    token_mask=mb["token_mask"], sample_mask=sample_mask, cfg=self.loss_cfg, norm=unit,
+                    curr_lp=curr,
+                    prev_lp=prev_lp,
+                    gen_lp=mb["gen_lp"],
+                    advantages=mb["advantages"],
+                    token_mask=mb["token_mask"],
+                    sample_mask=sample_mask,
+                    cfg=self.loss_cfg,
+                    norm=unit,
                     ref_lp=ref_lp,
                 )
                 loss.backward()
@@ -239,7 +251,7 @@ class TorchBackend:
         if mismatch.debug_enabled():
             line = mismatch.debug_line(records, self.seq_error_threshold)
             if line is not None:
-                print(line, flush=True)
+                log.warning("%s", line)
         tokens = max(sums.get("tokens", 0.0), 1.0)
         return {
             "loss": float(np.mean(losses)),
@@ -269,9 +281,7 @@ class TorchBackend:
             computed = sum(len(s) * max(s) for s in shapes)
         return real / computed if computed else 1.0
 
-    def _mask_by_seq_error(
-        self, prev_lp: torch.Tensor, mb: dict, records: list[mismatch.SeqRecord]
-    ) -> torch.Tensor:
+    def _mask_by_seq_error(self, prev_lp: torch.Tensor, mb: dict, records: list[mismatch.SeqRecord]) -> torch.Tensor:
         """The micro-batch's sample mask after the sequence-level logprob-error threshold."""
         err, n = mismatch.seq_errors(prev_lp, mb["gen_lp"], mb["token_mask"], mb["sample_mask"])
         new = mismatch.apply_threshold(err, mb["sample_mask"], self.seq_error_threshold)
@@ -285,7 +295,7 @@ class TorchBackend:
         out: dict[str, torch.Tensor] = {}
         for mb_rows in self._micro_batches(rows, micro):
             lp = self._token_logprobs(self.model, self._inputs(mb_rows))
-            for r, row_lp in zip(mb_rows, lp):
+            for r, row_lp in zip(mb_rows, lp, strict=True):
                 out[r.task_id] = row_lp[: len(r.input_ids)].clone()
         return out
 

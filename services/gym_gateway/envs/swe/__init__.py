@@ -23,6 +23,17 @@ from services.gym_gateway.envs.swe.instance import Instance, InstanceError, inst
 from services.gym_gateway.envs.swe.runtime import CommandResult, LocalRuntime, Runtime, Workspace, make_runtime
 
 __all__ = [
-    "CommandResult", "EvalResult", "Instance", "InstanceError", "LocalRuntime", "Runtime", "Workspace",
-    "apply_patch", "evaluate", "instance_from_row", "load_instances", "make_runtime", "parse_test_log",
+    "CommandResult",
+    "EvalResult",
+    "Instance",
+    "InstanceError",
+    "LocalRuntime",
+    "Runtime",
+    "Workspace",
+    "apply_patch",
+    "evaluate",
+    "instance_from_row",
+    "load_instances",
+    "make_runtime",
+    "parse_test_log",
 ]

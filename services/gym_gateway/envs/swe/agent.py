@@ -51,9 +51,14 @@ class Episode:
 def assistant_message(msg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
     if msg.tool_calls:
-        out["tool_calls"] = [{"id": tc.id, "type": "function",
-                              "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
-                             for tc in msg.tool_calls]
+        out["tool_calls"] = [
+            {
+                "id": tc.id,
+                "type": "function",
+                "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+            }
+            for tc in msg.tool_calls
+        ]
     return out
 
 
@@ -112,7 +117,9 @@ class SweEnv:
                 return self.instances()[row["instance_id"]]
             except KeyError:
                 where = self.cfg.instances_path or "the shipped set"
-                raise InstanceError(f"instance_id {row['instance_id']!r} is not in env.swe.instances_path ({where})") from None
+                raise InstanceError(
+                    f"instance_id {row['instance_id']!r} is not in env.swe.instances_path ({where})"
+                ) from None
         return instance_from_row(row, Path.cwd(), where="task instance")
 
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
@@ -129,6 +136,12 @@ class SweEnv:
         async with self.runtime.workspace(inst) as ws:
             ep = await run_agent(inst, ws, llm, max_turns=max_turns)
             result = await evaluate(inst, ws)
-        metrics = {"turns": float(ep.turns), "tool_calls": float(ep.tool_calls), "tool_errors": float(ep.tool_errors),
-                   "finished": float(ep.finished), "context_full": float(ep.context_full), **result.metrics}
+        metrics = {
+            "turns": float(ep.turns),
+            "tool_calls": float(ep.tool_calls),
+            "tool_errors": float(ep.tool_errors),
+            "finished": float(ep.finished),
+            "context_full": float(ep.context_full),
+            **result.metrics,
+        }
         return Outcome(reward=result.reward, status="ok" if ep.finished else "truncated", metrics=metrics)

@@ -50,20 +50,51 @@ class ContainerRuntime(Runtime):
 
     def run_argv(self, ws: Workspace, cmd: str, name: str) -> list[str]:
         """The exact command line of one command's container."""
-        argv = [self.engine, *self.cfg.container_engine_args, "run", "--rm", "--pull", "never", "--name", name,
-                "--network", "none"]
+        argv = [
+            self.engine,
+            *self.cfg.container_engine_args,
+            "run",
+            "--rm",
+            "--pull",
+            "never",
+            "--name",
+            name,
+            "--network",
+            "none",
+        ]
         for limit in self.cfg.container_ulimits:
             argv += ["--ulimit", limit]
-        argv += ["-v", f"{ws.path}:{self.cfg.container_workdir}", "-w", self.cfg.container_workdir,
-                 "-e", "PYTHONDONTWRITEBYTECODE=1", "-e", "PYTHONUNBUFFERED=1",
-                 self.image_for(ws), self.cfg.shell, "-c", cmd]
+        argv += [
+            "-v",
+            f"{ws.path}:{self.cfg.container_workdir}",
+            "-w",
+            self.cfg.container_workdir,
+            "-e",
+            "PYTHONDONTWRITEBYTECODE=1",
+            "-e",
+            "PYTHONUNBUFFERED=1",
+            self.image_for(ws),
+            self.cfg.shell,
+            "-c",
+            cmd,
+        ]
         return argv
 
     def _cli_env(self) -> dict[str, str]:
         # The engine CLI needs its own settings (DOCKER_HOST, CONTAINER_HOST, XDG_RUNTIME_DIR);
         # the command inside the container sees only what run_argv passes.
-        keep = ("PATH", "HOME", "DOCKER_HOST", "DOCKER_CONFIG", "DOCKER_CONTEXT", "CONTAINER_HOST",
-                "CONTAINERS_CONF", "CONTAINERS_STORAGE_CONF", "XDG_RUNTIME_DIR", "TMPDIR")
+        keep = (
+            "PATH",
+            "HOME",
+            "DOCKER_HOST",
+            "DOCKER_CONFIG",
+            "DOCKER_CONTEXT",
+            "CONTAINER_HOST",
+            "CONTAINERS_CONF",
+            "CONTAINERS_STORAGE_CONF",
+            "XDG_RUNTIME_DIR",
+            "TMPDIR",
+        )
         return {k: os.environ[k] for k in keep if k in os.environ}
 
     async def exec(self, ws: Workspace, cmd: str, timeout_s: float, max_output_chars: int) -> CommandResult:
@@ -73,12 +104,23 @@ class ContainerRuntime(Runtime):
         env = self._cli_env()
 
         async def remove() -> None:
-            await spawn([self.engine, *self.cfg.container_engine_args, "rm", "-f", name], cwd=ws.path, env=env,
-                        timeout_s=30.0, max_output_chars=2000)
+            await spawn(
+                [self.engine, *self.cfg.container_engine_args, "rm", "-f", name],
+                cwd=ws.path,
+                env=env,
+                timeout_s=30.0,
+                max_output_chars=2000,
+            )
 
         try:
-            res = await spawn(self.run_argv(ws, cmd, name), cwd=ws.path, env=env, timeout_s=timeout_s,
-                              max_output_chars=max_output_chars, on_timeout=remove)
+            res = await spawn(
+                self.run_argv(ws, cmd, name),
+                cwd=ws.path,
+                env=env,
+                timeout_s=timeout_s,
+                max_output_chars=max_output_chars,
+                on_timeout=remove,
+            )
         except asyncio.CancelledError:
             await asyncio.shield(remove())
             raise
@@ -92,12 +134,13 @@ async def engine_problem(engine: str, timeout_s: float = 20.0) -> str | None:
     if shutil.which(engine) is None:
         return f"no {engine!r} executable on PATH"
     try:
-        proc = await asyncio.create_subprocess_exec(engine, "info", stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT)
+        proc = await asyncio.create_subprocess_exec(
+            engine, "info", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     except OSError as exc:
         return f"'{engine} info' failed: {exc}"
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.kill()
         await proc.wait()
         return f"'{engine} info' did not answer within {timeout_s:g}s"

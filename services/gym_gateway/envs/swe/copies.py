@@ -114,11 +114,22 @@ def _lay_hidden_tests(instance: Instance, dest: Path) -> None:
 
 def apply_patch(folder: Path, patch: str, *, what: str = "patch") -> None:
     """``git apply`` a unified diff in ``folder``; git's own repository lookup stops there."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CEILING_DIRECTORIES": str(folder.parent),
-           "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(folder.parent)}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "GIT_CEILING_DIRECTORIES": str(folder.parent),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "HOME": str(folder.parent),
+    }
     if not patch.endswith("\n"):
         patch += "\n"
-    res = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=folder, env=env, input=patch,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        ["git", "apply", "--whitespace=nowarn", "-"],
+        cwd=folder,
+        env=env,
+        input=patch,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if res.returncode != 0:
         raise SandboxError(f"cannot apply the {what} in {folder.name}: {res.stderr.strip()[:500]}")

@@ -57,7 +57,7 @@ def parse_test_log(log: str, test_ids: str = "nodeid") -> dict[str, str]:
     if not found:
         return {}
     out: dict[str, str] = {}
-    for line in log[found[-1].end():].splitlines():
+    for line in log[found[-1].end() :].splitlines():
         status, _, rest = line.strip().partition(" ")
         if status not in STATUSES or "::" not in rest:
             continue
@@ -86,9 +86,17 @@ async def evaluate(instance: Instance, ws: Workspace, *, timeout_s: float | None
     async with runtime.scratch(instance) as (root, repo):
         await asyncio.to_thread(build_reward_copy, instance, ws.path, repo, protected)
         fresh = Workspace(runtime, instance, repo, runtime.workdir(repo), root / "home")
-        res = await fresh.run(instance.test_command, timeout_s or runtime.cfg.eval_timeout_s,
-                              max_output_chars=_EVAL_OUTPUT_CHARS)
+        res = await fresh.run(
+            instance.test_command, timeout_s or runtime.cfg.eval_timeout_s, max_output_chars=_EVAL_OUTPUT_CHARS
+        )
     statuses = {} if res.timed_out else parse_test_log(res.output, instance.test_ids)
     wrong = compare(statuses, instance.expected, instance.match)
-    return EvalResult(reward=1.0 if statuses and not wrong else 0.0, statuses=statuses, expected=dict(instance.expected),
-                      timed_out=res.timed_out, exit_code=res.exit_code, log_tail=res.output[-4000:], mismatched=wrong)
+    return EvalResult(
+        reward=1.0 if statuses and not wrong else 0.0,
+        statuses=statuses,
+        expected=dict(instance.expected),
+        timed_out=res.timed_out,
+        exit_code=res.exit_code,
+        log_tail=res.output[-4000:],
+        mismatched=wrong,
+    )

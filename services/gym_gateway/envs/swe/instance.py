@@ -129,7 +129,9 @@ def _from_native(row: dict[str, Any], base: Path, where: str) -> Instance:
     dest = _rel(row.get("hidden_tests_dest", "hidden_tests"), "hidden_tests_dest", where)
     hidden = row.get("hidden_tests_dir") or ""
     if not hidden and not row.get("test_patch"):
-        raise InstanceError(f"{where}: missing field 'hidden_tests_dir' (or 'test_patch'): an instance needs hidden tests")
+        raise InstanceError(
+            f"{where}: missing field 'hidden_tests_dir' (or 'test_patch'): an instance needs hidden tests"
+        )
     return Instance(
         instance_id=_str(row, "instance_id", where),
         problem_statement=_str(row, "problem_statement", where),
@@ -221,8 +223,10 @@ def _statuses(raw: Any, name: str, where: str) -> dict[str, str]:
         raise InstanceError(f"{where}: field {name!r} must be a non-empty object {{test: status}}")
     for test, status in raw.items():
         if status not in STATUSES:
-            raise InstanceError(f"{where}: field {name!r}: test {test!r} has status {status!r}; "
-                                f"one of {', '.join(sorted(STATUSES))} expected")
+            raise InstanceError(
+                f"{where}: field {name!r}: test {test!r} has status {status!r}; "
+                f"one of {', '.join(sorted(STATUSES))} expected"
+            )
     return dict(raw)
 
 

@@ -37,8 +37,13 @@ from services.gym_gateway.envs.swe.instance import Instance
 from shared.run_config import SweSection
 
 _READ_GRACE_S = 2.0  # output still buffered after the process group is gone
-_GIT_ENV = {"GIT_AUTHOR_NAME": "swe", "GIT_AUTHOR_EMAIL": "swe@localhost", "GIT_COMMITTER_NAME": "swe",
-            "GIT_COMMITTER_EMAIL": "swe@localhost", "GIT_CONFIG_NOSYSTEM": "1"}
+_GIT_ENV = {
+    "GIT_AUTHOR_NAME": "swe",
+    "GIT_AUTHOR_EMAIL": "swe@localhost",
+    "GIT_COMMITTER_NAME": "swe",
+    "GIT_COMMITTER_EMAIL": "swe@localhost",
+    "GIT_CONFIG_NOSYSTEM": "1",
+}
 
 
 @dataclass
@@ -60,10 +65,16 @@ class Workspace:
         self.workdir = workdir
         self.home = home
 
-    async def run(self, cmd: str, timeout_s: float | None = None, *, max_output_chars: int | None = None) -> CommandResult:
+    async def run(
+        self, cmd: str, timeout_s: float | None = None, *, max_output_chars: int | None = None
+    ) -> CommandResult:
         """Run ``cmd`` with the workspace as its cwd; the runtime's command timeout by default."""
-        return await self.runtime.exec(self, cmd, timeout_s or self.runtime.cfg.command_timeout_s,
-                                       max_output_chars or self.runtime.cfg.max_output_chars)
+        return await self.runtime.exec(
+            self,
+            cmd,
+            timeout_s or self.runtime.cfg.command_timeout_s,
+            max_output_chars or self.runtime.cfg.max_output_chars,
+        )
 
 
 class Runtime:
@@ -92,7 +103,9 @@ class Runtime:
     async def scratch(self, instance: Instance) -> AsyncIterator[tuple[Path, Path]]:
         """A temporary folder (``root``) for one copy of ``instance`` at ``root/repo``; removed on exit."""
         if not instance.repo_dir or not Path(instance.repo_dir).is_dir():
-            raise SandboxError(f"instance {instance.instance_id!r}: repository snapshot {instance.repo_dir!r} is not a folder")
+            raise SandboxError(
+                f"instance {instance.instance_id!r}: repository snapshot {instance.repo_dir!r} is not a folder"
+            )
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance.instance_id)[:40]
         try:
             if self.cfg.workspace_root:
@@ -100,7 +113,9 @@ class Runtime:
             root = Path(tempfile.mkdtemp(prefix=f"swe-{safe}-", dir=self.cfg.workspace_root))
             (root / "home").mkdir()
         except OSError as exc:
-            raise SandboxError(f"cannot create a workspace under env.swe.workspace_root={self.cfg.workspace_root!r}: {exc}") from exc
+            raise SandboxError(
+                f"cannot create a workspace under env.swe.workspace_root={self.cfg.workspace_root!r}: {exc}"
+            ) from exc
         try:
             yield root, root / "repo"
         finally:
@@ -109,16 +124,29 @@ class Runtime:
     async def _git_init(self, ws: Workspace) -> None:
         # On the host for every runtime kind: the image need not have git.
         script = "git init -q && git add -A && git commit -q --no-verify -m 'Initial snapshot'"
-        res = await spawn(["/bin/sh", "-c", script], cwd=ws.path, env={**self.local_env(ws.home), **_GIT_ENV},
-                          timeout_s=60.0, max_output_chars=4000)
+        res = await spawn(
+            ["/bin/sh", "-c", script],
+            cwd=ws.path,
+            env={**self.local_env(ws.home), **_GIT_ENV},
+            timeout_s=60.0,
+            max_output_chars=4000,
+        )
         if res.exit_code != 0:
             raise SandboxError(f"git init of the workspace failed ({res.exit_code}): {res.output}")
 
     def local_env(self, home: Path) -> dict[str, str]:
         """The whole environment of a local command: nothing is inherited from the gateway."""
         path = self.cfg.local_path or f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
-        return {"PATH": path, "HOME": str(home), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb",
-                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+        return {
+            "PATH": path,
+            "HOME": str(home),
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "TERM": "dumb",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        }
 
     async def exec(self, ws: Workspace, cmd: str, timeout_s: float, max_output_chars: int) -> CommandResult:
         raise NotImplementedError
@@ -128,8 +156,13 @@ class LocalRuntime(Runtime):
     kind = "local"
 
     async def exec(self, ws: Workspace, cmd: str, timeout_s: float, max_output_chars: int) -> CommandResult:
-        return await spawn([self.cfg.shell, "-c", cmd], cwd=ws.path, env=self.local_env(ws.home),
-                           timeout_s=timeout_s, max_output_chars=max_output_chars)
+        return await spawn(
+            [self.cfg.shell, "-c", cmd],
+            cwd=ws.path,
+            env=self.local_env(ws.home),
+            timeout_s=timeout_s,
+            max_output_chars=max_output_chars,
+        )
 
 
 def make_runtime(cfg: SweSection) -> Runtime:
@@ -191,15 +224,22 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-async def spawn(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, max_output_chars: int,
-                on_timeout=None) -> CommandResult:
+async def spawn(
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, max_output_chars: int, on_timeout=None
+) -> CommandResult:
     """Run ``argv`` in a new session; kill its process group at the deadline, on cancellation and
     once it exits (background leftovers). ``on_timeout`` is awaited after a deadline kill."""
     started = time.monotonic()
     try:
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            *argv,
+            cwd=cwd,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
     except OSError as exc:
         raise SandboxError(f"cannot start {argv[0]!r} in {cwd}: {exc}") from exc
     buf = _Capped(max_output_chars)

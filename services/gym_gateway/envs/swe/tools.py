@@ -25,20 +25,31 @@ _SKIP_LISTING = {".git", "__pycache__", ".pytest_cache"}
 
 
 def _fn(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 TOOLS = [
     _fn("execute_bash", "Run a bash command in the repository.", {"command": {"type": "string"}}, ["command"]),
-    _fn("str_replace_editor", "View, create or edit a file (old_str must be unique).", {
-        "command": {"type": "string", "enum": ["view", "create", "str_replace"]},
-        "path": {"type": "string"},
-        "file_text": {"type": "string"},
-        "old_str": {"type": "string"},
-        "new_str": {"type": "string"},
-        "view_range": {"type": "array", "items": {"type": "integer"}},
-    }, ["command", "path"]),
+    _fn(
+        "str_replace_editor",
+        "View, create or edit a file (old_str must be unique).",
+        {
+            "command": {"type": "string", "enum": ["view", "create", "str_replace"]},
+            "path": {"type": "string"},
+            "file_text": {"type": "string"},
+            "old_str": {"type": "string"},
+            "new_str": {"type": "string"},
+            "view_range": {"type": "array", "items": {"type": "integer"}},
+        },
+        ["command", "path"],
+    ),
     _fn("finish", "Submit the repository as it is now.", {}, []),
 ]
 
@@ -154,7 +165,9 @@ def _replace(target: Path, args: dict[str, Any]) -> str:
     text = text.replace(old, new)
     target.write_text(text)
     lines = text.splitlines()
-    snippet = "\n".join(f"{i + 1:6d}\t{lines[i]}" for i in range(max(0, start - 3), min(len(lines), start + new.count("\n") + 4)))
+    snippet = "\n".join(
+        f"{i + 1:6d}\t{lines[i]}" for i in range(max(0, start - 3), min(len(lines), start + new.count("\n") + 4))
+    )
     return f"Edited {target.name}:\n{snippet}"
 
 
