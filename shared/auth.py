@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from shared.config import ConfigError
+from shared.config_error import ConfigError
 
 TOKEN_ENV = "STREAMRL_API_TOKEN"
 TOKEN_FILE_ENV = "STREAMRL_API_TOKEN_FILE"

@@ -19,16 +19,15 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 
+from shared.auth import redact_url
+from shared.config_error import ConfigError
+
 T = TypeVar("T")
 
 # Only addresses and secrets come from the environment.
 ENV_OVERRIDES: dict[str, str] = {
     "REDIS_URL": "redis.url",
 }
-
-
-class ConfigError(ValueError):
-    """A config file, override or value that cannot be used; the message names the key."""
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -148,7 +147,6 @@ def load(
 def to_yaml(cfg: msgspec.Struct) -> str:
     """The resolved tree as YAML, with the password of every URL masked (a Redis URL from REDIS_URL
     may carry one): dumps end up in logs and terminals."""
-    from shared.auth import redact_url
 
     def redact(node: Any) -> Any:
         if isinstance(node, dict):

@@ -46,10 +46,6 @@ def max_entry_bytes(stream_key: str) -> int:
     return MAX_ENTRY_BYTES.get(stream_name(stream_key), DEFAULT_MAX_ENTRY_BYTES)
 
 
-# Pause reasons (fields of RunKeys.pause) that stop gateways from launching new rollouts.
-# Other reasons (e.g. "validation") only stop the trainer from issuing training tasks.
-LAUNCH_GATE_REASONS = ("user", "refit")
-
 # The only field of every stream entry: the encoded message.
 ENTRY_FIELD = b"m"
 
@@ -100,7 +96,7 @@ class RunKeys:
 
     @property
     def pause(self) -> str:
-        """Hash: pause reason -> epoch. Gateways launch no new rollout while it is non-empty."""
+        """Hash: pause reason -> epoch (the protocol: `shared.pause`)."""
         return self._k("pause")
 
     @property

@@ -11,7 +11,7 @@ import os
 import sys
 
 from shared.auth import load_api_token, redact_text
-from shared.config import ConfigError
+from shared.config_error import ConfigError
 
 _configured = False
 

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from shared import keys as K
+from shared.pause import read_pauses
 from shared.protocol import Heartbeat, ProtocolError, decode
 
 STREAMS = ("tasks", "trajectories", "weights", "weight_acks", "deadletter")
@@ -119,14 +120,13 @@ async def worker_views(redis: aioredis.Redis, keys: K.RunKeys) -> list[WorkerVie
 async def snapshot(redis: aioredis.Redis, run_id: str) -> RunSnapshot:
     keys = K.RunKeys(run_id)
     step = await redis.get(keys.trainer_step)
-    pause = await redis.hgetall(keys.pause)
     return RunSnapshot(
         run_id=run_id,
         streams=await stream_lengths(redis, keys),
         groups=await group_stats(redis, keys),
         workers=await worker_views(redis, keys),
         step=None if step is None else int(step),
-        pause={_s(k): int(v) for k, v in pause.items()},
+        pause=await read_pauses(redis, keys),
     )
 
 

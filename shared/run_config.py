@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from shared.config import ConfigError
+from shared.config_error import ConfigError
 from shared.protocol import SamplingParams
 
 

@@ -12,7 +12,8 @@ import logging
 import sys
 
 from shared.auth import check_bind, is_loopback, load_api_token
-from shared.config import ConfigError, load
+from shared.config import load
+from shared.config_error import ConfigError
 from shared.logs import setup_logging
 from shared.run_config import RunConfig
 

@@ -46,7 +46,7 @@ def up(
     no_progress: bool = typer.Option(False, help="no live display"),
 ) -> None:
     """Run generator(s), gateway worker(s) and the trainer on this machine until the run ends."""
-    from shared.config import ConfigError
+    from shared.config_error import ConfigError
     from streamrl.supervisor import JobFailed, Supervisor
 
     try:
@@ -92,7 +92,7 @@ def _call(method: str, path: str, url: str | None, run_dir: Path | None, body: d
     import httpx
 
     from shared.auth import client_headers, load_api_token
-    from shared.config import ConfigError
+    from shared.config_error import ConfigError
 
     base = _trainer_url(url, run_dir)
     try:
@@ -124,7 +124,7 @@ def status(
 ) -> None:
     """Services (state, weight version, in flight, heartbeat age), queues and the step, from Redis
     (with only a trainer URL: the trainer's own view)."""
-    from shared.config import ConfigError
+    from shared.config_error import ConfigError
     from streamrl.status import StatusError, run_status
 
     try:
@@ -282,7 +282,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 @config_app.command("check", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def config_check(ctx: typer.Context, config: Path) -> None:
     """Load CONFIG strictly (with overrides after it) and print the resolved tree."""
-    from shared.config import ConfigError, load, to_yaml
+    from shared.config import load, to_yaml
+    from shared.config_error import ConfigError
     from shared.run_config import RunConfig
 
     try:

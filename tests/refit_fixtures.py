@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from services.trainer.control import PauseControl
 from services.trainer.refit import WeightPublisher
 from shared import keys as K
+from shared.pause import PauseControl
 from shared.protocol import Heartbeat
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect

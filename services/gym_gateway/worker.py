@@ -8,7 +8,7 @@
         read but not started, are released to the group at once (re-added, old entry acked)
 
 At most ``max_concurrent_rollouts`` rollouts run at once; no new task is read while the launch gate
-is closed (a pause reason in LAUNCH_GATE_REASONS) or all slots are busy, so backpressure stays in
+is closed (`shared.pause.launch_gate_closed`) or all slots are busy, so backpressure stays in
 the stream.
 
 Failures are classified (`classify`). Infrastructure failures (``timeout``, ``transport``,
@@ -36,6 +36,7 @@ from services.gym_gateway.envs import UnknownEnvironment, get_env
 from services.gym_gateway.envs.base import ChatClient, InfraError, ModelRequestError, Outcome
 from services.gym_gateway.proxy import NoGenerator, Session, SessionProxy
 from shared import keys as K
+from shared.pause import launch_gate_closed
 from shared.protocol import Task, Trajectory
 from shared.streams import Delivery, StreamClient
 
@@ -159,8 +160,7 @@ class GatewayWorker:
         self._slot_free = asyncio.Event()
 
     async def gate_closed(self) -> bool:
-        reasons = await self.streams.redis.hkeys(self.streams.keys.pause)
-        return any(r.decode() in K.LAUNCH_GATE_REASONS for r in reasons)
+        return await launch_gate_closed(self.streams.redis, self.streams.keys)
 
     async def run(self) -> None:
         keys = self.streams.keys

@@ -27,6 +27,7 @@ from shared.auth import AuthPolicy
 from shared.http import HTTPError, decode_body, install_error_handlers, require_control_token
 from shared.metrics import CONTENT_TYPE
 from shared.openapi import document_bodies, json_body
+from shared.pause import PauseReason
 
 CONTROL = [Depends(require_control_token)]
 
@@ -67,7 +68,7 @@ def build_app(
 
     @app.post("/pause", dependencies=CONTROL)
     async def pause() -> dict:
-        epoch = await ready_runtime().pause.pause("user")
+        epoch = await ready_runtime().pause.pause(PauseReason.USER)
         return {"epoch": epoch}
 
     @app.post("/resume", dependencies=CONTROL, openapi_extra=json_body(ResumeRequest, required=False))
@@ -79,7 +80,7 @@ def build_app(
         if active is None:
             return {"resumed": False, "reason": "not paused"}
         epoch = active if req.epoch is None else req.epoch
-        if not await rt.pause.resume("user", epoch):
+        if not await rt.pause.resume(PauseReason.USER, epoch):
             raise HTTPError(409, f"pause epoch {epoch} is not the active pause (active: {active})", param="epoch")
         return {"resumed": True, "epoch": epoch}
 

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.trainer.control import PauseControl
 from shared import keys as K
+from shared.pause import PauseControl, PauseReason
 from shared.protocol import WeightAck, WeightAnnouncement
 from shared.registry import live_workers
 from shared.streams import StreamClient
@@ -128,7 +128,7 @@ class WeightPublisher:
         the wait for the first generator to register (start-up), default the refit deadline."""
         t0 = time.perf_counter()
         self._dropped = []
-        epoch = await self.pause.pause("refit")
+        epoch = await self.pause.pause(PauseReason.REFIT)
         try:
             try:
                 async with asyncio.timeout(self.timeout_s):
@@ -152,7 +152,7 @@ class WeightPublisher:
                 ),
             )
         finally:
-            await self.pause.resume("refit", epoch)
+            await self.pause.resume(PauseReason.REFIT, epoch)
         await asyncio.to_thread(self._prune, version)
         t1 = time.perf_counter()
         report = RefitReport(

@@ -36,13 +36,13 @@ from typing import Any
 from services.trainer.batch import build_step_batch
 from services.trainer.buffer import ReplayBuffer
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from services.trainer.control import PauseControl
 from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve, read_metrics
 from services.trainer.observe import staleness_counts
 from services.trainer.refit import WeightPublisher
 from services.trainer.scheduler import PromptSource, Scheduler, _read_jsonl
 from services.trainer.validation import ValidationRunner, periodic_due
 from shared import keys as K
+from shared.pause import PauseControl, PauseReason
 from shared.protocol import Heartbeat, Trajectory
 from shared.registry import HeartbeatTask, live_workers
 from shared.run_config import RunConfig, backfills_failures
@@ -508,7 +508,7 @@ class TrainerRuntime:
             return None
         self.state = "validating"
         entry["status"] = "running"
-        epoch = await self.pause.pause("validation")
+        epoch = await self.pause.pause(PauseReason.VALIDATION)
         try:
             await self._drain()
             result = await self.validator.run(self.step, validation_id)
@@ -516,7 +516,7 @@ class TrainerRuntime:
             entry.update(status="failed", error=f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            await self.pause.resume("validation", epoch)
+            await self.pause.resume(PauseReason.VALIDATION, epoch)
         entry.update(status="done", result=result)
         self.last_validation = result
         self.metrics.write({**result, "time": time.time()})

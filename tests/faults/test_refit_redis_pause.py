@@ -24,9 +24,9 @@ import time
 
 import pytest
 
-from services.trainer.control import PauseControl
 from services.trainer.refit import WeightPublisher
 from shared import keys as K
+from shared.pause import PauseControl
 from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
 from shared.registry import HeartbeatTask
 from shared.streams import StreamClient, connect

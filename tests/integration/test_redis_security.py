@@ -20,9 +20,9 @@ from urllib.parse import quote
 
 import pytest
 
-from services.trainer.control import PauseControl
 from shared import keys as K
 from shared.auth import redact_url
+from shared.pause import PauseControl, PauseReason
 from shared.protocol import Heartbeat, SamplingParams, Task
 from shared.queue_stats import snapshot
 from shared.registry import live_workers, publish_heartbeat
@@ -87,8 +87,8 @@ async def _exercise(url: str) -> None:
         got = await streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10, block_ms=100)
         assert [d.msg.task_id for d in got] == ["g0/0"]
         pause = PauseControl(redis, keys)
-        epoch = await pause.pause("user")
-        assert await pause.resume("user", epoch)
+        epoch = await pause.pause(PauseReason.USER)
+        assert await pause.resume(PauseReason.USER, epoch)
         await publish_heartbeat(
             redis,
             keys,

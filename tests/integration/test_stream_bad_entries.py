@@ -23,9 +23,9 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.trainer.control import PauseControl
 from services.trainer.refit import WeightPublisher
 from shared import keys as K
+from shared.pause import PauseControl
 from shared.protocol import (
     DeadLetter,
     Heartbeat,

@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from services.trainer.app import build_app
-from services.trainer.control import PauseControl
 from services.trainer.runtime import TrainerRuntime
 from shared import keys as K
 from shared.config import decode_tree
+from shared.pause import PauseControl, PauseReason, launch_gate_closed
 from shared.run_config import RunConfig
 from shared.streams import connect
 
@@ -85,12 +85,12 @@ async def test_gateway_gate_reasons_follow_pause_reasons(redis_url):
     redis = connect(redis_url)
     keys = K.RunKeys(f"gate-{uuid.uuid4().hex[:6]}")
     pc = PauseControl(redis, keys)
-    e = await pc.pause("validation")
+    e = await pc.pause(PauseReason.VALIDATION)
     reasons = {r.decode() for r in await redis.hkeys(keys.pause)}
-    assert not reasons & set(K.LAUNCH_GATE_REASONS)  # validation pauses training issue only
-    r = await pc.pause("refit")
-    assert "refit" in {x.decode() for x in await redis.hkeys(keys.pause)}
-    assert await pc.resume("refit", r) and await pc.resume("validation", e)
+    assert reasons == {"validation"} and not await launch_gate_closed(redis, keys)  # training issue only
+    r = await pc.pause(PauseReason.REFIT)
+    assert "refit" in {x.decode() for x in await redis.hkeys(keys.pause)} and await launch_gate_closed(redis, keys)
+    assert await pc.resume(PauseReason.REFIT, r) and await pc.resume(PauseReason.VALIDATION, e)
     await redis.aclose()
 
 

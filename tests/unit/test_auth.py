@@ -12,7 +12,8 @@ import pytest
 
 import shared.http
 from shared.auth import check_bind, client_headers, load_api_token, redact_text, redact_url
-from shared.config import ConfigError, load, to_yaml
+from shared.config import load, to_yaml
+from shared.config_error import ConfigError
 from shared.http import HTTPError, verify_bearer
 from shared.run_config import RunConfig
 

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, load
+from shared.config import load
+from shared.config_error import ConfigError
 from shared.run_config import RunConfig, explain
 
 pytestmark = pytest.mark.unit

@@ -128,7 +128,8 @@ def test_seq_mask_tis_drops_whole_sequences_by_their_geometric_mean_weight():
 
 
 def test_seq_mask_tis_needs_a_lower_bound():
-    from shared.config import ConfigError, load
+    from shared.config import load
+    from shared.config_error import ConfigError
     from shared.run_config import RunConfig
 
     base = ["policy.model_name=m", "data.train_path=t.jsonl", "loss_fn.truncated_importance_sampling_type=seq-mask-tis"]

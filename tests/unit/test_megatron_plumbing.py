@@ -19,7 +19,8 @@ from services.trainer.backends.megatron_backend import (  # noqa: E402
     read_hf_state,
     transformer_config_kwargs,
 )
-from shared.config import ConfigError, load  # noqa: E402
+from shared.config import load  # noqa: E402
+from shared.config_error import ConfigError  # noqa: E402
 from shared.run_config import RunConfig  # noqa: E402
 
 pytestmark = pytest.mark.unit

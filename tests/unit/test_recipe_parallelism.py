@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from services.trainer.backends.megatron_backend import check_supported
-from shared.config import ConfigError, load
+from shared.config import load
+from shared.config_error import ConfigError
 from shared.run_config import RunConfig
 
 pytestmark = pytest.mark.unit

@@ -20,7 +20,8 @@ from services.gym_gateway.envs.swe.agent import SHIPPED_INSTANCES, SweEnv
 from services.gym_gateway.envs.swe.evaluate import compare
 from services.gym_gateway.envs.swe.runtime import _Capped
 from services.gym_gateway.envs.swe.tools import edit, resolve, run_tool
-from shared.config import ConfigError, load
+from shared.config import load
+from shared.config_error import ConfigError
 from shared.run_config import RunConfig, SweSection
 
 pytestmark = pytest.mark.unit

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from services.trainer.backends.torch_backend import TorchBackend
-from shared.config import ConfigError
+from shared.config_error import ConfigError
 from shared.run_config import MegatronSection, PolicySection
 from shared.weights_format import safetensors_files
 
