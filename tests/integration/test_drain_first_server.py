@@ -1,4 +1,4 @@
-"""`shared.serve.DrainFirstServer`: on SIGTERM the app's drain runs while the server still accepts
+"""`shared.service.DrainFirstServer`: on SIGTERM the app's drain runs while the server still accepts
 new connections (a gateway's rollouts reach its own proxy between turns; a draining generator
 still serves its sessions), then the server stops; a second signal cuts the drain short. (Plain
 uvicorn closes its listening socket as soon as the signal arrives.)"""
@@ -24,7 +24,7 @@ APP = """
 import asyncio, sys, time
 import uvicorn
 from fastapi import FastAPI
-from shared.serve import DrainFirstServer
+from shared.service import DrainFirstServer
 
 port, mode, marker = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 app = FastAPI()
