@@ -17,6 +17,8 @@ from msgspec import Meta
 from shared.config_error import ConfigError
 from shared.protocol import SamplingParams
 
+ServiceName = Literal["generator", "gym_gateway", "trainer"]  # a service's config section and module name
+
 
 def D(text: str) -> Meta:
     return Meta(description=text)
@@ -442,6 +444,9 @@ class GatewaySection(_Section):
     reclaim_idle_s: Annotated[float, D("take over tasks a dead worker left pending this long")] = 900.0
     request_timeout_s: Annotated[float, D("deadline of one model call through the proxy")] = 300.0
     max_failovers: Annotated[int, D("other generators a session's call may move to when its generator is gone")] = 2
+    drain_timeout_s: Annotated[
+        float, D("at SIGTERM or the run's end, deadline for running rollouts to finish; the rest go back to the group")
+    ] = 30.0
 
 
 class TrainerSection(_Section):
@@ -491,7 +496,8 @@ class RunConfig(_Section):
     auth: AuthSection = msgspec.field(default_factory=AuthSection)
 
     def check(self) -> None:
-        """Cross-field checks; each error names the key to change. Never rewrites anything."""
+        """Cross-field checks every service runs (`shared.config.load` calls this); each error names
+        the key to change. Never rewrites anything. What one service alone reads: `check_service`."""
         g, lf = self.grpo, self.loss_fn
         if g.num_generations_per_prompt < 2:
             raise ConfigError("grpo.num_generations_per_prompt must be >= 2 (GRPO compares rollouts of a group)")
@@ -535,8 +541,6 @@ class RunConfig(_Section):
             )
         if not self.policy.model_name:
             raise ConfigError("policy.model_name is required")
-        if not self.data.train_path:
-            raise ConfigError("data.train_path is required")
         if g.val_num_generations_per_prompt < 1:
             raise ConfigError("grpo.val_num_generations_per_prompt must be >= 1")
         if self.trainer.stream_retention_s < 0:
@@ -546,6 +550,15 @@ class RunConfig(_Section):
                 raise ConfigError("grpo.stop_at_validation_threshold is required with grpo.stop_at_validation_metric")
             if g.stop_at_validation_metric == "pass_k" and g.val_num_generations_per_prompt < 2:
                 raise ConfigError("grpo.stop_at_validation_metric pass_k needs grpo.val_num_generations_per_prompt > 1")
+
+    def check_service(self, service: ServiceName) -> None:
+        """What ``service`` itself reads, on top of `check`: each service requires only that, so a
+        generator or gateway config needs no dataset. Called by `shared.service_cli` at start-up."""
+        if service != "trainer":  # the generator and the gym gateway read no dataset
+            return
+        g = self.grpo
+        if not self.data.train_path:
+            raise ConfigError("data.train_path is required (the trainer reads its training tasks there)")
         if (g.val_period > 0 or g.val_at_start or g.val_at_end) and not self.data.val_path:
             raise ConfigError("data.val_path is required when grpo.val_period > 0, val_at_start or val_at_end")
 

@@ -15,7 +15,7 @@ from shared.auth import check_bind, is_loopback, load_api_token
 from shared.config import load
 from shared.config_error import ConfigError
 from shared.logs import setup_logging
-from shared.run_config import RunConfig
+from shared.run_config import RunConfig, ServiceName
 
 
 def parse_service_args(service: str, description: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,12 +27,14 @@ def parse_service_args(service: str, description: str, argv: list[str] | None = 
     return p.parse_intermixed_args(argv)
 
 
-def load_service_config(service: str, args: argparse.Namespace) -> RunConfig | None:
-    """Set up logging, load the run config and check the service may bind its address (an open
-    control plane only on loopback, see `shared.auth`); on an error print it and return None."""
+def load_service_config(service: ServiceName, args: argparse.Namespace) -> RunConfig | None:
+    """Set up logging, load the run config, check what this service needs of it (only what it
+    reads: `RunConfig.check_service`) and that it may bind its address (an open control plane
+    only on loopback, see `shared.auth`); on an error print it and return None."""
     setup_logging(service)
     try:
         cfg = load(RunConfig, args.config, args.overrides)
+        cfg.check_service(service)
         token = load_api_token()
         host = getattr(cfg, service).host
         check_bind(host, f"{service}.host", token, cfg.auth.allow_open_bind)

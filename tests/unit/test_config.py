@@ -51,6 +51,18 @@ def test_async_requires_importance_sampling_correction():
     assert not cfg.loss_fn.use_importance_sampling_correction
 
 
+def test_only_the_trainer_requires_the_datasets():
+    cfg = load(RunConfig, None, ["policy.model_name=m", "grpo.val_period=5"], env={})  # neither dataset
+    cfg.check_service("generator")
+    cfg.check_service("gym_gateway")
+    with pytest.raises(ConfigError, match=r"^data.train_path is required"):
+        cfg.check_service("trainer")
+    with_train = load(RunConfig, None, REQUIRED + ["grpo.val_period=5"], env={})
+    with pytest.raises(ConfigError, match=r"^data.val_path is required when grpo.val_period > 0"):
+        with_train.check_service("trainer")
+    load(RunConfig, None, REQUIRED, env={}).check_service("trainer")
+
+
 BASE = "policy:\n  model_name: m\ndata:\n  train_path: t.jsonl\n"
 
 
