@@ -199,6 +199,7 @@ class DrainFirstServer(uvicorn.Server):
         self._drain_timeout_s = drain_timeout_s
         self._drain_signal: int | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._asked_from_inside = False  # begin_shutdown, not a signal: no signal to re-raise at the end
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in a signal handler: only flags here; the drain starts on the loop's next tick.
@@ -210,6 +211,7 @@ class DrainFirstServer(uvicorn.Server):
     def begin_shutdown(self) -> None:
         """Drain, then stop: what the first SIGTERM does, asked for from inside the service."""
         if self._drain_signal is None and not self.should_exit:
+            self._asked_from_inside = True
             self._drain_signal = signal.SIGTERM
 
     async def on_tick(self, counter: int) -> bool:
@@ -226,7 +228,10 @@ class DrainFirstServer(uvicorn.Server):
         except Exception:
             log.exception("drain failed; shutting down anyway")
         finally:
-            super().handle_exit(self._drain_signal or signal.SIGTERM, None)
+            if self._asked_from_inside:
+                self.should_exit = True
+            else:  # uvicorn re-raises the signal once shut down: the parent sees it ended by the signal
+                super().handle_exit(self._drain_signal or signal.SIGTERM, None)
 
 
 def run_server(
@@ -238,7 +243,9 @@ def run_server(
     sockets: list[Any] | None = None,
 ) -> int:
     """Serve ``app`` until a signal or the service itself ends it; the process exit code: the
-    lifecycle's decision, 0 after a plain SIGTERM, 1 when the lifespan could not start."""
+    lifecycle's decision (0 when its work ended, 1 when it failed), or 1 when the lifespan could not
+    start. After SIGTERM or SIGINT the process ends by that signal once it has drained (uvicorn
+    re-raises it), so a parent sees how it ended."""
     lifecycle: ServiceLifecycle = app.state.lifecycle
     server = DrainFirstServer(config, drain, drain_timeout_s=drain_timeout_s)
     lifecycle.attach_server(server.begin_shutdown)

@@ -3,20 +3,14 @@ its own scheduling policy run at zero overhead, and what asynchrony buys over sy
 This module runs the real loop; `streamrl.bench_schedule` holds the scenarios and the ideal
 schedule, `streamrl.bench_pipeline_report` the tables and targets.
 
-Real parts, against one embedded Valkey: the `TrainerRuntime` in this process (scheduler, replay
-buffer, streams, lookahead barrier, refit through the `WeightPublisher` with its launch gate and
-confirmations, acks, metrics) and GATEWAY_WORKERS `GatewayWorker`s built as the gateway app builds
-one (tasks stream in, one session per rollout through the real `SessionProxy`, trajectories out),
-in a process of their own as in a deployment. Simulated parts, so the loop is measured and not a model:
-
-* rollouts: a benchmark-only environment (registered for the run only) sleeps a log-normal
-  duration and calls no model. Each prompt's k-th attempt has a fixed, seeded set of G durations,
-  so the real run and the ideal schedule see the same rollout times. A rollout with no model call
-  has no turns: the trainer treats its rows as placeholders, which costs nothing here.
-* training: `SimBackend.train_step` sleeps the scenario's training time (`TrainerRuntime` with
-  `_build_backend` overridden); ``save_weights`` writes a 64-byte file.
-* generators: `SimGenerator`, in a third process, registers a generator heartbeat and confirms
-  every weight announcement at once (the heartbeat carries the new version before the ack).
+Real parts, against one embedded Valkey: the trainer's `ControlPlane` in this process (scheduler,
+replay buffer, intake, lookahead barrier, refit through the `WeightPublisher` with its launch gate
+and confirmations, acks, records), plugged in through its declared seams (a `LocalLearner` around
+the simulated backend, and `TrainerHooks` noting when groups were issued and trajectories read),
+and GATEWAY_WORKERS real gateway workers in a process of their own. Simulated, so the loop is
+measured and not a model (`streamrl.bench_pipeline_sim`): rollouts (an environment that sleeps a
+seeded log-normal duration per rollout and calls no model), training (a backend that sleeps the
+scenario's training time) and the generator (a process that confirms every weight version at once).
 
 The gateway's generator pool re-reads the registry for every session (``refresh_s=0``; the
 product default caches it for 1 s). A rollout without model calls is stamped with the version the
@@ -66,29 +60,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import msgspec
 import numpy as np
 
-from services.gym_gateway import envs
-from services.gym_gateway.envs.base import ChatClient, Outcome
-from services.gym_gateway.proxy import GeneratorPool, SessionProxy
-from services.gym_gateway.worker import GatewayWorker
-from services.trainer.batch import StepBatch
-from services.trainer.metrics_log import read_metrics
+from services.trainer.control_plane import ControlPlane, TrainerHooks
+from services.trainer.learner import LocalLearner
 from services.trainer.packing import first_fit_decreasing, packing_efficiency, padding_efficiency
-from services.trainer.runtime import TrainerRuntime
 from shared import keys as K
-from shared.protocol import Heartbeat, Trajectory, WeightAck, WeightAnnouncement, decode
-from shared.registry import HeartbeatTask, publish_heartbeat
+from shared.protocol import Task, Trajectory, decode
+from shared.records import read_records, step_records
 from shared.run_config import RunConfig
-from shared.streams import StreamClient, connect
 from streamrl.bench_pipeline_report import (
     CONTENDED_OTHER_CPU,
     CONTENDED_OVERSHOOT_S,
     REAL_RUN_ATTEMPTS,
     render_pipeline,
 )
+from streamrl.bench_pipeline_sim import ENV_NAME, GATEWAY_WORKERS, SimBackend, _spawn
 from streamrl.bench_schedule import (
     LAGS,
     MEASURE_FROM_STEP,
@@ -99,201 +87,6 @@ from streamrl.bench_schedule import (
     pipeline_figures,
 )
 from streamrl.redis_server import RedisServer
-
-ENV_NAME = "bench_sleep"
-GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
-ROOT = Path(__file__).resolve().parents[1]
-
-
-# -- the real loop with simulated generation and training -------------------------------------------
-
-
-class SimBackend:
-    """A training backend whose step takes ``train_s`` and whose weights are 64 bytes."""
-
-    def __init__(self, train_s: float) -> None:
-        self.train_s = train_s
-        self.spans: list[tuple[float, float]] = []  # perf_counter start, end of every train_step
-
-    def train_step(self, batch: StepBatch) -> dict[str, float]:
-        t0 = time.perf_counter()
-        time.sleep(self.train_s)
-        self.spans.append((t0, time.perf_counter()))
-        return {"sim_rows": float(len(batch.rows))}
-
-    def save_weights(self, out_dir: Path) -> None:
-        (out_dir / "model.safetensors").write_bytes(bytes(64))
-
-
-class SimTrainer(TrainerRuntime):
-    """The real trainer runtime with `SimBackend` as its learner; it also notes when each group was
-    issued and when each trajectory reached it, for the latency breakdown."""
-
-    def __init__(self, cfg: RunConfig, *, train_s: float) -> None:
-        super().__init__(cfg, worker_id="trainer-sim", url="http://trainer.sim")
-        self.train_s = train_s
-        self.issued_at: dict[int, float] = {}  # group sequence number -> wall time its tasks were published
-        self.received_at: dict[str, float] = {}  # task id -> wall time the trainer read its trajectory
-
-    def _build_backend(self) -> SimBackend:
-        return SimBackend(self.train_s)
-
-    async def _issue(self) -> None:
-        first = self.scheduler.group_seq
-        await super()._issue()
-        now = time.time()
-        self.issued_at.update((seq, now) for seq in range(first, self.scheduler.group_seq))
-
-    async def _accept(self, entry_id: str, traj: Trajectory) -> None:
-        self.received_at[traj.task_id] = time.time()
-        await super()._accept(entry_id, traj)
-
-
-class SleepEnv:
-    """Benchmark-only environment: a prompt's rollouts sleep the scenario's durations, in order
-    (its k-th rollout is row k % G of attempt k // G), and call no model."""
-
-    name = ENV_NAME
-
-    def __init__(self, scenario: Scenario) -> None:
-        self.scenario = scenario
-        self.started: dict[int, int] = defaultdict(int)
-        self.running = 0
-        self.peak = 0
-
-    def next_duration(self, prompt: int) -> float:
-        k = self.started[prompt]
-        self.started[prompt] += 1
-        g = self.scenario.group_size
-        return self.scenario.durations(prompt, k // g)[k % g]
-
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
-        seconds = self.next_duration(int(instance["prompt"]))
-        sleep_from = time.time()
-        self.running += 1
-        self.peak = max(self.peak, self.running)
-        try:
-            await asyncio.sleep(seconds)
-        finally:
-            self.running -= 1
-        return Outcome(reward=0.0, metrics={"sim_rollout_s": seconds, "sim_sleep_from": sleep_from})
-
-
-def registered_env(env: SleepEnv):
-    """Make ``env`` resolvable by name for the duration of a run."""
-    return envs.registered(env)
-
-
-class SimGenerator:
-    """Plays a generator: a registry heartbeat, and an immediate ack of every weight announcement
-    (the heartbeat carries the new version before the ack goes out). Ends when the run stops."""
-
-    def __init__(self, redis_url: str, run_id: str) -> None:
-        self.worker_id = "generator-sim"
-        self.redis = connect(redis_url)
-        self.streams = StreamClient(self.redis, K.RunKeys(run_id), self.worker_id)
-        self.version = -1
-
-    def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(
-            worker_id=self.worker_id,
-            kind="generator",
-            url="http://generator.sim",
-            pid=os.getpid(),
-            host="sim",
-            state="ready",
-            weight_version=self.version,
-        )
-
-    async def run(self) -> None:
-        keys = self.streams.keys
-        await publish_heartbeat(self.redis, keys, self._heartbeat())
-        heartbeat = HeartbeatTask(self.redis, keys, self._heartbeat)
-        heartbeat.start()
-        cursor = "0-0"
-        try:
-            while not await self.redis.exists(keys.stop):
-                for d in await self.streams.read_after(keys.weights, cursor, WeightAnnouncement, block_ms=200):
-                    cursor = d.entry_id
-                    self.version = d.msg.version
-                    await publish_heartbeat(self.redis, keys, self._heartbeat())
-                    ack = WeightAck(worker_id=self.worker_id, version=self.version, ok=True, cache_reset=True)
-                    await self.streams.publish(keys.weight_acks, ack)
-        finally:
-            await heartbeat.aclose(self.worker_id)
-            await self.redis.aclose()
-
-
-async def serve_gateways(cfg: RunConfig, scenario: Scenario, report: Path) -> None:
-    """GATEWAY_WORKERS gateway workers as `services.gym_gateway.app` builds one (own Redis client,
-    session proxy, the config's slots), sharing one process; they end when the run stops."""
-    env = SleepEnv(scenario)
-    keys = K.RunKeys(cfg.run.run_id)
-    gw = cfg.gym_gateway
-    http = aiohttp.ClientSession()
-    clients, workers = [], []
-    with registered_env(env):
-        for i in range(GATEWAY_WORKERS):
-            redis = connect(cfg.redis.url)
-            gateway_id = f"gateway-sim-{i}"
-            pool = GeneratorPool(redis, keys, refresh_s=0.0)
-            proxy = SessionProxy(pool, http, request_timeout_s=gw.request_timeout_s)
-            clients.append(redis)
-            workers.append(
-                GatewayWorker(
-                    StreamClient(redis, keys, gateway_id),
-                    proxy,
-                    http,
-                    session_base_url="http://gateway.sim",
-                    max_concurrent=gw.max_concurrent_rollouts,
-                    reclaim_idle_s=gw.reclaim_idle_s,
-                    max_turns=cfg.env.max_turns,
-                    gateway_id=gateway_id,
-                    carry_mask_flag=cfg.env.should_mask_flagged_samples,
-                )
-            )
-        try:
-            await asyncio.gather(*(w.run() for w in workers))
-        finally:
-            for w in workers:
-                await w.drain(0.0)  # stragglers still running when the last step ended
-            await http.close()
-            for redis in clients:
-                await redis.aclose()
-    failed: dict[str, int] = defaultdict(int)
-    for w in workers:
-        for reason, n in w.failed.items():
-            failed[reason] += n
-    report.write_text(
-        json.dumps(
-            {"peak_rollouts": env.peak, "rollouts_started": sum(env.started.values()), "failed_rollouts": dict(failed)}
-        )
-    )
-
-
-def serve(argv: list[str]) -> None:
-    """Entry point of a helper process: ``generator|gateway <config.json> <scenario.json> <report.json>``."""
-    role, config, scenario, report = argv
-    cfg = msgspec.json.decode(Path(config).read_bytes(), type=RunConfig)
-    if role == "generator":
-        asyncio.run(SimGenerator(cfg.redis.url, cfg.run.run_id).run())
-    else:
-        s = Scenario(**json.loads(Path(scenario).read_text()))
-        asyncio.run(serve_gateways(cfg, s, Path(report)))
-
-
-def _spawn(role: str, work: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from streamrl.bench_pipeline import serve; serve(sys.argv[1:])",
-        role,
-        str(work / "config.json"),
-        str(work / "scenario.json"),
-        str(work / f"{role}.report.json"),
-    ]
-    with open(work / f"{role}.log", "wb") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
 def run_config(scenario: Scenario, lag: int, *, redis_url: str, run_id: str, work: Path) -> RunConfig:
@@ -322,16 +115,36 @@ def run_config(scenario: Scenario, lag: int, *, redis_url: str, run_id: str, wor
     return cfg
 
 
-async def _train(cfg: RunConfig, train_s: float) -> tuple[SimTrainer, list[Trajectory]]:
-    """Run the trainer to the end; it and the run's trajectories (read back from the stream)."""
-    trainer = SimTrainer(cfg, train_s=train_s)
-    await trainer.start()
+class Observed:
+    """What the benchmark's hooks into the control plane note: when each group's tasks were
+    published and when the trainer read each trajectory (wall times)."""
+
+    def __init__(self) -> None:
+        self.issued_at: dict[int, float] = {}  # group sequence number -> wall time its tasks were published
+        self.received_at: dict[str, float] = {}  # task id -> wall time the trainer read its trajectory
+
+    def tasks_issued(self, tasks: list[Task]) -> None:
+        now = time.time()
+        self.issued_at.update((int(t.group_id[-7:]), now) for t in tasks)  # ids end in the 7-digit sequence
+
+    def trajectory_read(self, traj: Trajectory) -> None:
+        self.received_at[traj.task_id] = time.time()
+
+
+async def _train(cfg: RunConfig, backend: SimBackend, observed: Observed) -> tuple[ControlPlane, list[Trajectory]]:
+    """Run the real control plane to the end with ``backend`` as its learner's; it and the run's
+    trajectories (read back from the stream)."""
+    hooks = TrainerHooks(tasks_issued=observed.tasks_issued, trajectory_read=observed.trajectory_read)
+    control = ControlPlane(
+        cfg, LocalLearner(lambda: backend), worker_id="trainer-sim", url="http://trainer.sim", hooks=hooks
+    )
+    await control.open()
     try:
-        await trainer.run()
-        entries = await trainer.redis.xrange(trainer.keys.trajectories)
+        await control.run()
+        entries = await control.redis.xrange(control.keys.trajectories)
     finally:
-        await trainer.aclose()
-    return trainer, [decode(fields[K.ENTRY_FIELD], Trajectory) for _, fields in entries]
+        await control.aclose()
+    return control, [decode(fields[K.ENTRY_FIELD], Trajectory) for _, fields in entries]
 
 
 def rollout_latencies(
@@ -398,7 +211,8 @@ def real_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pi
     (work / "scenario.json").write_text(json.dumps(asdict(scenario)))
     helpers = [_spawn("generator", work), _spawn("gateway", work)]
     try:
-        trainer, trajs = asyncio.run(_train(cfg, scenario.train_s))
+        backend, observed = SimBackend(scenario.train_s), Observed()
+        trainer, trajs = asyncio.run(_train(cfg, backend, observed))
     finally:
         for p in helpers:
             try:
@@ -411,25 +225,25 @@ def real_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pi
     other_cpu = (host_busy_cpu_s() - host0) - (own_cpu_s(server_pid) - own0)
     wall = time.monotonic() - wall0
     gateway = json.loads((work / "gateway.report.json").read_text())
-    records = [r for r in read_metrics(work / "out" / "metrics.jsonl") if r.get("kind") == "train"]
+    records = step_records(read_records(work / "out" / "metrics.jsonl"))
     measured = records[MEASURE_FROM_STEP + 1 :]
-    starts, ends = [s for s, _ in trainer.backend.spans], [e for _, e in trainer.backend.spans]
+    starts, ends = [s for s, _ in backend.spans], [e for _, e in backend.spans]
     gaps = [b - a for a, b in zip(ends[MEASURE_FROM_STEP:-1], starts[MEASURE_FROM_STEP + 1 :], strict=True)]
     return {
         **pipeline_figures(starts, ends),
         **gateway,
-        **rollout_latencies(trajs, trainer.issued_at, trainer.received_at),
-        "max_train_overshoot_s": max(e - b for b, e in trainer.backend.spans) - scenario.train_s,
+        **rollout_latencies(trajs, observed.issued_at, observed.received_at),
+        "max_train_overshoot_s": max(e - b for b, e in backend.spans) - scenario.train_s,
         "other_cpu_cores": other_cpu / wall,
         "run_wall_s": wall,
         "issued_groups": trainer.scheduler.issued_total,
         "evicted_groups": trainer.buffer.evicted_total,
         "duplicates": trainer.buffer.duplicates_total,
         "mean_gap_s": statistics.mean(gaps),
-        "mean_refit_s": statistics.mean(r["time_refit_s"] for r in measured),
-        "max_refit_s": max(r["time_refit_s"] for r in measured),
-        "mean_wait_data_s": statistics.mean(r["time_wait_data_s"] for r in measured),
-        "max_staleness": max(r["staleness_max"] for r in records),
+        "mean_refit_s": statistics.mean(r.refit.total_s for r in measured),
+        "max_refit_s": max(r.refit.total_s for r in measured),
+        "mean_wait_data_s": statistics.mean(r.timing.wait_data_s for r in measured),
+        "max_staleness": max(r.staleness.max for r in records),
     }
 
 

@@ -22,8 +22,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 import typer
+
+T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="streamrl: asynchronous GRPO over Redis Streams")
 model_app = typer.Typer(no_args_is_help=True, help="tiny model tools")
@@ -88,8 +91,12 @@ def _trainer_url(url: str | None, run_dir: Path | None) -> str:
     return "http://127.0.0.1:8300"
 
 
-def _call(method: str, path: str, url: str | None, run_dir: Path | None, body: dict | None = None) -> dict:
+def _call(
+    method: str, path: str, url: str | None, run_dir: Path | None, answer: type[T], body: dict | None = None
+) -> T:
+    """Call a trainer control route; its answer decoded as ``answer`` (a `shared.records` Struct)."""
     import httpx
+    import msgspec
 
     from shared.auth import client_headers, load_api_token
     from shared.config_error import ConfigError
@@ -105,7 +112,17 @@ def _call(method: str, path: str, url: str | None, run_dir: Path | None, body: d
         _fail(f"cannot reach the trainer at {base}: {exc}", 1)
     if r.status_code >= 400:
         _fail(f"{r.status_code}: {r.text}", 1)
-    return r.json()
+    try:
+        return msgspec.json.decode(r.content, type=answer)
+    except msgspec.DecodeError as exc:
+        _fail(f"the trainer at {base} answered {path} with something unexpected: {exc}", 1)
+        raise
+
+
+def _echo(answer: object) -> None:
+    import msgspec
+
+    typer.echo(msgspec.json.encode(answer).decode())
 
 
 URL = typer.Option(None, "--url", help="trainer URL (default: run.json of --run-dir, or STREAMRL_TRAINER_URL)")
@@ -155,8 +172,10 @@ def report(
 
 @app.command()
 def pause(url: str | None = URL, run_dir: Path | None = RUN_DIR) -> None:
-    """Stop launching rollouts and stop training at the next step boundary."""
-    typer.echo(json.dumps(_call("POST", "/pause", url, run_dir)))
+    """Stop launching rollouts and hold training at the next step boundary."""
+    from shared.records import PauseAnswer
+
+    _echo(_call("POST", "/pause", url, run_dir, PauseAnswer))
 
 
 @app.command()
@@ -166,7 +185,9 @@ def resume(
     run_dir: Path | None = RUN_DIR,
 ) -> None:
     """End a pause (the active one, or the one with --epoch)."""
-    typer.echo(json.dumps(_call("POST", "/resume", url, run_dir, {"epoch": epoch} if epoch is not None else {})))
+    from shared.records import ResumeAnswer
+
+    _echo(_call("POST", "/resume", url, run_dir, ResumeAnswer, {"epoch": epoch} if epoch is not None else {}))
 
 
 @app.command()
@@ -176,21 +197,24 @@ def validate(
     wait: bool = typer.Option(False, "--wait", help="wait for the result and print it"),
     timeout: float = typer.Option(3600.0, help="seconds to wait with --wait"),
 ) -> None:
-    """Run a validation at the next step boundary (its result: GET /validations/<id>)."""
-    queued = _call("POST", "/validate", url, run_dir)
+    """Run a validation at the next step boundary, or before the run ends (its result: GET
+    /validations/<id>; with --wait, exit 0 once it is done, 1 if it failed or was dropped)."""
+    from shared.records import ValidationAccepted, ValidationStatus
+
+    queued = _call("POST", "/validate", url, run_dir, ValidationAccepted)
     if not wait:
-        typer.echo(json.dumps(queued))
+        _echo(queued)
         return
     import time
 
     deadline = time.monotonic() + timeout
     while True:
-        entry = _call("GET", f"/validations/{queued['validation_id']}", url, run_dir)
-        if entry["status"] in ("done", "failed"):
-            typer.echo(json.dumps(entry))
-            raise typer.Exit(0 if entry["status"] == "done" else 1)
+        entry = _call("GET", f"/validations/{queued.validation_id}", url, run_dir, ValidationStatus)
+        if entry.status in ("done", "failed", "dropped"):
+            _echo(entry)
+            raise typer.Exit(0 if entry.status == "done" else 1)
         if time.monotonic() > deadline:
-            _fail(f"validation {queued['validation_id']} still {entry['status']} after {timeout:.0f}s", 1)
+            _fail(f"validation {queued.validation_id} still {entry.status} after {timeout:.0f}s", 1)
         time.sleep(1.0)
 
 
@@ -270,13 +294,10 @@ def data_make(env: str, out: Path, n: int = typer.Option(1000, "--n"), seed: int
         e = get_env(env)
     except UnknownEnvironment as exc:
         _fail(str(exc))
+    from shared.jsonl import write_jsonl
+
     write_jsonl(out, [{"env": env, "instance": inst} for inst in e.make_instances(n, seed)])
     typer.echo(f"{n} {env} instances written to {out}")
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @config_app.command("check", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from shared.jsonl import write_jsonl
 from streamrl.model_builder import build_tiny_model, is_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,6 @@ def prepare(out: Path) -> Path:
     import transformers
 
     from services.gym_gateway.envs.crossing import CrossingEnv
-    from streamrl.cli import write_jsonl
     from streamrl.warmstart import warm_start
 
     transformers.logging.disable_progress_bar()
@@ -60,16 +60,15 @@ def prepare(out: Path) -> Path:
 
 
 def summarize(out: Path) -> dict:
-    from services.trainer.metrics_log import read_metrics
+    from shared.records import read_records, step_records, validation_records
 
-    records = read_metrics(out / "metrics.jsonl")
-    steps = [r for r in records if r.get("kind") == "train"]
-    vals = [r for r in records if r.get("kind") == "validation"]
+    records = read_records(out / "metrics.jsonl")
+    steps, vals = step_records(records), validation_records(records)
     if not steps:
         return {"steps": 0}
-    first = [r["reward_mean"] for r in steps[:5]]
-    last = [r["reward_mean"] for r in steps[-5:]]
-    ids = [i for r in steps for i in r["consumed_ids"]]
+    first = [r.batch.reward_mean for r in steps[:5]]
+    last = [r.batch.reward_mean for r in steps[-5:]]
+    ids = [i for r in steps for i in r.consumed_ids]
     return {
         "steps": len(steps),
         "first5_reward": sum(first) / len(first),
@@ -77,9 +76,9 @@ def summarize(out: Path) -> dict:
         "improvement": sum(last) / len(last) - sum(first) / len(first),
         "trajectories_trained": len(ids),
         "duplicate_ids": len(ids) - len(set(ids)),
-        "mean_staleness": sum(r["staleness_mean"] for r in steps) / len(steps),
-        "mean_step_s": sum(r["time_step_s"] for r in steps) / len(steps),
-        "validation_accuracy": [(v["step"], v["accuracy"]) for v in vals],
+        "mean_staleness": sum(r.staleness.mean for r in steps) / len(steps),
+        "mean_step_s": sum(r.timing.step_s for r in steps) / len(steps),
+        "validation_accuracy": [(v.step, v.accuracy) for v in vals],
     }
 
 

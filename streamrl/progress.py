@@ -8,11 +8,13 @@ one line per finished step.
 from __future__ import annotations
 
 import httpx
+import msgspec
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from shared.auth import client_headers, load_api_token
+from shared.records import StepRecord, TrainerStatus
 from shared.run_config import RunConfig
 
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -41,7 +43,7 @@ class Progress:
         self.enabled = enabled
         self.rewards: list[float] = []
         self.last_step = -1
-        self.status: dict = {}
+        self.status: TrainerStatus | None = None
         self._live: Live | None = None
         self._headers = client_headers(load_api_token())  # /status is a control route
 
@@ -51,7 +53,7 @@ class Progress:
             self._live.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._live is not None:
             self._live.__exit__(*exc)
 
@@ -64,52 +66,53 @@ class Progress:
             return
         if r.status_code != 200:
             return
-        self.status = r.json()
-        last = self.status.get("last") or {}
-        if last and last.get("step", -1) != self.last_step:
-            self.last_step = last["step"]
-            self.rewards.append(float(last.get("reward_mean", 0.0)))
+        try:
+            self.status = msgspec.json.decode(r.content, type=TrainerStatus)
+        except msgspec.DecodeError:
+            return
+        last = self.status.last
+        if last is not None and last.step != self.last_step:
+            self.last_step = last.step
+            self.rewards.append(last.batch.reward_mean)
             if not self.live_mode:
-                self.console.print(self._line(last), highlight=False)
+                self.console.print(self._line(self.status, last), highlight=False)
         if self._live is not None:
             self._live.update(self._table())
 
-    def _line(self, last: dict) -> str:
-        s = self.status
+    @staticmethod
+    def _line(s: TrainerStatus, last: StepRecord) -> str:
         return (
-            f"step {last['step'] + 1}/{s.get('max_num_steps')}  reward {last.get('reward_mean', 0):.3f}  "
-            f"loss {last.get('loss', 0):+.4f}  staleness {last.get('staleness_mean', 0):.2f}  "
-            f"buffer {_offsets(last.get('buffer_depth', {}), last['step'] + 1)}  "
-            f"wait {last.get('time_wait_data_s', 0):.1f}s train {last.get('time_train_s', 0):.1f}s "
-            f"refit {last.get('time_refit_s', 0):.2f}s"
+            f"step {last.step + 1}/{s.max_num_steps}  reward {last.batch.reward_mean:.3f}  "
+            f"loss {last.learner.loss:+.4f}  staleness {last.staleness.mean:.2f}  "
+            f"buffer {_offsets(last.buffer.depth, last.step + 1)}  "
+            f"wait {last.timing.wait_data_s:.1f}s train {last.timing.train_s:.1f}s "
+            f"refit {last.refit.total_s:.2f}s"
         )
 
     def _table(self) -> Table:
         s = self.status
-        last = s.get("last") or {}
         t = Table(title=f"streamrl · run {self.cfg.run.run_id}", show_header=False, expand=False)
         t.add_column(style="bold cyan")
         t.add_column()
-        step = s.get("step", 0)
-        t.add_row(
-            "step", f"{step}/{s.get('max_num_steps', self.cfg.grpo.max_num_steps)}  ({s.get('state', 'starting')})"
-        )
+        if s is None:
+            t.add_row("step", f"0/{self.cfg.grpo.max_num_steps}  (starting)")
+            return t
+        t.add_row("step", f"{s.step}/{s.max_num_steps}  ({s.state})")
         if self.rewards:
             t.add_row("reward", f"{self.rewards[-1]:.3f}  {sparkline(self.rewards[-40:])}")
-        t.add_row("weight version", str(s.get("weight_version", "-")))
-        t.add_row("buffer (target offset:groups)", _offsets(s.get("buffer_depth", {}), step))
-        t.add_row("in flight (target offset:groups)", _offsets(s.get("in_flight_groups", {}), step))
-        if last:
-            t.add_row("staleness (mean/max)", f"{last.get('staleness_mean', 0):.2f} / {last.get('staleness_max', 0)}")
+        t.add_row("weight version", str(s.weight_version))
+        t.add_row("buffer (target offset:groups)", _offsets(s.buffer_depth, s.step))
+        t.add_row("in flight (target offset:groups)", _offsets(s.in_flight_groups, s.step))
+        last = s.last
+        if last is not None:
+            t.add_row("staleness (mean/max)", f"{last.staleness.mean:.2f} / {last.staleness.max}")
             t.add_row(
                 "step time: wait/train/refit",
-                f"{last.get('time_wait_data_s', 0):.1f}s / {last.get('time_train_s', 0):.1f}s / "
-                f"{last.get('time_refit_s', 0):.2f}s",
+                f"{last.timing.wait_data_s:.1f}s / {last.timing.train_s:.1f}s / {last.refit.total_s:.2f}s",
             )
-            t.add_row("loss / grad norm", f"{last.get('loss', 0):+.4f} / {last.get('grad_norm', 0):.3f}")
-            t.add_row("trajectories/s", f"{last.get('trajectories_per_s', 0):.1f}")
-        workers = s.get("workers", [])
-        t.add_row("workers", ", ".join(f"{w['id']}[{w['state']} v{w['weight_version']}]" for w in workers) or "-")
-        if s.get("error"):
-            t.add_row("error", f"[red]{s['error']}[/red]")
+            t.add_row("loss / grad norm", f"{last.learner.loss:+.4f} / {last.learner.grad_norm:.3f}")
+            t.add_row("trajectories/s", f"{last.trajectories_per_s:.1f}")
+        t.add_row("workers", ", ".join(f"{w.id}[{w.state} v{w.weight_version}]" for w in s.workers) or "-")
+        if s.error:
+            t.add_row("error", f"[red]{s.error}[/red]")
         return t

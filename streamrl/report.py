@@ -8,23 +8,23 @@
                     write, checksum and confirm phases
 
 A plot whose data the run does not have (no validation ran) is skipped and reported as such.
-Reads only metrics.jsonl (`services.trainer.metrics_log.read_metrics`); called by `streamrl.cli`.
+Reads only metrics.jsonl (`shared.records.read_records`); called by `streamrl.cli`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-Record = dict[str, Any]
+from shared.records import StepRecord, ValidationRecord, read_records, step_records, validation_records
 
-TIMING_PHASES = (
-    ("time_wait_data_s", "wait for data"),
-    ("time_train_s", "train"),
-    ("time_refit_write_s", "refit: write"),
-    ("time_refit_checksum_s", "refit: checksum"),
-    ("time_refit_confirm_s", "refit: confirm"),
+# The stacked phases of a step's wall time, as read from its record.
+TIMING_PHASES: tuple[tuple[str, Callable[[StepRecord], float]], ...] = (
+    ("wait for data", lambda r: r.timing.wait_data_s),
+    ("train", lambda r: r.timing.train_s),
+    ("refit: write", lambda r: r.refit.write_s),
+    ("refit: checksum", lambda r: r.refit.checksum_s),
+    ("refit: confirm", lambda r: r.refit.confirm_s),
 )
 
 
@@ -68,21 +68,20 @@ def _save(plt, fig, ax, out: Path) -> Path:
     return out
 
 
-def plot_reward(train: list[Record], out: Path) -> Path | None:
+def plot_reward(train: list[StepRecord], out: Path) -> Path | None:
     if not train:
         return None
     plt, fig, ax = _figure("training reward", "reward")
-    xs, ys = [r["step"] for r in train], [float(r["reward_mean"]) for r in train]
+    xs, ys = [r.step for r in train], [r.batch.reward_mean for r in train]
+    sd = [r.batch.reward_std for r in train]
     ax.plot(xs, ys, marker="o", ms=3, alpha=0.5, label="reward mean")
-    if all("reward_std" in r for r in train):
-        sd = [float(r["reward_std"]) for r in train]
-        ax.fill_between(
-            xs,
-            [y - s for y, s in zip(ys, sd, strict=True)],
-            [y + s for y, s in zip(ys, sd, strict=True)],
-            alpha=0.12,
-            label="+-1 std",
-        )
+    ax.fill_between(
+        xs,
+        [y - s for y, s in zip(ys, sd, strict=True)],
+        [y + s for y, s in zip(ys, sd, strict=True)],
+        alpha=0.12,
+        label="+-1 std",
+    )
     window = 5
     if len(ys) >= window:
         smooth = [sum(ys[i - window + 1 : i + 1]) / window for i in range(window - 1, len(ys))]
@@ -90,86 +89,72 @@ def plot_reward(train: list[Record], out: Path) -> Path | None:
     return _save(plt, fig, ax, out)
 
 
-def plot_validation(vals: list[Record], out: Path) -> Path | None:
-    vals = [r for r in vals if "accuracy" in r]
+def plot_validation(vals: list[ValidationRecord], out: Path) -> Path | None:
     if not vals:
         return None
     plt, fig, ax = _figure("validation", "score")
-    ax.plot([r["step"] for r in vals], [float(r["accuracy"]) for r in vals], marker="s", label="accuracy")
-    with_k = [r for r in vals if "pass_k" in r]
+    ax.plot([r.step for r in vals], [r.accuracy for r in vals], marker="s", label="accuracy")
+    with_k = [(r.step, r.pass_k) for r in vals if r.pass_k is not None]
     if with_k:
-        ax.plot([r["step"] for r in with_k], [float(r["pass_k"]) for r in with_k], marker="^", label="pass@k")
+        ax.plot([s for s, _ in with_k], [p for _, p in with_k], marker="^", label="pass@k")
     ax.set_ylim(-0.02, 1.02)
     return _save(plt, fig, ax, out)
 
 
-def plot_staleness(train: list[Record], out: Path) -> Path | None:
+def plot_staleness(train: list[StepRecord], out: Path) -> Path | None:
     if not train:
         return None
     plt, fig, ax = _figure("staleness of consumed trajectories", "trajectories")
-    xs = [r["step"] for r in train]
-    ages = sorted({int(a) for r in train for a in (r.get("staleness_counts") or {})})
+    xs = [r.step for r in train]
+    ages = sorted({int(a) for r in train for a in r.staleness.counts})
     bottom = [0.0] * len(train)
     for age in ages:
-        counts = [float((r.get("staleness_counts") or {}).get(str(age), 0)) for r in train]
+        counts = [float(r.staleness.counts.get(str(age), 0)) for r in train]
         ax.bar(xs, counts, bottom=bottom, width=0.8, label=f"age {age}")
         bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
     right = ax.twinx()
-    right.plot(xs, [float(r["staleness_mean"]) for r in train], color="black", lw=1.6, label="group mean")
-    right.plot(xs, [float(r["staleness_max"]) for r in train], color="black", ls="--", lw=1.0, label="group max")
+    right.plot(xs, [r.staleness.mean for r in train], color="black", lw=1.6, label="group mean")
+    right.plot(xs, [r.staleness.max for r in train], color="black", ls="--", lw=1.0, label="group max")
     right.set_ylabel("steps")
-    right.set_ylim(0, max(float(r["staleness_max"]) for r in train) + 1)
+    right.set_ylim(0, max(r.staleness.max for r in train) + 1)
     handles, labels = ax.get_legend_handles_labels()
     more, more_labels = right.get_legend_handles_labels()
     ax.legend(handles + more, labels + more_labels, loc="lower right", fontsize=8)
     return _save(plt, fig, ax, out)
 
 
-def plot_timing(train: list[Record], out: Path) -> Path | None:
-    phases = [(k, label) for k, label in TIMING_PHASES if any(k in r for r in train)]
-    if not train or not phases:
+def plot_timing(train: list[StepRecord], out: Path) -> Path | None:
+    if not train:
         return None
-    if not any(k.startswith("time_refit_") and k != "time_refit_s" for k, _ in phases) and any(
-        "time_refit_s" in r for r in train
-    ):
-        phases.append(("time_refit_s", "refit"))  # records written before refit phases were split
     plt, fig, ax = _figure("time per step", "seconds")
-    xs = [r["step"] for r in train]
+    xs = [r.step for r in train]
     bottom = [0.0] * len(train)
-    for key, label in phases:
-        values = [float(r.get(key, 0.0)) for r in train]
+    for label, phase in TIMING_PHASES:
+        values = [phase(r) for r in train]
         ax.bar(xs, values, bottom=bottom, width=0.8, label=label)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    if all("time_step_s" in r for r in train):
-        ax.plot(xs, [float(r["time_step_s"]) for r in train], color="black", lw=1.2, label="step total")
+    ax.plot(xs, [r.timing.step_s for r in train], color="black", lw=1.2, label="step total")
     return _save(plt, fig, ax, out)
-
-
-PLOTS: dict[str, tuple[str, Callable[[list[Record], Path], Path | None]]] = {
-    "reward": ("train", plot_reward),
-    "validation": ("validation", plot_validation),
-    "staleness": ("train", plot_staleness),
-    "timing": ("train", plot_timing),
-}
 
 
 def build_report(run_dir: Path, out_dir: Path | None = None) -> tuple[dict[str, Path], list[str]]:
     """Write every plot the metrics allow; ({name: png path}, [names skipped for lack of data])."""
-    from services.trainer.metrics_log import read_metrics
-
-    records = read_metrics(find_metrics(run_dir))
+    records = read_records(find_metrics(run_dir))
     if not records:
         raise ReportError(f"{find_metrics(run_dir)} is empty")
-    by_kind = {
-        "train": sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"]),
-        "validation": sorted((r for r in records if r.get("kind") == "validation"), key=lambda r: r["step"]),
+    train, vals = step_records(records), validation_records(records)
+    plots: dict[str, Callable[[Path], Path | None]] = {
+        "reward": lambda p: plot_reward(train, p),
+        "validation": lambda p: plot_validation(vals, p),
+        "staleness": lambda p: plot_staleness(train, p),
+        "timing": lambda p: plot_timing(train, p),
     }
     out = out_dir or (run_dir if run_dir.is_dir() else run_dir.parent) / "report"
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     skipped: list[str] = []
-    for name, (kind, plot) in PLOTS.items():
-        path = plot(by_kind[kind], out / f"{name}.png")
+    for name, plot in plots.items():
+        path = plot(out / f"{name}.png")
         if path is None:
             skipped.append(name)
         else:

@@ -28,6 +28,7 @@ import msgspec
 
 from shared.auth import client_headers, load_api_token, redact_url
 from shared.queue_stats import RunSnapshot, find_runs, snapshot
+from shared.records import TrainerStatus
 
 
 class StatusError(RuntimeError):
@@ -75,7 +76,7 @@ async def gather(redis_url: str, run_id: str | None) -> RunSnapshot:
         await redis.aclose()
 
 
-def fetch_trainer_status(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
+def fetch_trainer_status(url: str, timeout_s: float = 2.0) -> TrainerStatus:
     """GET <url>/status with the API token; StatusError naming the trainer and the refusal."""
     import httpx
 
@@ -85,10 +86,13 @@ def fetch_trainer_status(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
         raise StatusError(f"cannot reach the trainer at {url}: {exc}") from None
     if r.status_code != 200:
         raise StatusError(f"the trainer at {url} answered {r.status_code}: {r.text[:300]}")
-    return r.json()
+    try:
+        return msgspec.json.decode(r.content, type=TrainerStatus)
+    except msgspec.DecodeError as exc:
+        raise StatusError(f"the trainer at {url} answered /status with something unexpected: {exc}") from None
 
 
-def trainer_status(snap: RunSnapshot, url: str | None = None) -> dict[str, Any] | None:
+def trainer_status(snap: RunSnapshot, url: str | None = None) -> TrainerStatus | None:
     """The trainer's own /status (at ``url``, else its registered URL), or None when it does not answer."""
     trainers = [w.heartbeat.url for w in snap.workers if w.heartbeat.kind == "trainer"]
     url = url or (trainers[0] if trainers else None)
@@ -100,48 +104,48 @@ def trainer_status(snap: RunSnapshot, url: str | None = None) -> dict[str, Any] 
         return None
 
 
-def render_trainer_only(trainer: dict[str, Any], console=None) -> None:
+def render_trainer_only(trainer: TrainerStatus, console=None) -> None:
     """Without Redis: the trainer's view (workers from its registry read, no queues)."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
     console.print(
-        f"run {trainer['run_id']}: step {trainer['step']}/{trainer['max_num_steps']} ({trainer['state']})  "
-        f"pause {', '.join(trainer['pause']) or '-'}  (from the trainer; set REDIS_URL for queues)"
+        f"run {trainer.run_id}: step {trainer.step}/{trainer.max_num_steps} ({trainer.state})  "
+        f"pause {', '.join(trainer.pause) or '-'}  (from the trainer; set REDIS_URL for queues)"
     )
     t = Table(title="services")
     for col in ("kind", "id", "state", "weight version", "in flight"):
         t.add_column(col)
-    for w in trainer["workers"]:
-        t.add_row(w["kind"], w["id"], w["state"], str(w["weight_version"]), str(w["in_flight"]))
+    for w in trainer.workers:
+        t.add_row(w.kind, w.id, w.state, str(w.weight_version), str(w.in_flight))
     console.print(t)
     _trainer_line(trainer, console)
 
 
-def current_step(snap: RunSnapshot, trainer: dict[str, Any] | None) -> int:
+def current_step(snap: RunSnapshot, trainer: TrainerStatus | None) -> int:
     """Steps done: the trainer writes the key after each step, so none yet (or only its REST view) is 0."""
     if snap.step is not None:
         return snap.step
-    return int(trainer["step"]) if trainer else 0
+    return trainer.step if trainer else 0
 
 
-def to_json(snap: RunSnapshot, trainer: dict[str, Any] | None) -> str:
+def to_json(snap: RunSnapshot, trainer: TrainerStatus | None) -> str:
     data = dataclasses.asdict(snap)
     data["step"] = current_step(snap, trainer)
     data["workers"] = [{**msgspec.to_builtins(w.heartbeat), "heartbeat_age_s": w.age_s} for w in snap.workers]
-    data["trainer"] = trainer
+    data["trainer"] = msgspec.to_builtins(trainer) if trainer else None
     return json.dumps(data, indent=2, default=str)
 
 
-def render(snap: RunSnapshot, trainer: dict[str, Any] | None, console=None) -> None:
+def render(snap: RunSnapshot, trainer: TrainerStatus | None, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
     step = str(current_step(snap, trainer))
     if trainer:
-        step += f"/{trainer['max_num_steps']} ({trainer['state']})"
+        step += f"/{trainer.max_num_steps} ({trainer.state})"
     console.print(f"run {snap.run_id}: step {step}  pause {', '.join(snap.pause) or '-'}")
     services = Table(title="services")
     for col in ("kind", "id", "url", "state", "weight version", "in flight", "heartbeat age"):
@@ -178,15 +182,14 @@ def render(snap: RunSnapshot, trainer: dict[str, Any] | None, console=None) -> N
         _trainer_line(trainer, console)
 
 
-def _trainer_line(trainer: dict[str, Any], console) -> None:
-    last = trainer.get("last") or {}
-    reward = last.get("reward_mean")
+def _trainer_line(trainer: TrainerStatus, console) -> None:
+    reward = f"{trainer.last.batch.reward_mean:.3f}" if trainer.last else "-"
     console.print(
-        f"trainer: weight version {trainer['weight_version']}  buffer {trainer['buffer_depth']}  "
-        f"in flight {trainer['in_flight_groups']}  reward {'-' if reward is None else f'{reward:.3f}'}"
+        f"trainer: weight version {trainer.weight_version}  buffer {trainer.buffer_depth}  "
+        f"in flight {trainer.in_flight_groups}  reward {reward}"
     )
-    if trainer.get("error"):
-        console.print(f"[red]error: {trainer['error']}[/red]")
+    if trainer.error:
+        console.print(f"[red]error: {trainer.error}[/red]")
 
 
 def run_status(
@@ -202,7 +205,7 @@ def run_status(
     if not (explicit or run_file.get("redis_url")) and trainer_url:
         trainer = fetch_trainer_status(trainer_url, timeout_s=10.0)
         if as_json:
-            return json.dumps({"trainer": trainer}, indent=2)
+            return json.dumps({"trainer": msgspec.to_builtins(trainer)}, indent=2)
         render_trainer_only(trainer)
         return None
     url = resolve_redis_url(redis_url, run_file)

@@ -1,8 +1,10 @@
-"""streamrl trainer: ``python -m services.trainer --config RUN.yaml [key=value ...]``.
+"""streamrl trainer: ``python -m services.trainer --config RUN.yaml [--port N] [key=value ...]``.
 
 Parses the command line and loads the config before importing torch or transformers, so
-``--help`` and config errors are instant. Under torchrun it refuses a world size above 1: the
-trainer is one rank for now (a multi-rank trainer would keep the loop on rank 0 only).
+``--help`` and config errors are instant. Exits 0 when the run finishes, 1 when it fails (or the
+policy cannot load); SIGTERM or SIGINT stops the run (a restart resumes from the newest
+checkpoint) and the process ends by that signal. Under torchrun it refuses a world size above 1:
+the trainer is one rank for now (a multi-rank trainer runs the control plane on rank 0 only).
 """
 
 from __future__ import annotations
@@ -28,11 +30,18 @@ def main(argv: list[str] | None = None) -> int:
             world_size,
         )
         return 2
-    import asyncio
+    import uvicorn
 
-    from services.trainer.serve import serve
+    from services.trainer.app import build_app, stop_run
+    from shared.registry import default_worker_id
+    from shared.service import run_server
 
-    return asyncio.run(serve(cfg, args.port, worker_id=args.worker_id))
+    t = cfg.trainer
+    port = t.port if args.port is None else args.port
+    worker_id = args.worker_id or default_worker_id("trainer")
+    app = build_app(cfg, worker_id=worker_id, url=f"http://{t.host}:{port}")
+    config = uvicorn.Config(app, host=t.host, port=port, log_level="warning", lifespan="on")
+    return run_server(app, config, drain=lambda: stop_run(app), drain_timeout_s=60.0)
 
 
 if __name__ == "__main__":

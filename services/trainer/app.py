@@ -1,110 +1,105 @@
-"""The trainer's REST API: status, pause/resume, validation requests, health and metrics.
+"""The trainer service: `build_app` wires the control plane, its learner, metrics and REST routes.
 
-    POST /pause               -> {"epoch": E}        launch gate closed, training stops at the next
-                                                      step boundary
-    POST /resume  {"epoch"?}  -> {"resumed": bool}   ends pause E (or the active user pause); a
-                                                      stale epoch is refused with 409
-    POST /validate            -> {"validation_id", "at_step"}   runs at the next step boundary
-    GET  /status              -> JSON status (step, buffer depth per target, staleness, workers...)
-    GET  /validations/<id>    -> a requested validation's state and result
-    GET  /health, /ready, /metrics   (open: probes and scrapes)
+    build_app(cfg):  learner (the backend from the `services.trainer.backends` registry) ->
+                     control plane -> Prometheus metrics -> app with the routes and the probes
+    lifespan:        loop-lag probe -> supervised task "run": control.open() (loads the policy,
+                     restores the newest checkpoint) then control.run()
+                     ... the run ends: the service stops with exit code 0; it fails: exit code 1
+    shutdown:        the run task is stopped (SIGTERM: `stop_run` cancels it first; the process
+                     then ends by the signal), heartbeat and Redis closed
 
-Every other route is a control route: with an API token set it requires the bearer token
-(`shared.http.require_control_token`).
-
-Built by `build_app` around a TrainerRuntime (which owns all state); started by __main__.
+The REST API answers while the loop trains (training runs in a worker thread). Tests and
+benchmarks pass a control plane of their own (``control=``), built around a learner and hooks of
+their choosing, and ``run=False`` to serve the API without running the loop.
 """
 
 from __future__ import annotations
 
-import msgspec
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
+from fastapi import FastAPI
+
+from services.trainer.backends import build_backend
+from services.trainer.control_plane import ControlPlane, TrainerHooks
+from services.trainer.learner import LocalLearner
 from services.trainer.observe import TrainerMetrics
-from services.trainer.runtime import TrainerRuntime
+from services.trainer.routes import router
 from shared.auth import AuthPolicy
-from shared.http import HTTPError, decode_body, install_error_handlers, require_control_token
-from shared.metrics import CONTENT_TYPE
-from shared.openapi import document_bodies, json_body
-from shared.pause import PauseReason
+from shared.http import install_error_handlers
+from shared.openapi import document_bodies
+from shared.run_config import RunConfig
+from shared.service import Readiness, ServiceLifecycle, add_probe_routes, bounded
 
-CONTROL = [Depends(require_control_token)]
-
-
-class ResumeRequest(msgspec.Struct, forbid_unknown_fields=True):
-    epoch: int | None = None
+_CLOSE_TIMEOUT_S = 30.0
 
 
 def build_app(
-    runtime: TrainerRuntime, metrics: TrainerMetrics | None = None, *, auth: AuthPolicy | None = None
+    cfg: RunConfig,
+    *,
+    worker_id: str,
+    url: str,
+    control: ControlPlane | None = None,
+    run: bool = True,
+    auth: AuthPolicy | None = None,
 ) -> FastAPI:
-    """The REST app around ``runtime``; ``auth`` defaults to the token in the environment."""
-    metrics = metrics if metrics is not None else TrainerMetrics()
-    runtime.record_sinks.append(metrics.observe_record)
-    metrics.count_dead_letters(lambda: getattr(runtime, "streams", None))
-    app = FastAPI(title="streamrl trainer")
+    """The trainer app for ``cfg``; ``auth`` defaults to the token in the environment."""
+    metrics = TrainerMetrics()
+    if control is None:
+        learner = LocalLearner(lambda: build_backend(cfg))
+        control = ControlPlane(cfg, learner, worker_id=worker_id, url=url, hooks=TrainerHooks())
+    control.hooks.record_sinks.append(metrics.observe_record)
+    metrics.count_dead_letters(lambda: control.streams)
+    app = FastAPI(title="streamrl trainer", lifespan=_lifespan)
+    s = app.state
+    s.cfg, s.control, s.metrics, s.run_loop = cfg, control, metrics, run
+    s.lifecycle = lifecycle = ServiceLifecycle("trainer")
+    s.auth = auth if auth is not None else AuthPolicy.from_env()
+    lifecycle.on_failure(control.fail)
     install_error_handlers(app)
-    app.state.runtime, app.state.metrics = runtime, metrics
-    app.state.auth = auth if auth is not None else AuthPolicy.from_env()
+    app.include_router(router)
 
-    def ready_runtime() -> TrainerRuntime:
-        if not hasattr(runtime, "buffer"):
-            raise HTTPError(503, "trainer is still starting")
-        return runtime
+    def readiness() -> Readiness:
+        ok = control.weight_version >= 0 and control.error is None
+        return Readiness(
+            ready=ok, state=control.state.value, error=control.error, weight_version=control.weight_version
+        )
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def render_metrics() -> bytes:
+        metrics.update_from_control(control)
+        await metrics.update_from_redis(control.redis, control.keys)
+        return metrics.render()
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        ok = runtime.weight_version >= 0 and runtime.error is None
-        return JSONResponse({"ready": ok, "state": runtime.state}, status_code=200 if ok else 503)
-
-    @app.get("/status", dependencies=CONTROL)
-    async def status() -> dict:
-        return await ready_runtime().status()
-
-    @app.post("/pause", dependencies=CONTROL)
-    async def pause() -> dict:
-        epoch = await ready_runtime().pause.pause(PauseReason.USER)
-        return {"epoch": epoch}
-
-    @app.post("/resume", dependencies=CONTROL, openapi_extra=json_body(ResumeRequest, required=False))
-    async def resume(request: Request) -> dict:
-        rt = ready_runtime()
-        body = await request.body()
-        req = decode_body(body, ResumeRequest) if body.strip() else ResumeRequest()
-        active = (await rt.pause.reasons()).get("user")
-        if active is None:
-            return {"resumed": False, "reason": "not paused"}
-        epoch = active if req.epoch is None else req.epoch
-        if not await rt.pause.resume(PauseReason.USER, epoch):
-            raise HTTPError(409, f"pause epoch {epoch} is not the active pause (active: {active})", param="epoch")
-        return {"resumed": True, "epoch": epoch}
-
-    @app.post("/validate", dependencies=CONTROL)
-    async def validate() -> dict:
-        rt = ready_runtime()
-        if rt.validator is None:
-            raise HTTPError(400, "no validation data: set data.val_path", param="data.val_path")
-        vid = rt.request_validation()
-        return {"validation_id": vid, "at_step": rt.step, "status": "queued", "result_url": f"/validations/{vid}"}
-
-    @app.get("/validations/{validation_id}", dependencies=CONTROL)
-    async def validation(validation_id: str) -> dict:
-        entry = runtime.validations.get(validation_id)
-        if entry is None:
-            raise HTTPError(404, f"no validation {validation_id!r}", param="validation_id")
-        return entry
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        metrics.update_from_runtime(runtime)
-        if hasattr(runtime, "redis"):
-            await metrics.update_from_redis(runtime.redis, runtime.keys)
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
+    add_probe_routes(app, readiness, render_metrics)
     document_bodies(app)
     return app
+
+
+async def _open_and_run(control: ControlPlane) -> None:
+    await control.open()
+    await control.run()
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    s = app.state
+    s.metrics.start_loop_lag_probe()
+    if s.run_loop:
+        s.lifecycle.supervise("run", _open_and_run(s.control), ends_service=True)
+    try:
+        yield
+    finally:
+        await s.lifecycle.stop_tasks()
+        await bounded(s.control.aclose(), "trainer close", _CLOSE_TIMEOUT_S)
+        await s.metrics.aclose()
+
+
+async def stop_run(app: FastAPI) -> None:
+    """The trainer's drain on SIGTERM: stop the run at once (a restart resumes from the newest
+    checkpoint; unacknowledged trajectories are delivered again)."""
+    task = app.state.lifecycle.tasks.get("run")
+    if task is None or task.done():
+        return
+    task.cancel()
+    await asyncio.wait({task}, timeout=_CLOSE_TIMEOUT_S)

@@ -15,7 +15,7 @@ What a masked row contributes: its reward counts in its group's baseline and std
 advantages), but none of its tokens enter the loss or the normalising token count. Backfilled
 placeholders (failed rollouts) contribute nothing at all: no loss, and no part in the baselines.
 
-Called by the trainer loop; pure numpy.
+Called by the trainer's control plane (the learner gets the rows); pure numpy.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 from services.trainer.advantages import batch_advantages
 from services.trainer.buffer import Group
 from shared.protocol import Trajectory
+from shared.records import BatchStats
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Row:
 @dataclass
 class StepBatch:
     rows: list[Row]
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: BatchStats | None = None  # None for a batch built by hand (tests, benchmarks)
 
     @property
     def trainable(self) -> list[Row]:
@@ -146,40 +147,41 @@ def build_step_batch(
         r.advantage = float(a)
         for seg in r.segments:
             seg.advantage = float(a)
+    segments = [seg for r in rows for seg in r.segments]
+    return StepBatch(rows + segments, batch_stats(trajs, rows, adv, group_size, num_segments=len(segments)))
+
+
+def batch_stats(
+    trajs: list[Trajectory], rows: list[Row], adv: np.ndarray, group_size: int, *, num_segments: int
+) -> BatchStats:
+    """What the step record reports about the batch (one row per rollout, before segments)."""
     rewards = np.array([r.reward for r in rows], dtype=np.float64)
-    failures: dict[str, float] = {}
+    real = [r for r in rows if not r.placeholder]
+    failures: dict[str, int] = {}
     for t in trajs:
         if t.fallback_reason:
-            key = f"rollout_failures/{t.fallback_reason.split(':', 1)[0]}"
-            failures[key] = failures.get(key, 0.0) + 1.0
-    real = [r for r in rows if not r.placeholder]
-    stats = {
-        "reward_mean": float(rewards.mean()) if len(rows) else 0.0,
-        "reward_std": float(rewards.std()) if len(rows) else 0.0,
-        "num_rows": float(len(rows)),
-        "num_placeholders": float(len(rows) - len(real)),
-        "num_prefix_breaks": float(sum(r.prefix_break for r in rows)),
-        "num_mixed_version_rows": float(sum(len(t.versions) > 1 for t in trajs)),
-        "num_truncated": float(sum(r.truncated for r in rows)),
-        "num_masked_samples": float(sum(r.sample_mask == 0 for r in real)),
-        "num_mask_sample_filtered": float(sum(r.env_flagged for r in real)),
-        "mean_seq_len": float(np.mean([len(r.input_ids) for r in real])) if real else 0.0,
-        "gen_tokens": float(sum(r.token_mask.sum() for r in rows)),
-        "advantages_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
-        "zero_advantage_groups": float(
-            sum(
-                all(abs(r.advantage) < 1e-9 for r in rows[i : i + group_size])
-                for i in range(0, len(rows), group_size or 1)
-            )
-        ),
-    }
-    # Environment metrics of the step's rollouts (turns, tool use, ...), averaged: env/<name>.
-    sums: dict[str, float] = {}
+            reason = t.fallback_reason.split(":", 1)[0]
+            failures[reason] = failures.get(reason, 0) + 1
+    env: dict[str, float] = {}  # environment metrics of the step's rollouts (turns, tool use, ...)
     for t in trajs:
         for k, v in t.metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-    stats.update({f"env/{k}": v / len(trajs) for k, v in sorted(sums.items())})
-    stats.update(failures)
-    segments = [seg for r in rows for seg in r.segments]
-    stats["num_prefix_break_samples"] = float(len(segments))
-    return StepBatch(rows + segments, stats)
+            env[k] = env.get(k, 0.0) + float(v)
+    groups = range(0, len(rows), group_size or 1)
+    return BatchStats(
+        reward_mean=float(rewards.mean()) if len(rows) else 0.0,
+        reward_std=float(rewards.std()) if len(rows) else 0.0,
+        num_rows=len(rows),
+        num_placeholders=len(rows) - len(real),
+        num_prefix_breaks=sum(r.prefix_break for r in rows),
+        num_prefix_break_samples=num_segments,
+        num_mixed_version_rows=sum(len(t.versions) > 1 for t in trajs),
+        num_truncated=sum(r.truncated for r in rows),
+        num_masked_samples=sum(r.sample_mask == 0 for r in real),
+        num_mask_sample_filtered=sum(r.env_flagged for r in real),
+        mean_seq_len=float(np.mean([len(r.input_ids) for r in real])) if real else 0.0,
+        gen_tokens=int(sum(r.token_mask.sum() for r in rows)),
+        advantages_abs_mean=float(np.abs(adv).mean()) if len(adv) else 0.0,
+        zero_advantage_groups=sum(all(abs(r.advantage) < 1e-9 for r in rows[i : i + group_size]) for i in groups),
+        env={k: v / len(trajs) for k, v in sorted(env.items())},
+        rollout_failures=failures,
+    )

@@ -1,31 +1,66 @@
-"""Trainer checkpoints: model + optimizer + scheduler cursor + consumed-id ledger, per step.
+"""Trainer checkpoints, and the acknowledgements that wait for them.
 
-Layout: ``<checkpoint_dir>/step_000010/{trainer_state.pt, meta.json}``, written to a temporary
-folder and renamed, so a crash mid-save leaves the previous checkpoint intact. The newest complete
-one is restored at start-up. Called by the trainer runtime.
+Layout of one checkpoint, written to a temporary folder and renamed, so a crash mid-save leaves
+the previous checkpoint intact; the newest complete one is restored at start-up::
+
+    <checkpoint_dir>/step_000010/
+        learner/        the learner's part: model, optimizer, schedule, RNG (its backend decides the files)
+        control.json    the control plane's part: the scheduler's prompt cursor, the consumed-id ledger
+        meta.json       step, weight version, time
+
+`Checkpointer` saves at ``checkpointing.save_period`` (and at the last step), and holds back the
+acknowledgement of the trajectories a step trained until a checkpoint that includes the step is
+on disk: a crash before it re-delivers them, and the restored ledger refuses any already trained.
+After each step it also trims the tasks and trajectories streams by acknowledged id (never an
+unacknowledged entry; ``trainer.stream_retention_s`` of acknowledged history stays).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
-import torch
+import msgspec
+
+from services.trainer.learner import Learner
+from services.trainer.scheduler import SchedulerState
+from shared import keys as K
+from shared.run_config import CheckpointSection
+from shared.streams import StreamClient
 
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int) -> Path:
-    final = ckpt_dir / f"step_{step:06d}"
-    tmp = ckpt_dir / f".step_{step:06d}.tmp"
+class ControlState(msgspec.Struct, kw_only=True):
+    """The control plane's part of a checkpoint."""
+
+    scheduler: SchedulerState
+    consumed_ids: list[str]
+
+
+class CheckpointMeta(msgspec.Struct, kw_only=True):
+    step: int  # steps done
+    weight_version: int
+    saved_at: float
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    done = sorted(p for p in ckpt_dir.glob("step_[0-9]*") if (p / "meta.json").is_file())
+    return done[-1] if done else None
+
+
+async def save_checkpoint(
+    ckpt_dir: Path, learner: Learner, control: ControlState, meta: CheckpointMeta, keep_last: int
+) -> Path:
+    final = ckpt_dir / f"step_{meta.step:06d}"
+    tmp = ckpt_dir / f".step_{meta.step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(state, tmp / "trainer_state.pt")
-    (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "saved_at": time.time()}, indent=2))
+    (tmp / "learner").mkdir(parents=True)
+    await learner.save(tmp / "learner")
+    (tmp / "control.json").write_bytes(msgspec.json.encode(control))
+    (tmp / "meta.json").write_bytes(msgspec.json.encode(meta))  # last: it marks the folder complete
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted(ckpt_dir.glob("step_[0-9]*"))[:-keep_last]:
@@ -34,12 +69,68 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], meta: dict
     return final
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    done = sorted(p for p in ckpt_dir.glob("step_[0-9]*") if (p / "meta.json").is_file())
-    return done[-1] if done else None
+async def load_checkpoint(path: Path, learner: Learner) -> tuple[ControlState, CheckpointMeta]:
+    """Restore the learner from ``path``; the control plane's state and the meta to apply."""
+    await learner.load(path / "learner")
+    control = msgspec.json.decode((path / "control.json").read_bytes(), type=ControlState)
+    meta = msgspec.json.decode((path / "meta.json").read_bytes(), type=CheckpointMeta)
+    return control, meta
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    meta = json.loads((path / "meta.json").read_text())
-    return state, meta
+class Checkpointer:
+    def __init__(
+        self,
+        cfg: CheckpointSection,
+        ckpt_dir: Path,
+        streams: StreamClient,
+        learner: Learner,
+        *,
+        max_num_steps: int,
+        stream_retention_s: float,
+    ) -> None:
+        self.cfg = cfg
+        self.ckpt_dir = ckpt_dir
+        self.streams = streams
+        self.learner = learner
+        self.max_num_steps = max_num_steps
+        self.stream_retention_s = stream_retention_s
+        self.unacked: list[str] = []  # entries of trained trajectories waiting for a durable checkpoint
+
+    def hold(self, entry_ids: list[str]) -> None:
+        """Acknowledge these entries once a checkpoint covers the step that trained them."""
+        self.unacked += entry_ids
+
+    def due(self, step: int) -> bool:
+        c = self.cfg
+        return c.enabled and (step % c.save_period == 0 or step >= self.max_num_steps)
+
+    async def after_step(self, control: ControlState, meta: CheckpointMeta, *, force: bool = False) -> bool:
+        """Checkpoint if due (or forced), then ack what it made durable and trim the streams;
+        True if a checkpoint was saved."""
+        saved = False
+        if self.cfg.enabled and (force or self.due(meta.step)):
+            await save_checkpoint(self.ckpt_dir, self.learner, control, meta, self.cfg.keep_last)
+            saved = True
+        if saved or not self.cfg.enabled:
+            await self.ack_held()
+        keys = self.streams.keys
+        for stream in (keys.tasks, keys.trajectories):  # bounded: acknowledged entries go
+            await self.streams.trim_acked(stream, retention_s=self.stream_retention_s)
+        return saved
+
+    async def ack_held(self) -> None:
+        await self.streams.ack(self.streams.keys.trajectories, K.TRAINER_GROUP, self.unacked)
+        self.unacked = []
+
+    async def restore(self) -> tuple[ControlState, CheckpointMeta] | None:
+        """Load the newest checkpoint into the learner; None when there is none (or checkpointing is off)."""
+        path = latest_checkpoint(self.ckpt_dir) if self.cfg.enabled else None
+        if path is None:
+            return None
+        control, meta = await load_checkpoint(path, self.learner)
+        log.info("resumed from %s at step %d (%d consumed ids)", path, meta.step, len(control.consumed_ids))
+        return control, meta
+
+
+def checkpoint_meta(step: int, weight_version: int) -> CheckpointMeta:
+    return CheckpointMeta(step=step, weight_version=weight_version, saved_at=time.time())

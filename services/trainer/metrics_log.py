@@ -1,42 +1,59 @@
-"""Per-step metrics as JSONL (one object per step or validation), TensorBoard scalars, and the
-reward-curve plot.
+"""Where the trainer's records go: metrics.jsonl, TensorBoard scalars, record sinks, the reward plot.
 
-Each training record holds reward, losses, staleness, timings and the ids of the trajectories the
-step consumed (the audit ledger: no id may appear twice in a run). Every record written also goes
-to the record sinks (the trainer's Prometheus metrics) and, with ``logger.tensorboard``, to a
-TensorBoard event file: every numeric field as a scalar under ``train/`` or ``validation/``, at
-the record's step. Written by the trainer runtime; read by ``streamrl report`` and the benchmarks.
+Each record (`shared.records.StepRecord` per step, `ValidationRecord` per validation) is one JSON
+line of metrics.jsonl; a step's record holds reward, losses, staleness, timings and the ids of the
+trajectories it consumed (the audit ledger: no id may appear twice in a run). Every record written
+also goes to the record sinks (the trainer's Prometheus metrics) and, with ``logger.tensorboard``,
+to a TensorBoard event file: every numeric figure as a scalar under ``train/`` or ``validation/``
+at the record's step. A step's ``batch.reward_mean`` is ``train/reward_mean`` and its
+``learner.loss`` is ``train/loss``; other parts keep their name as a prefix
+(``train/staleness/mean``, ``train/env/turns``). Written by the control plane; read back with
+`shared.records.read_records`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import msgspec
+
+from shared.records import Record, ValidationRecord, encode_record, step_records, validation_records
 
 log = logging.getLogger(__name__)
 
-RecordSink = Callable[[dict[str, Any]], None]
+RecordSink = Callable[[Record], None]
+
+# Fields that are not scalars of the record's step (the step itself, wall time, id ledgers).
+_NOT_SCALARS = {"step", "time", "weight_version", "consumed_ids", "evicted_ids", "validation_id"}
+# Parts of a step record whose figures are written under their own names (``batch.reward_mean`` ->
+# ``reward_mean``, ``learner.loss`` -> ``loss``); every other mapping keeps its field name as a
+# prefix (``staleness/mean``, ``refit/total_s``, ``env/turns``).
+_FLAT = {"batch", "learner"}
 
 
 class MetricsLog:
-    def __init__(
-        self, path: Path, *, sinks: list[RecordSink] | None = None, tensorboard_dir: Path | None = None
-    ) -> None:
+    def __init__(self, path: Path, *, sinks: list[RecordSink], tensorboard_dir: Path | None = None) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(path, "a", buffering=1)
-        self.sinks = sinks if sinks is not None else []
-        self._tb = None
-        if tensorboard_dir is not None:
+        self.sinks = sinks
+        self.tensorboard_dir = tensorboard_dir
+        self._fh: IO[bytes] | None = None
+        self._tb: Any = None
+
+    def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "ab", buffering=0)
+        if self.tensorboard_dir is not None:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=str(tensorboard_dir), flush_secs=10)
+            self._tb = SummaryWriter(logdir=str(self.tensorboard_dir), flush_secs=10)
 
-    def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+    def write(self, record: Record) -> None:
+        if self._fh is None:
+            raise RuntimeError("MetricsLog.write before open()")
+        self._fh.write(encode_record(record) + b"\n")
         if self._tb is not None:
             write_scalars(self._tb, record)
         for sink in self.sinks:
@@ -46,37 +63,39 @@ class MetricsLog:
                 log.exception("metrics sink %r failed", sink)
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
-def write_scalars(writer, record: dict[str, Any]) -> None:
-    """Every numeric field of ``record`` (nested dicts flattened with '/') at the record's step."""
-    prefix = "validation" if record.get("kind") == "validation" else "train"
-    step = int(record.get("step", 0))
-    for key, value in _numeric(record):
-        if key not in ("step", "time"):
-            writer.add_scalar(f"{prefix}/{key}", value, global_step=step)
+def write_scalars(writer: Any, record: Record) -> None:
+    """Every numeric figure of ``record`` at the record's step."""
+    prefix = "validation" if isinstance(record, ValidationRecord) else "train"
+    for key, value in scalars(record):
+        writer.add_scalar(f"{prefix}/{key}", value, global_step=record.step)
 
 
-def _numeric(record: dict[str, Any], prefix: str = ""):
-    for key, value in record.items():
-        if isinstance(value, (bool, int, float)):
+def scalars(record: Record) -> Iterator[tuple[str, float]]:
+    """(name, value) of every numeric figure, named as the module docstring says."""
+    yield from _numeric(msgspec.to_builtins(record), "", top=True)
+
+
+def _numeric(node: dict[str, Any], prefix: str, *, top: bool = False) -> Iterator[tuple[str, float]]:
+    for key, value in node.items():
+        if top and key in _NOT_SCALARS:
+            continue
+        if isinstance(value, bool | int | float):
             yield prefix + key, float(value)
         elif isinstance(value, dict):
-            yield from _numeric(value, f"{prefix}{key}/")
+            yield from _numeric(value, "" if top and key in _FLAT else f"{prefix}{key}/")
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def plot_reward_curve(records: list[dict[str, Any]], out: Path, title: str = "") -> Path | None:
-    """reward_mean per step (and validation accuracy if any) to a PNG."""
-    steps = [r for r in records if r.get("kind") == "train"]
+def plot_reward_curve(records: list[Record], out: Path, title: str = "") -> Path | None:
+    """The training reward per step (and the validation accuracy, if any) to a PNG."""
+    steps = step_records(records)
     if not steps:
         return None
     import matplotlib
@@ -85,15 +104,15 @@ def plot_reward_curve(records: list[dict[str, Any]], out: Path, title: str = "")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    xs, ys = [r["step"] for r in steps], [r["reward_mean"] for r in steps]
+    xs, ys = [r.step for r in steps], [r.batch.reward_mean for r in steps]
     ax.plot(xs, ys, marker="o", ms=3, alpha=0.45, label="train reward")
     window = 5
     if len(ys) >= window:
         smooth = [sum(ys[i - window + 1 : i + 1]) / window for i in range(window - 1, len(ys))]
         ax.plot(xs[window - 1 :], smooth, lw=2.2, label=f"train reward ({window}-step mean)")
-    vals = [r for r in records if r.get("kind") == "validation"]
+    vals = validation_records(records)
     if vals:
-        ax.plot([r["step"] for r in vals], [r["accuracy"] for r in vals], marker="s", label="validation accuracy")
+        ax.plot([r.step for r in vals], [r.accuracy for r in vals], marker="s", label="validation accuracy")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

@@ -1,46 +1,45 @@
 """The trainer's Prometheus metrics, served at ``GET /metrics``.
 
 Three sources:
-* each metrics record (train step or validation) as the runtime writes it: `observe_record` is a
+* each record (train step or validation) as the control plane writes it: `observe_record` is a
   record sink, so the staleness histogram (one observation per consumed trajectory: step minus
   the weight version it was launched on), refit phase and step phase durations are observed
-  exactly once per step;
-* the runtime's live state, read at scrape time (step, version, buffer, in-flight groups);
+  exactly once per step, and the last step's reward, staleness and refit time are kept;
+* the control plane's live state, read at scrape time (step, version, buffer, in-flight groups);
 * Redis, read at scrape time: every stream's length, pending entries per consumer group and per
   consumer (`shared.queue_stats`).
 
-Built by the trainer app; `staleness_counts` is also called by the runtime for the step record.
+Built by the trainer app (`services.trainer.app`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.trainer.buffer import ReplayBuffer
+from services.trainer.scheduler import Scheduler
 from shared.metrics import ServiceMetrics
 from shared.queue_stats import group_stats, stream_lengths
+from shared.records import Record, ValidationRecord
+from shared.streams import StreamClient
 
 log = logging.getLogger(__name__)
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
-REFIT_PHASES = ("write", "checksum", "confirm")
-STEP_PHASES = {"wait_data": "time_wait_data_s", "train": "time_train_s", "refit": "time_refit_s", "step": "time_step_s"}
 
 
-def staleness_counts(step: int, groups: Iterable[Any]) -> dict[str, int]:
-    """{age: trajectories} for a step's groups; age = step - launch version of each trajectory
-    (rows that never reached a generator have no version and are left out)."""
-    counts: dict[str, int] = {}
-    for g in groups:
-        for t in g.rows.values():
-            if t.launch_version >= 0:
-                age = str(step - t.launch_version)
-                counts[age] = counts.get(age, 0) + 1
-    return counts
+class ControlView(Protocol):
+    """What the metrics read of the control plane at scrape time."""
+
+    step: int
+    weight_version: int
+    buffer: ReplayBuffer
+    scheduler: Scheduler
+    streams: StreamClient
 
 
 class TrainerMetrics(ServiceMetrics):
@@ -109,42 +108,41 @@ class TrainerMetrics(ServiceMetrics):
             registry=r,
         )
 
-    def observe_record(self, record: dict[str, Any]) -> None:
+    def observe_record(self, record: Record) -> None:
         """Record sink: one call per line written to metrics.jsonl."""
-        if record.get("kind") == "validation":
-            if "accuracy" in record:
-                self.val_accuracy.set(float(record["accuracy"]))
+        if isinstance(record, ValidationRecord):
+            self.val_accuracy.set(record.accuracy)
             return
-        for age, n in (record.get("staleness_counts") or {}).items():
-            for _ in range(int(n)):
+        for age, n in record.staleness.counts.items():
+            for _ in range(n):
                 self.staleness.observe(float(age))
-        for phase in REFIT_PHASES:
-            value = record.get(f"time_refit_{phase}_s")
-            if value is not None:
-                self.refit_phase.labels(phase=phase).observe(float(value))
-        for phase, key in STEP_PHASES.items():
-            if record.get(key) is not None:
-                self.step_phase.labels(phase=phase).observe(float(record[key]))
-        if "refit_generators" in record:
-            self.refit_generators.set(len(record["refit_generators"]))
-            self.refit_dropped.inc(len(record.get("refit_dropped_generators") or []))
+        refit = record.refit
+        for phase, seconds in (("write", refit.write_s), ("checksum", refit.checksum_s), ("confirm", refit.confirm_s)):
+            self.refit_phase.labels(phase=phase).observe(seconds)
+        t = record.timing
+        for phase, seconds in (
+            ("wait_data", t.wait_data_s),
+            ("train", t.train_s),
+            ("refit", refit.total_s),
+            ("step", t.step_s),
+        ):
+            self.step_phase.labels(phase=phase).observe(seconds)
+        self.refit_generators.set(len(refit.generators))
+        self.refit_dropped.inc(len(refit.dropped_generators))
+        self.reward.set(record.batch.reward_mean)
+        self.staleness_mean.set(record.staleness.mean)
+        self.refit.set(refit.total_s)
 
-    def update_from_runtime(self, rt) -> None:
-        self.step.set(rt.step)
-        self.version.set(rt.weight_version)
-        if not hasattr(rt, "buffer"):
-            return
+    def update_from_control(self, control: ControlView) -> None:
+        """The control plane's live state, read at scrape time."""
+        self.step.set(control.step)
+        self.version.set(control.weight_version)
         self.buffer.clear()
-        for target, n in rt.buffer.depth_by_target().items():
-            self.buffer.labels(offset=str(target - rt.step)).set(n)
-        self.in_flight.set(rt.scheduler.in_flight_count())
-        self.evicted.set(rt.buffer.evicted_total)
-        self.deadletter.set(rt.streams.deadlettered)
-        last = rt.last_metrics
-        if last:
-            self.reward.set(last["reward_mean"])
-            self.staleness_mean.set(last["staleness_mean"])
-            self.refit.set(last["time_refit_s"])
+        for target, n in control.buffer.depth_by_target().items():
+            self.buffer.labels(offset=str(target - control.step)).set(n)
+        self.in_flight.set(control.scheduler.in_flight_count())
+        self.evicted.set(control.buffer.evicted_total)
+        self.deadletter.set(control.streams.deadlettered)
 
     async def update_from_redis(self, redis, keys) -> None:
         """Stream lengths and pending entries; a Redis error leaves the last values (and is logged)."""

@@ -17,7 +17,7 @@ answered late (frozen, overloaded, failing over), a generator missing from the r
 ABSENCE_GRACE_S to heartbeat again before it is dropped: no heartbeat landed while Redis did not
 answer, so every live worker looks expired until its next one.
 
-Owned by the trainer runtime; the learner's ``save_weights`` is passed in.
+Owned by the trainer's control plane; the learner's ``export_weights`` is passed in.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 from shared import keys as K
 from shared.pause import PauseControl, PauseReason
 from shared.protocol import WeightAck, WeightAnnouncement
+from shared.records import RefitSummary
 from shared.registry import live_workers
 from shared.streams import StreamClient
 from shared.weights_format import checksum_dir, dir_num_bytes
@@ -54,13 +55,17 @@ class RefitReport:
     dropped: list[str] = field(default_factory=list)  # left or began draining before confirming
     checksum_s: float = 0.0  # part of confirm_s
 
-    def phase_times(self) -> dict[str, float]:
-        """Per-phase durations as metrics-record fields: write, checksum, confirm (announce to acks)."""
-        return {
-            "time_refit_write_s": self.save_s,
-            "time_refit_checksum_s": self.checksum_s,
-            "time_refit_confirm_s": self.confirm_s - self.checksum_s,
-        }
+    def summary(self) -> RefitSummary:
+        """The step record's view: per-phase durations (write, checksum, confirm = announce to the
+        last ack) and who confirmed."""
+        return RefitSummary(
+            total_s=self.total_s,
+            write_s=self.save_s,
+            checksum_s=self.checksum_s,
+            confirm_s=self.confirm_s - self.checksum_s,
+            generators=list(self.generators),
+            dropped_generators=list(self.dropped),
+        )
 
 
 # Registry states of a generator the refit does not wait for: it catches up on its own (starting)

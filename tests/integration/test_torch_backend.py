@@ -43,28 +43,43 @@ def _params(backend):
     return torch.cat([p.detach().flatten() for p in backend.model.parameters()])
 
 
+def _grads(backend):
+    """The gradient the last optimizer update applied (normalised and clipped; zero where none)."""
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten() for p in backend.model.parameters()]
+    )
+
+
+def _same_update(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to float summation order (BLAS kernels differ between machines and batch shapes):
+    the claims are about what entered the update, so gradients are compared, never the parameters
+    AdamW moved (it turns a sign flip of a near-zero gradient into a full step)."""
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()))
+
+
 def test_a_row_over_the_threshold_is_taken_out_of_the_update(tiny_model_dir, caplog, monkeypatch):
     monkeypatch.setenv("STREAMRL_LP_MASK_DEBUG", "1")
     masked = _backend(tiny_model_dir, threshold=2.0)
     good, bad = _rows(masked)
     metrics = masked.train_step(StepBatch([good, bad]))
-    assert metrics["num_masked_seqs_by_logprob_error"] == 1.0
-    assert metrics["max_seq_mult_prob_error"] == pytest.approx(np.exp(3.0), rel=1e-3)
-    assert metrics["max_seq_mult_prob_error_after_mask"] == pytest.approx(1.0, abs=1e-4)
-    assert metrics["masked_correct_pct"] == 100.0
+    assert metrics.num_masked_seqs_by_logprob_error == 1
+    assert metrics.max_seq_mult_prob_error == pytest.approx(np.exp(3.0), rel=1e-3)
+    assert metrics.max_seq_mult_prob_error_after_mask == pytest.approx(1.0, abs=1e-4)
+    assert metrics.masked_correct_pct == 100.0
     assert "[lp-mask-debug] masked(len,err,rew)=8,20.09,1 | kept_len mean=8.0" in caplog.text
 
     alone = _backend(tiny_model_dir)
     good2, _ = _rows(alone)
-    alone.train_step(StepBatch([good2]))
+    m_alone = alone.train_step(StepBatch([good2]))
     # Same update as training on the kept row alone: masking also removed it from the normaliser.
-    assert torch.allclose(_params(masked), _params(alone), atol=1e-6)
+    assert metrics.loss == pytest.approx(m_alone.loss, rel=1e-4)
+    assert _same_update(_grads(masked), _grads(alone))
 
     unmasked = _backend(tiny_model_dir)
     good3, bad3 = _rows(unmasked)
     m = unmasked.train_step(StepBatch([good3, bad3]))
-    assert "num_masked_seqs_by_logprob_error" not in m
-    assert not torch.allclose(_params(unmasked), _params(alone), atol=1e-6)
+    assert m.num_masked_seqs_by_logprob_error is None
+    assert float((_grads(unmasked) - _grads(alone)).norm()) > 0.05 * float(_grads(alone).norm())
 
 
 def test_an_update_with_nothing_left_is_skipped(tiny_model_dir):
@@ -72,7 +87,7 @@ def test_an_update_with_nothing_left_is_skipped(tiny_model_dir):
     _, bad = _rows(backend)
     before = _params(backend).clone()
     m = backend.train_step(StepBatch([bad]))
-    assert m["num_masked_seqs_by_logprob_error"] == 1.0 and m["grad_norm"] == 0.0
+    assert m.num_masked_seqs_by_logprob_error == 1 and m.grad_norm == 0.0
     assert torch.equal(before, _params(backend))
 
 
@@ -112,7 +127,7 @@ def test_packed_and_unpacked_training_agree(tiny_model_dir):
     assert torch.allclose(a, b, atol=1e-5)  # no row attends to another inside a pack
     m_plain = plain.train_step(StepBatch(_varied_rows()))
     m_packed = packed.train_step(StepBatch(_varied_rows()))
-    assert m_packed["loss"] == pytest.approx(m_plain["loss"], abs=1e-5)
-    assert m_packed["grad_norm"] == pytest.approx(m_plain["grad_norm"], abs=1e-5)
-    assert torch.allclose(_params(plain), _params(packed), atol=1e-5)
-    assert m_packed["micro_batch_token_efficiency"] > m_plain["micro_batch_token_efficiency"]
+    assert m_packed.loss == pytest.approx(m_plain.loss, abs=1e-5)
+    assert m_packed.grad_norm == pytest.approx(m_plain.grad_norm, abs=1e-5)
+    assert _same_update(_grads(packed), _grads(plain))  # the same gradient went into the optimizer
+    assert m_packed.micro_batch_token_efficiency > m_plain.micro_batch_token_efficiency

@@ -1,43 +1,27 @@
-"""The trainer's REST API on a started TrainerRuntime (tiny policy loaded, real Valkey), and the
+"""The trainer's REST API on an opened control plane (tiny policy loaded, real Valkey), and the
 pause epochs it relies on."""
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import httpx
 import pytest
 
-from services.trainer.app import build_app
-from services.trainer.runtime import TrainerRuntime
 from shared import keys as K
-from shared.config import decode_tree
 from shared.pause import PauseControl, PauseReason, launch_gate_closed
-from shared.run_config import RunConfig
 from shared.streams import connect
+from tests.trainer_fixtures import control_plane, serving_app, trainer_config
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 async def api(tiny_model_dir, redis_url, tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
-    cfg = decode_tree(
-        {
-            "run": {"run_id": f"api-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
-            "redis": {"url": redis_url},
-            "data": {"train_path": str(data), "val_path": str(data)},
-            "policy": {"model_name": str(tiny_model_dir)},
-            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
-        },
-        RunConfig,
-    )
-    cfg.check()
-    rt = TrainerRuntime(cfg, worker_id="trainer-test", url="http://test")
-    await rt.start()
-    app = build_app(rt)
+    cfg = trainer_config(tmp_path, redis_url, tiny_model_dir, "api")
+    rt = control_plane(cfg)
+    await rt.open()
+    app = serving_app(cfg, rt)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
         yield rt, client
     await rt.aclose()
@@ -69,14 +53,33 @@ async def test_resume_body_is_validated(api):
 async def test_validate_is_queued_for_the_next_step_boundary(api):
     rt, client = api
     body = (await client.post("/validate")).json()
-    assert body["at_step"] == 0 and body["validation_id"] in rt.validation_requests
+    vid = body["validation_id"]
+    assert body["at_step"] == 0 and body["result_url"] == f"/validations/{vid}"
+    assert (await client.get(f"/validations/{vid}")).json() == {
+        "validation_id": vid,
+        "status": "queued",
+        "requested_at_step": 0,
+    }
+    assert rt.validation.due(1) == [vid]  # taken at the next step boundary, once
+    assert rt.validation.due(2) == []
+
+
+async def test_once_the_run_ended_a_validation_request_is_refused_and_a_queued_one_says_it_was_dropped(api):
+    rt, client = api
+    vid = (await client.post("/validate")).json()["validation_id"]
+    rt.validation.close("the run failed: RuntimeError: boom")
+    dropped = (await client.get(f"/validations/{vid}")).json()
+    assert dropped["status"] == "dropped" and dropped["error"] == "the run failed: RuntimeError: boom"
+    refused = await client.post("/validate")
+    assert refused.status_code == 409 and "no more validations: the run failed" in refused.json()["error"]["message"]
 
 
 async def test_status_and_metrics(api):
     _, client = api
     s = (await client.get("/status")).json()
     assert s["step"] == 0 and s["max_num_steps"] == 100 and s["weight_version"] == -1
-    assert (await client.get("/ready")).status_code == 503  # no weights confirmed yet
+    ready = await client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["weight_version"] == -1  # no weights confirmed yet
     text = (await client.get("/metrics")).text
     assert "streamrl_trainer_step" in text and "streamrl_event_loop_lag_seconds" in text
 
@@ -125,7 +128,7 @@ async def test_a_step_that_evicts_and_then_samples_issues_no_tasks_for_itself(ap
     for n, (gid, target, version) in enumerate((("stale", 1, 0), ("cur-a", 2, 1), ("cur-b", 2, 1))):
         for k, t in enumerate(_group_rows(gid, target, version)):
             rt.buffer.add(t, f"{n + 1}-{k}")
-    sample = await rt._wait_for_batch(2)
+    sample = await rt.collector.wait_for_batch(2)
     assert sorted(g.group_id for g in sample.groups) == ["cur-a", "cur-b"]
     assert [g.group_id for g in sample.evicted] == ["stale"]
     # the step is served: re-issuing its target now would only make a batch no step can use

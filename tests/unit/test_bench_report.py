@@ -1,5 +1,6 @@
-"""BENCHMARKS.md rendering: every figure of the demo, stream and gateway sections stands next to a
-baseline from the same bench run, as a ratio."""
+"""BENCHMARKS.md rendering: a figure of the demo, stream and gateway sections stands next to a
+baseline from the same bench run, as a ratio, when one of the same kind exists; counts that have
+none (steps run, the training run's trajectory rate) are shown alone."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ DEMO = {
         "total_time_s": 300.0,
     },
     "timing": {
-        "time_wait_data_s": {"mean": 0.5, "p50": 0.0, "max": 2.0},
-        "time_train_s": {"mean": 3.0, "p50": 3.0, "max": 4.0},
-        "time_refit_s": {"mean": 0.5, "p50": 0.5, "max": 0.6},
-        "time_step_s": {"mean": 4.0, "p50": 4.0, "max": 6.0},
+        "wait_data_s": {"mean": 0.5, "p50": 0.0, "max": 2.0},
+        "train_s": {"mean": 3.0, "p50": 3.0, "max": 4.0},
+        "refit_s": {"mean": 0.5, "p50": 0.5, "max": 0.6},
+        "step_s": {"mean": 4.0, "p50": 4.0, "max": 6.0},
     },
     "trajectories_per_s": 12.0,
     "staleness_mean": 0.9,
@@ -54,19 +55,25 @@ def _rows(text: str, header: str) -> dict[str, list[str]]:
 
 
 def test_demo_step_split_is_shown_as_shares_of_the_whole_step():
-    rows = _rows(render_demo(DEMO, STREAMS), "per-step wall time")
+    rows = _rows(render_demo(DEMO), "per-step wall time")
     assert rows["training"][-1] == "75.0%"
     assert rows["waiting for data"][-1] == "12.5%"
     assert rows["whole step"][-1] == "100.0%"
 
 
-def test_every_demo_run_figure_has_a_same_run_baseline_and_ratio():
-    rows = _rows(render_demo(DEMO, STREAMS), "run figure")
-    assert len(rows) == 7
+def test_counts_without_a_like_baseline_stand_alone():
+    rows = _rows(render_demo(DEMO), "run figure")
+    assert rows == {
+        "steps trained (of grpo.max_num_steps 40)": ["40"],
+        "trajectories trained per second (whole run, wall clock)": ["12.0"],
+    }
+
+
+def test_every_compared_demo_figure_has_a_same_run_baseline_of_its_kind():
+    rows = _rows(render_demo(DEMO), "compared figure")
+    assert len(rows) == 5
     assert all(base and ratio not in ("", "n/a") for _, base, ratio in rows.values())
     assert rows["mean reward, last 5 steps"] == ["0.900", "first 5 steps: 0.400", "2.25x"]
-    # the demo's stream traffic against the stream section's measured capacity
-    assert rows["trajectories through the streams per second (whole run, wall clock)"][-1] == "0.10%"
     assert rows["validation accuracy (greedy) at the end"][-1] == "2.00x"
     assert rows["demo total time incl. data, warm start, engine start (min)"][-1] == "1.88x"
     assert rows["trajectories trained twice"][1:] == ["trajectories trained: 2560", "0%"]
@@ -75,7 +82,7 @@ def test_every_demo_run_figure_has_a_same_run_baseline_and_ratio():
 
 def test_missing_baselines_read_n_a_instead_of_failing():
     demo = {**DEMO, "summary": {**DEMO["summary"], "validation_accuracy": [], "first5_reward": 0.0}}
-    rows = _rows(render_demo(demo, STREAMS), "run figure")
+    rows = _rows(render_demo(demo), "compared figure")
     assert rows["validation accuracy (greedy) at the end"][-1] == "n/a"
     assert rows["mean reward, last 5 steps"][-1] == "n/a"
 

@@ -11,41 +11,12 @@ from pathlib import Path
 import pytest
 
 from services.trainer.metrics_log import MetricsLog
-from services.trainer.refit import RefitReport
+from shared.records import read_records
+from tests.record_fixtures import step_record, validation_record
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _train_record(step: int) -> dict:
-    refit = RefitReport(
-        version=step + 1,
-        save_s=0.2 + 0.01 * step,
-        confirm_s=0.5,
-        total_s=0.7 + 0.01 * step,
-        generators=["generator-0"],
-        checksum_s=0.1,
-    )
-    return {
-        "kind": "train",
-        "step": step,
-        "weight_version": step,
-        "reward_mean": 0.3 + 0.05 * step,
-        "reward_std": 0.2,
-        "loss": 0.01 * step,
-        "staleness_mean": 0.5,
-        "staleness_max": 1,
-        "staleness_counts": {"0": 8, "1": 8} if step else {"0": 16},
-        "time_wait_data_s": 1.0,
-        "time_train_s": 2.0,
-        "time_refit_s": refit.total_s,
-        **refit.phase_times(),
-        "time_step_s": 3.0 + refit.total_s,
-        "consumed_ids": [f"g{step}/{i}" for i in range(16)],
-        "buffer_depth": {str(step + 1): 2},
-        "time": 1000.0 + step,
-    }
 
 
 def _read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -68,18 +39,20 @@ def _read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 def test_records_go_to_jsonl_tensorboard_and_sinks(tmp_path):
     seen = []
     log = MetricsLog(tmp_path / "metrics.jsonl", sinks=[seen.append], tensorboard_dir=tmp_path / "tb")
-    for step in range(3):
-        log.write(_train_record(step))
-    log.write({"kind": "validation", "step": 3, "accuracy": 0.75, "pass_k": 0.9, "validation_id": "val-3"})
+    log.open()
+    written = [step_record(step) for step in range(3)] + [validation_record(3, 0.75, pass_k=0.9, env={"turns": 2.0})]
+    for record in written:
+        log.write(record)
     log.close()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4 and len(seen) == 4
+    assert read_records(tmp_path / "metrics.jsonl") == written and seen == written  # typed, lossless
     scalars = _read_scalars(tmp_path / "tb")
-    assert [s for s, _ in scalars["train/reward_mean"]] == [0, 1, 2]
+    assert [s for s, _ in scalars["train/reward_mean"]] == [0, 1, 2]  # batch figures under their own names
     assert scalars["train/reward_mean"][2][1] == pytest.approx(0.4)
-    assert scalars["train/time_refit_checksum_s"][0][1] == pytest.approx(0.1)
-    assert scalars["train/staleness_counts/1"] == [(1, 8.0), (2, 8.0)]
-    assert scalars["validation/accuracy"] == [(3, 0.75)]
-    assert "train/consumed_ids" not in scalars and "train/step" not in scalars
+    assert scalars["train/loss"][1][1] == pytest.approx(0.01)  # and the learner's
+    assert scalars["train/refit/checksum_s"][0][1] == pytest.approx(0.1)  # other parts keep a prefix
+    assert scalars["train/staleness/counts/1"] == [(1, 8.0), (2, 8.0)]
+    assert scalars["validation/accuracy"] == [(3, 0.75)] and scalars["validation/env/turns"] == [(3, 2.0)]
+    assert "train/consumed_ids" not in scalars and "train/step" not in scalars and "train/time" not in scalars
 
 
 def test_a_failing_sink_does_not_stop_the_writer(tmp_path):
@@ -87,17 +60,19 @@ def test_a_failing_sink_does_not_stop_the_writer(tmp_path):
         raise RuntimeError("sink down")
 
     log = MetricsLog(tmp_path / "metrics.jsonl", sinks=[broken])
-    log.write(_train_record(0))
+    log.open()
+    log.write(step_record(0))
     log.close()
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
 
 
 def _write_run(folder: Path, *, validation: bool) -> None:
-    log = MetricsLog(folder / "metrics.jsonl")
+    log = MetricsLog(folder / "metrics.jsonl", sinks=[])
+    log.open()
     for step in range(8):
-        log.write(_train_record(step))
+        log.write(step_record(step))
         if validation and step % 4 == 3:
-            log.write({"kind": "validation", "step": step + 1, "accuracy": 0.5 + 0.05 * step, "num_samples": 16})
+            log.write(validation_record(step + 1, 0.5 + 0.05 * step))
     log.close()
 
 
@@ -126,6 +101,12 @@ def test_report_skips_plots_without_data_and_honours_out(tmp_path):
     written, skipped = build_report(tmp_path / "run", tmp_path / "plots")
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["reward.png", "staleness.png", "timing.png"]
     assert sorted(written) == ["reward", "staleness", "timing"] and skipped == ["validation"]
+
+
+def test_a_line_that_is_not_a_record_is_named(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 0}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:1: not a streamrl metrics record"):
+        read_records(tmp_path / "metrics.jsonl")
 
 
 def test_report_without_metrics_names_the_file(tmp_path):

@@ -110,7 +110,7 @@ def test_prefix_break_row_is_masked_but_kept_in_the_group():
     broken, fine = batch.rows
     assert broken.prefix_break and broken.sample_mask == 0.0
     assert fine.advantage == pytest.approx(-1.0)  # the broken row still counts in the baseline
-    assert batch.stats["num_prefix_breaks"] == 1 and [r.task_id for r in batch.trainable] == ["g/1"]
+    assert batch.stats.num_prefix_breaks == 1 and [r.task_id for r in batch.trainable] == ["g/1"]
 
 
 def test_new_sample_policy_trains_the_turns_after_a_break_as_another_row():
@@ -129,7 +129,7 @@ def test_new_sample_policy_trains_the_turns_after_a_break_as_another_row():
     assert tail.token_mask.tolist() == [0, 0, 0, 1, 1, 0, 1]
     np.testing.assert_allclose(tail.gen_logprobs, [0, 0, 0, -0.3, -0.4, 0, -0.5], rtol=1e-6)
     assert head.advantage == tail.advantage == pytest.approx(1.0) and fine.advantage == pytest.approx(-1.0)
-    assert batch.stats["num_prefix_breaks"] == 1 and batch.stats["num_prefix_break_samples"] == 1
+    assert batch.stats.num_prefix_breaks == 1 and batch.stats.num_prefix_break_samples == 1
     assert [r.task_id for r in batch.trainable] == ["g/0", "g/1", "g/0"]
 
 
@@ -142,7 +142,7 @@ def test_failure_reasons_are_counted_per_step():
     batch = build_step_batch(
         [Group("g", 0, 2, 0, rows={0: failed, 1: cut})], max_len=100, leave_one_out=True, normalize=False
     )
-    assert batch.stats["rollout_failures/sandbox"] == 1 and batch.stats["rollout_failures/model_refused"] == 1
+    assert batch.stats.rollout_failures == {"sandbox": 1, "model_refused": 1}
 
 
 def test_failed_rollout_is_a_placeholder_without_loss():
@@ -150,7 +150,7 @@ def test_failed_rollout_is_a_placeholder_without_loss():
     g = Group("g", 0, 2, 0, rows={0: _traj("g/0", [], reward=0.0, status="failed"), 1: _traj("g/1", [ok], reward=1.0)})
     batch = build_step_batch([g], max_len=100, leave_one_out=True, normalize=True)
     assert batch.rows[0].placeholder and batch.rows[0].advantage == 0.0
-    assert batch.stats["num_placeholders"] == 1
+    assert batch.stats.num_placeholders == 1
 
 
 def test_long_rows_are_truncated_to_the_configured_length():
@@ -173,9 +173,9 @@ def test_env_flagged_rows_are_masked_but_count_in_the_baseline_unless_disabled()
     on = build_step_batch([g], max_len=100, leave_one_out=True, normalize=False, mask_flagged=True)
     assert on.rows[0].env_flagged and on.rows[0].sample_mask == 0.0
     assert on.rows[1].advantage == pytest.approx(-1.0)  # the flagged row's reward is its baseline
-    assert on.stats["num_mask_sample_filtered"] == 1 and [r.task_id for r in on.trainable] == ["g/1"]
+    assert on.stats.num_mask_sample_filtered == 1 and [r.task_id for r in on.trainable] == ["g/1"]
     off = build_step_batch([g], max_len=100, leave_one_out=True, normalize=False, mask_flagged=False)
-    assert not off.rows[0].env_flagged and off.stats["num_mask_sample_filtered"] == 0
+    assert not off.rows[0].env_flagged and off.stats.num_mask_sample_filtered == 0
     assert len(off.trainable) == 2
 
 

@@ -1,21 +1,46 @@
-"""The training-backend contract the trainer loop relies on."""
+"""The training-backend contract: what the learner needs from a backend, whatever engine runs it.
+
+A backend owns the policy model, its optimizer and its learning-rate schedule on this process. It
+is built from the run config (`from_config`), trains on one step's batch at a time (`train_step`:
+one or more optimizer updates, returning typed `LearnerMetrics`), writes the policy as a
+safetensors folder that generators load (`save_weights`), and saves and restores everything
+training needs to resume (`save_checkpoint` / `load_checkpoint`, into a folder of its own inside
+the step's checkpoint). Implementations: `torch_backend.TorchBackend`,
+`megatron_backend.MegatronBackend`; the registry in `services.trainer.backends` picks one by
+``trainer.backend``. The contract test (tests/integration/test_backend_contract.py) runs every
+backend that can run on this machine.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol, Self
 
 from services.trainer.batch import StepBatch
+from shared.records import LearnerMetrics
+from shared.run_config import RunConfig
 
 
 class TrainingBackend(Protocol):
-    def train_step(self, batch: StepBatch) -> dict[str, float]:
-        """One training step on the batch (one or more optimizer updates); returns metrics."""
+    name: str
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Self:
+        """Build the backend and load the policy ``cfg.policy.model_name`` (slow: call in a thread)."""
+        ...
+
+    def train_step(self, batch: StepBatch) -> LearnerMetrics:
+        """One training step on the batch (one or more optimizer updates)."""
+        ...
 
     def save_weights(self, out_dir: Path) -> None:
-        """Write the current policy weights as a safetensors folder generators can load."""
+        """Write the current policy as a safetensors folder generators can load."""
+        ...
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume training (model, optimizer, RNG)."""
+    def save_checkpoint(self, path: Path) -> None:
+        """Write model, optimizer, schedule and RNG state into the existing folder ``path``."""
+        ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore what `save_checkpoint` wrote into ``path``."""
+        ...

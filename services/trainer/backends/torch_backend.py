@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -32,7 +33,8 @@ import torch.nn.functional as F
 from services.trainer import mismatch, packing
 from services.trainer.batch import Row, StepBatch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
-from shared.run_config import LossSection, OptimizerSection, PolicySection
+from shared.records import LearnerMetrics
+from shared.run_config import LossSection, OptimizerSection, PolicySection, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,21 @@ def lr_schedule(opt: OptimizerSection, total_updates: int):
         return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
 
     return factor
+
+
+# Each micro-batch's loss is a sum; the update divides the gradients once its count is known.
+_SUMS = LossNormalizer(valid_tokens=1.0, valid_sequences=1.0)
+
+
+@dataclass
+class _StepTotals:
+    """What a step's updates and micro-batches add up."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    records: list[mismatch.SeqRecord] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)  # row lengths of each micro-batch run
 
 
 def _load_model(path: str, dtype: torch.dtype):
@@ -103,6 +120,19 @@ class TorchBackend:
         )
 
     name = "torch"
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Self:
+        rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+        updates_per_step = rows // (cfg.policy.train_global_batch_size or rows)
+        return cls(
+            cfg.policy,
+            cfg.loss_fn,
+            seed=cfg.run.seed,
+            threads=cfg.trainer.torch_threads,
+            total_updates=cfg.grpo.max_num_steps * updates_per_step,
+            seq_logprob_error_threshold=cfg.grpo.seq_logprob_error_threshold,
+        )
 
     # ---- what other backends override ----------------------------------------------------------
 
@@ -180,96 +210,112 @@ class TorchBackend:
 
     # ---- training -----------------------------------------------------------------------------
 
-    def train_step(self, batch: StepBatch) -> dict[str, float]:
+    def train_step(self, batch: StepBatch) -> LearnerMetrics:
         t0 = time.perf_counter()
         rows = sorted(batch.trainable, key=lambda r: len(r.input_ids))
         if not rows:
-            return {"loss": 0.0, "grad_norm": 0.0, "num_updates": 0.0, "train_time_s": 0.0}
+            return LearnerMetrics(
+                loss=0.0, grad_norm=0.0, num_updates=0, train_tokens=0, lr=self._lr(), train_time_s=0.0
+            )
         global_bs = self.policy.train_global_batch_size or len(batch.rows)
         num_updates = max(1, math.ceil(len(batch.rows) / global_bs))
         rows_per_update = math.ceil(len(rows) / num_updates)
-        micro = self.policy.train_micro_batch_size
-        prev = self._prev_logprobs(rows, micro) if num_updates > 1 else None
-        sums: dict[str, float] = {}
-        losses, grad_norms = [], []
-        records: list[mismatch.SeqRecord] = []
-        shapes: list[list[int]] = []  # row lengths of each micro-batch run
-        unit = LossNormalizer(valid_tokens=1.0, valid_sequences=1.0)  # sums; divided after the update
+        prev = self._prev_logprobs(rows, self.policy.train_micro_batch_size) if num_updates > 1 else None
+        acc = _StepTotals()
         for u in range(num_updates):
             upd = rows[u * rows_per_update : (u + 1) * rows_per_update]
-            if not upd:
-                continue
-            self._zero_grads()
-            loss_sum = valid_tokens = valid_sequences = 0.0
-            for mb_rows in self._micro_batches(upd, micro):
-                shapes.append([len(r.input_ids) for r in mb_rows])
-                mb = self._inputs(mb_rows)
-                curr = self._token_logprobs(self.model, mb)
-                prev_lp = curr.detach() if prev is None else self._stack(prev, mb_rows, curr.shape)
-                sample_mask = self._mask_by_seq_error(prev_lp, mb, records)
-                ref_lp = None
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref_lp = self._token_logprobs(self.ref_model, mb)
-                loss, m = clipped_pg_loss(
-                    curr_lp=curr,
-                    prev_lp=prev_lp,
-                    gen_lp=mb["gen_lp"],
-                    advantages=mb["advantages"],
-                    token_mask=mb["token_mask"],
-                    sample_mask=sample_mask,
-                    cfg=self.loss_cfg,
-                    norm=unit,
-                    ref_lp=ref_lp,
-                )
-                loss.backward()
-                loss_sum += float(loss.detach())
-                row_tokens = (mb["token_mask"] * sample_mask[:, None]).sum(dim=1)
-                valid_tokens += float(row_tokens.sum())
-                valid_sequences += float((row_tokens > 0).sum())
-                for k, v in m.items():
-                    sums[k] = max(sums.get(k, 0.0), v) if k.startswith("max_") else sums.get(k, 0.0) + v
-            self._grads_ready()
-            denom = valid_tokens if self.loss_cfg.token_level_loss else valid_sequences
-            if denom == 0:
-                log.warning("update %d has no valid token after masking; skipped", self.updates)
-                losses.append(0.0)
-                grad_norms.append(0.0)
-                continue
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(denom)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm)
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {self.updates}")
-            self.optimizer.step()
-            self.scheduler.step()
-            self.updates += 1
-            losses.append(loss_sum / denom)
-            grad_norms.append(float(grad_norm))
-        seq_metrics = mismatch.summarize(records, self.seq_error_threshold)
+            if upd:
+                self._update(upd, prev, acc)
         if mismatch.debug_enabled():
-            line = mismatch.debug_line(records, self.seq_error_threshold)
+            line = mismatch.debug_line(acc.records, self.seq_error_threshold)
             if line is not None:
                 log.warning("%s", line)
+        return self._step_metrics(acc, num_updates, time.perf_counter() - t0)
+
+    def _update(self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: _StepTotals) -> None:
+        """One optimizer update over ``rows``, accumulated over micro-batches; the gradients are
+        normalised once the update's valid-token (or sequence) count is known."""
+        self._zero_grads()
+        loss_sum = valid_tokens = valid_sequences = 0.0
+        for mb_rows in self._micro_batches(rows, self.policy.train_micro_batch_size):
+            acc.shapes.append([len(r.input_ids) for r in mb_rows])
+            loss, row_tokens = self._micro_batch_loss(mb_rows, prev, acc)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            valid_tokens += float(row_tokens.sum())
+            valid_sequences += float((row_tokens > 0).sum())
+        self._grads_ready()
+        denom = valid_tokens if self.loss_cfg.token_level_loss else valid_sequences
+        if denom == 0:
+            log.warning("update %d has no valid token after masking; skipped", self.updates)
+            acc.losses.append(0.0)
+            acc.grad_norms.append(0.0)
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(denom)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {self.updates}")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.updates += 1
+        acc.losses.append(loss_sum / denom)
+        acc.grad_norms.append(float(grad_norm))
+
+    def _micro_batch_loss(
+        self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: _StepTotals
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's summed loss and its valid tokens per row (after sequence masking)."""
+        mb = self._inputs(rows)
+        curr = self._token_logprobs(self.model, mb)
+        prev_lp = curr.detach() if prev is None else self._stack(prev, rows, curr.shape)
+        sample_mask = self._mask_by_seq_error(prev_lp, mb, acc.records)
+        ref_lp = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_lp = self._token_logprobs(self.ref_model, mb)
+        loss, m = clipped_pg_loss(
+            curr_lp=curr,
+            prev_lp=prev_lp,
+            gen_lp=mb["gen_lp"],
+            advantages=mb["advantages"],
+            token_mask=mb["token_mask"],
+            sample_mask=sample_mask,
+            cfg=self.loss_cfg,
+            norm=_SUMS,
+            ref_lp=ref_lp,
+        )
+        for k, v in m.items():
+            acc.sums[k] = max(acc.sums.get(k, 0.0), v) if k.startswith("max_") else acc.sums.get(k, 0.0) + v
+        return loss, (mb["token_mask"] * sample_mask[:, None]).sum(dim=1)
+
+    def _step_metrics(self, acc: _StepTotals, num_updates: int, train_time_s: float) -> LearnerMetrics:
+        sums = acc.sums
         tokens = max(sums.get("tokens", 0.0), 1.0)
-        return {
-            "loss": float(np.mean(losses)),
-            "grad_norm": float(np.mean(grad_norms)),
-            "num_updates": float(num_updates),
-            "train_tokens": sums.get("tokens", 0.0),
-            "token_mult_prob_error": sums.get("token_mult_prob_error_sum", 0.0) / tokens,
-            "gen_kl_error": sums.get("gen_kl_error_sum", 0.0) / tokens,
-            "sampling_importance_ratio": sums.get("sampling_importance_ratio_sum", 0.0) / tokens,
-            "is_oob_ratio": sums.get("is_oob_sum", 0.0) / tokens,
-            "clip_fraction": sums.get("clip_fraction_sum", 0.0) / tokens,
-            "kl_penalty": sums.get("kl_penalty_sum", 0.0) / tokens,
-            "lr": self.scheduler.get_last_lr()[0],
-            "max_abs_logprob_diff": sums.get("max_abs_logprob_diff", 0.0),
-            **seq_metrics,
-            "micro_batch_token_efficiency": self._token_efficiency(shapes),
-            "train_time_s": time.perf_counter() - t0,
-        }
+        seq = mismatch.summarize(acc.records, self.seq_error_threshold)
+        masked = seq.pop("num_masked_seqs_by_logprob_error", None)
+        return LearnerMetrics(
+            loss=float(np.mean(acc.losses)),
+            grad_norm=float(np.mean(acc.grad_norms)),
+            num_updates=num_updates,
+            train_tokens=int(sums.get("tokens", 0.0)),
+            lr=self._lr(),
+            train_time_s=train_time_s,
+            token_mult_prob_error=sums.get("token_mult_prob_error_sum", 0.0) / tokens,
+            gen_kl_error=sums.get("gen_kl_error_sum", 0.0) / tokens,
+            sampling_importance_ratio=sums.get("sampling_importance_ratio_sum", 0.0) / tokens,
+            is_oob_ratio=sums.get("is_oob_sum", 0.0) / tokens,
+            clip_fraction=sums.get("clip_fraction_sum", 0.0) / tokens,
+            kl_penalty=sums.get("kl_penalty_sum", 0.0) / tokens,
+            max_abs_logprob_diff=sums.get("max_abs_logprob_diff", 0.0),
+            num_masked_seqs_by_logprob_error=None if masked is None else int(masked),
+            micro_batch_token_efficiency=self._token_efficiency(acc.shapes),
+            **seq,
+        )
+
+    def _lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
 
     def _token_efficiency(self, shapes: list[list[int]]) -> float:
         """Real tokens / tokens computed: packs against their budget, or padding to the longest row."""
@@ -310,7 +356,18 @@ class TorchBackend:
     def save_weights(self, out_dir: Path) -> None:
         self.model.save_pretrained(out_dir, safe_serialization=True)
 
-    def state_dict(self) -> dict[str, Any]:
+    def save_checkpoint(self, path: Path) -> None:
+        torch.save(self._state_dict(), path / "learner.pt")
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = torch.load(path / "learner.pt", map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.updates = int(state["updates"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def _state_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -318,10 +375,3 @@ class TorchBackend:
             "updates": self.updates,
             "torch_rng": torch.get_rng_state(),
         }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.updates = int(state["updates"])
-        torch.set_rng_state(state["torch_rng"])

@@ -1,0 +1,150 @@
+"""Collection: how the control plane gets each step's data, and what it waits for.
+
+    issue(step):            top up every target of the window [step, step + L] to N groups, in
+                            flight or staged (nothing while a pause stops task issue)
+    wait_for_batch(step):   sample N usable groups; stale ones are evicted (acked, their prompts
+                            given back to the scheduler, their ids kept for the step record), and
+                            the window is topped up when evictions left the step short
+    lookahead_barrier(s0):  at start-up and resume, wait for complete batches of targets s0 and
+                            s0 + 1 (when the lag allows it)
+    hold_while_paused():    a user pause holds the run at a step boundary
+
+Every wait wakes when the intake stages a group (or after at most WAIT_S), raises the intake's
+failure at once, and fails loudly after ``trainer.data_timeout_s`` without data, a deadline that
+does not run while the run is paused by the user (gateways launch nothing then). Owned by the
+control plane, which wires the scheduler, buffer and intake it shares with the rest of the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from services.trainer.buffer import Group, ReplayBuffer, SampleResult
+from services.trainer.intake import RunFailed, TrajectoryIntake
+from services.trainer.scheduler import Scheduler
+from shared import keys as K
+from shared.pause import PauseControl, PauseReason
+from shared.protocol import Task
+from shared.run_config import RunConfig
+from shared.streams import StreamClient
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 1.0  # longest sleep of a waiting loop between checks
+
+
+class DataDeadline:
+    """``trainer.data_timeout_s`` for one wait, not counting time the run spends user-paused."""
+
+    def __init__(self, timeout_s: float, pause: PauseControl) -> None:
+        self.timeout_s = timeout_s
+        self.pause = pause
+        self.at = time.monotonic() + timeout_s
+
+    async def passed(self) -> bool:
+        if await self.pause.active(PauseReason.USER) is not None:
+            self.at = time.monotonic() + self.timeout_s
+            return False
+        return time.monotonic() > self.at
+
+
+class Collector:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        streams: StreamClient,
+        scheduler: Scheduler,
+        buffer: ReplayBuffer,
+        intake: TrajectoryIntake,
+        pause: PauseControl,
+        *,
+        tasks_issued: Callable[[list[Task]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.streams = streams
+        self.scheduler = scheduler
+        self.buffer = buffer
+        self.intake = intake
+        self.pause = pause
+        self.tasks_issued = tasks_issued  # a hook called after every publish of training tasks
+        self.evicted_ids: list[str] = []  # task ids evicted during the last wait_for_batch
+
+    async def hold_while_paused(self, on_pause: Callable[[], None]) -> None:
+        """Return once no user pause is active; ``on_pause`` is called first if one is."""
+        paused = False
+        while await self.pause.active(PauseReason.USER) is not None:
+            if not paused:
+                paused = True
+                on_pause()
+            await self.intake.wait(WAIT_S / 2)
+
+    async def issue(self, step: int) -> None:
+        if await self.pause.stops_task_issue():
+            return
+        g = self.cfg.grpo
+        window = self.scheduler.window(step, g.max_num_steps)
+        tasks = self.scheduler.plan(step, g.max_num_steps, {t: self.buffer.count_usable(t) for t in window})
+        if not tasks:
+            return
+        try:
+            await self.streams.publish_many(self.streams.keys.tasks, tasks)
+        except Exception:
+            self.scheduler.unissue(tasks)
+            raise
+        if self.tasks_issued is not None:
+            self.tasks_issued(tasks)
+        log.info(
+            "issued %d tasks (%d groups) for targets %s",
+            len(tasks),
+            len(tasks) // g.num_generations_per_prompt,
+            sorted({t.target_step for t in tasks}),
+        )
+
+    async def wait_for_batch(self, step: int) -> SampleResult:
+        n = self.cfg.grpo.num_prompts_per_step
+        deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause)
+        self.evicted_ids = []
+        while True:
+            self.intake.raise_if_failed()
+            sample = self.buffer.sample(step, n)
+            if sample.evicted:
+                await self._evicted(sample.evicted)
+            if sample.groups:
+                return sample
+            if sample.evicted:
+                # Still short after evictions: top the window up. (Never after a successful sample:
+                # the groups just taken no longer count for this step, and re-issuing them would
+                # produce a full batch that arrives too late for any step.)
+                await self.issue(step)
+            if await deadline.passed():
+                raise RunFailed(f"step {step}: no {n} usable groups within {self._timeout_hint()}")
+            await self.intake.wait(WAIT_S)
+
+    async def _evicted(self, groups: list[Group]) -> None:
+        keys = self.streams.keys
+        await self.streams.ack(keys.trajectories, K.TRAINER_GROUP, [e for g in groups for e in g.entry_ids])
+        for g in groups:  # never trained on: the prompt is used again
+            self.scheduler.source.give_back(g.prompt_index)
+            self.evicted_ids += [t.task_id for t in g.rows.values()]
+
+    async def lookahead_barrier(self, s0: int) -> None:
+        """Wait for complete batches of targets s0 and s0+1 (when the lag allows s0+1), so the
+        first steps are not served by a buffer that was filled only for s0."""
+        g = self.cfg.grpo
+        n, lag = g.num_prompts_per_step, g.async_grpo.max_trajectory_age_steps
+        targets = [s0] + ([s0 + 1] if lag > 0 and s0 + 1 < g.max_num_steps else [])
+        deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause)
+        while not all(self.buffer.count_usable(t) >= n for t in targets):
+            self.intake.raise_if_failed()
+            if await deadline.passed():
+                raise RunFailed(f"start-up: no complete batches for targets {targets} within {self._timeout_hint()}")
+            await self.intake.wait(WAIT_S)
+        log.info("lookahead barrier passed: complete batches staged for targets %s", targets)
+
+    def _timeout_hint(self) -> str:
+        return (
+            f"{self.cfg.trainer.data_timeout_s:.0f}s (trainer.data_timeout_s); staged "
+            f"{self.buffer.depth_by_target()}, in flight {self.scheduler.in_flight_by_target()}"
+        )

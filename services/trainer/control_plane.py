@@ -1,0 +1,421 @@
+"""The trainer's control plane: the asynchronous GRPO loop around a learner.
+
+It owns Redis, the scheduler, the replay buffer, the trajectory intake, validation, refit
+coordination, checkpoints with their acknowledgements, and the metrics records; the learner
+(`services.trainer.learner`) owns the model. In a trainer of many ranks only rank 0 runs this.
+
+    open:  consumer groups, incarnation -> learner.start (loads the policy) -> restore the newest
+           checkpoint -> heartbeat
+    run:   initial refit: publish v0, every generator confirms (collection starts only after it)
+           -> [hold while paused] -> [validation at start] -> issue tasks -> lookahead barrier:
+              complete batches staged for targets s0 and s0+1
+           -> step s, until grpo.max_num_steps or an early stop:
+                hold while paused -> top up tasks for targets [s, s+L] -> wait for N usable groups
+                (stale ones evicted, their prompts reused) -> batch -> learner.train -> refit to
+                v=s+1 -> checkpoint, then ack what it made durable -> record -> validations due
+           -> end: hold while paused -> validations still queued -> [validation at end] -> stop key
+    close: intake stopped, records closed and plotted, heartbeat removed, Redis closed
+
+A user pause (POST /pause) holds the run at the next step boundary, the last one included, and
+the data deadline (``trainer.data_timeout_s``) does not run while the run is paused. Any failure
+(a fail-fast rollout, a dead intake, Redis gone, a refit no generator confirms) fails the run
+loudly: the state, the heartbeat and the stop key say so, and `run` raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.trainer.batch import StepBatch, build_step_batch
+from services.trainer.buffer import ReplayBuffer, SampleResult
+from services.trainer.checkpoint import Checkpointer, ControlState, checkpoint_meta
+from services.trainer.collection import Collector
+from services.trainer.intake import TrajectoryIntake
+from services.trainer.learner import Learner
+from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve
+from services.trainer.refit import RefitReport, WeightPublisher
+from services.trainer.scheduler import PromptSource, Scheduler
+from services.trainer.step_record import StepClock, build_step_record
+from services.trainer.validation import ValidationRunner
+from services.trainer.validation_control import ValidationController
+from shared import keys as K
+from shared.jsonl import read_jsonl
+from shared.pause import PauseControl
+from shared.protocol import Heartbeat, Task, Trajectory
+from shared.records import (
+    LearnerMetrics,
+    StepRecord,
+    TrainerState,
+    TrainerStatus,
+    ValidationRecord,
+    WorkerSummary,
+    read_records,
+)
+from shared.registry import HeartbeatTask, live_workers
+from shared.run_config import RunConfig
+from shared.streams import StreamClient, connect
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "trainer"
+
+
+@dataclass
+class TrainerHooks:
+    """Observers a caller plugs into the control plane (benchmarks, tests, the Prometheus
+    metrics); each is called synchronously on the event loop and must not block."""
+
+    tasks_issued: Callable[[list[Task]], None] | None = None  # after each publish of training tasks
+    trajectory_read: Callable[[Trajectory], None] | None = None  # every trajectory the intake reads
+    record_sinks: list[RecordSink] = field(default_factory=list)  # every record written
+
+
+class ControlPlane:
+    def __init__(
+        self, cfg: RunConfig, learner: Learner, *, worker_id: str, url: str, hooks: TrainerHooks | None = None
+    ) -> None:
+        g, out = cfg.grpo, Path(cfg.run.output_dir)
+        self.cfg = cfg
+        self.learner = learner
+        self.worker_id = worker_id
+        self.url = url
+        self.hooks = hooks if hooks is not None else TrainerHooks()
+        self.keys = K.RunKeys(cfg.run.run_id)
+        self.redis = connect(cfg.redis.url or "redis://127.0.0.1:6379/0")
+        self.streams = StreamClient(self.redis, self.keys, CONSUMER)
+        self.pause = PauseControl(self.redis, self.keys)
+        self.buffer = ReplayBuffer(
+            max_age=g.async_grpo.max_trajectory_age_steps, allow_future=g.async_grpo.allow_future_targets
+        )
+        self.scheduler = Scheduler(
+            PromptSource(cfg.data.train_path, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+            num_prompts_per_step=g.num_prompts_per_step,
+            group_size=g.num_generations_per_prompt,
+            max_age=g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
+            default_env=cfg.env.name,
+            sampling=cfg.policy.generation.sampling("train"),
+            rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
+        )
+        runner = self._validation_runner()
+        self.intake = TrajectoryIntake(
+            self.streams,
+            self.buffer,
+            self.scheduler,
+            cfg.env,
+            deliver_validation=runner.deliver if runner else _no_validation,
+            observe=self.hooks.trajectory_read,
+        )
+        self.collector = Collector(
+            cfg,
+            self.streams,
+            self.scheduler,
+            self.buffer,
+            self.intake,
+            self.pause,
+            tasks_issued=self.hooks.tasks_issued,
+        )
+        self.log_dir = Path(cfg.logger.log_dir or out)
+        self.metrics = MetricsLog(
+            self.log_dir / "metrics.jsonl",
+            sinks=self.hooks.record_sinks,
+            tensorboard_dir=self.log_dir / "tensorboard" if cfg.logger.tensorboard else None,
+        )
+        self.validation = ValidationController(
+            cfg,
+            runner,
+            pause=self.pause,
+            scheduler=self.scheduler,
+            buffer=self.buffer,
+            intake=self.intake,
+            write_record=self.metrics.write,
+        )
+        self.publisher = WeightPublisher(
+            self.streams,
+            self.pause,
+            out / "weights",
+            timeout_s=cfg.trainer.refit_timeout_s,
+            in_flight_updates=g.async_grpo.in_flight_weight_updates,
+        )
+        self.checkpointer = Checkpointer(
+            cfg.checkpointing,
+            Path(cfg.checkpointing.checkpoint_dir or out / "checkpoints"),
+            self.streams,
+            learner,
+            max_num_steps=g.max_num_steps,
+            stream_retention_s=cfg.trainer.stream_retention_s,
+        )
+        self.heartbeat = HeartbeatTask(self.redis, self.keys, self._heartbeat)
+        self.state = TrainerState.STARTING
+        self.error: str | None = None
+        self.step = 0  # steps done
+        self.weight_version = -1  # the last version every generator confirmed
+        self.incarnation = 0
+        self.early_stopped = False
+        self.last_record: StepRecord | None = None
+        self.started_at = time.time()
+
+    def _validation_runner(self) -> ValidationRunner | None:
+        cfg = self.cfg
+        if not cfg.data.val_path:
+            return None
+        return ValidationRunner(
+            self.streams,
+            read_jsonl(cfg.data.val_path),
+            sampling=cfg.policy.generation.sampling("validation"),
+            default_env=cfg.env.name,
+            max_samples=cfg.grpo.max_val_samples,
+            rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
+            generations_per_prompt=cfg.grpo.val_num_generations_per_prompt,
+        )
+
+    # ---- open and close -----------------------------------------------------------------------
+
+    async def open(self) -> None:
+        await self.streams.ensure_group(self.keys.tasks, K.GATEWAYS_GROUP)
+        await self.streams.ensure_group(self.keys.trajectories, K.TRAINER_GROUP)
+        await self.redis.delete(self.keys.stop)
+        self.incarnation = int(await self.redis.incr(self.keys.trainer_incarnation))
+        self.scheduler.group_prefix = f"r{self.incarnation}-g"
+        if self.validation.runner is not None:
+            self.validation.runner.id_prefix = f"r{self.incarnation}-"
+        self.state = TrainerState.LOADING_POLICY
+        await self.learner.start()
+        self.metrics.open()
+        restored = await self.checkpointer.restore()
+        if restored is not None:
+            control, meta = restored
+            self.scheduler.restore(control.scheduler)
+            self.buffer.restore_consumed(set(control.consumed_ids))
+            self.step = meta.step
+        self.heartbeat.start()
+
+    async def aclose(self) -> None:
+        await self.heartbeat.aclose(self.worker_id)
+        await self.redis.aclose()
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.worker_id,
+            kind="trainer",
+            url=self.url,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            state="failed" if self.error else "ready",
+            weight_version=self.weight_version,
+            started_at=self.started_at,
+            stats={"step": float(self.step)},
+            error=self.error,
+        )
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.intake.start()
+        try:
+            await self._start_up()
+            while self.step < self.cfg.grpo.max_num_steps and not self.early_stopped:
+                await self._step()
+            await self._end()
+        except asyncio.CancelledError:
+            log.warning("trainer stopped at step %d", self.step)
+            self.validation.close("the trainer was stopped")
+            raise
+        except Exception as exc:
+            self.fail(f"{type(exc).__name__}: {exc}")
+            await _safe(self.redis.set(self.keys.stop, b"failed"))
+            raise
+        finally:
+            await self._finish()
+
+    def fail(self, error: str) -> None:
+        """Mark the run failed: the state, /status, the heartbeat (at once) and queued validations."""
+        if self.error is None:
+            self.state, self.error = TrainerState.FAILED, error
+            log.error("run failed: %s", error)
+        self.validation.close(f"the run failed: {error}")
+        self.heartbeat.beat_now()
+
+    async def _start_up(self) -> None:
+        g = self.cfg.grpo
+        await self._refit(self.step, initial=True)
+        await self._hold_while_paused()
+        if g.val_at_start and self.validation.runner is not None and self.step == 0:
+            # Before any training task is issued; a hit of the stop metric ends the run here.
+            if self.validation.stop_hit(await self._validate("val-start")):
+                self.early_stopped = True
+                return
+        if self.step < g.max_num_steps:  # resumed from the final checkpoint: nothing to collect
+            await self.collector.issue(self.step)
+            self.state = TrainerState.COLLECTING
+            await self.collector.lookahead_barrier(self.step)
+
+    async def _step(self) -> None:
+        step = self.step
+        await self._hold_while_paused()
+        await self.collector.issue(step)  # top up the window (a pause may have held back the last top-up)
+        t0 = time.perf_counter()
+        self.state = TrainerState.COLLECTING
+        sample = await self.collector.wait_for_batch(step)
+        t_data = time.perf_counter()
+        self.state = TrainerState.TRAINING
+        batch = self._batch(sample)
+        learner_metrics = await self.learner.train(batch)
+        t_train = time.perf_counter()
+        report = await self._refit(step + 1)
+        self.step = step + 1
+        await self.redis.set(self.keys.trainer_step, str(self.step))
+        self.checkpointer.hold([e for g in sample.groups for e in g.entry_ids])
+        saved = await self._checkpoint(force=False)
+        self._write_step_record(step, sample, batch, learner_metrics, report, StepClock(t0, t_data, t_train))
+        await self._hold_while_paused()
+        for vid in self.validation.due(self.step):  # on the weights just published
+            if self.validation.stop_hit(await self._validate(vid)):
+                self.early_stopped = True
+                break
+        if self.early_stopped and not saved:
+            await self._checkpoint(force=True)
+
+    def _batch(self, sample: SampleResult) -> StepBatch:
+        cfg = self.cfg
+        return build_step_batch(
+            sample.groups,
+            max_len=cfg.policy.max_total_sequence_length,
+            leave_one_out=cfg.grpo.use_leave_one_out_baseline,
+            normalize=cfg.grpo.normalize_rewards,
+            mask_flagged=cfg.env.should_mask_flagged_samples,
+            on_prefix_break=cfg.env.on_prefix_break,
+        )
+
+    def _write_step_record(
+        self,
+        step: int,
+        sample: SampleResult,
+        batch: StepBatch,
+        learner_metrics: LearnerMetrics,
+        report: RefitReport,
+        clock: StepClock,
+    ) -> None:
+        assert batch.stats is not None  # build_step_batch always fills it
+        record = build_step_record(
+            step,
+            sample,
+            batch.stats,
+            learner_metrics,
+            report,
+            clock,
+            buffer=self.buffer,
+            scheduler=self.scheduler,
+            evicted_ids=self.collector.evicted_ids,
+            group_size=self.cfg.grpo.num_generations_per_prompt,
+            received_total=self.intake.received_total,
+            started_at=self.started_at,
+        )
+        self.last_record = record
+        self.metrics.write(record)
+
+    async def _end(self) -> None:
+        await self._hold_while_paused()  # the last boundary holds too: a paused run does not end
+        for vid in self.validation.take_requested():  # requested before the end: on the final weights
+            await self._validate(vid)
+        last = self.validation.last
+        if (
+            self.cfg.grpo.val_at_end
+            and self.validation.runner is not None
+            and not self.early_stopped
+            and not (last and last.step == self.step)
+        ):
+            await self._validate("val-end")
+        self.validation.close("the run has finished")
+        self.state = TrainerState.FINISHED
+        await self.redis.set(self.keys.stop, b"finished")
+        log.info("run finished after %d steps%s", self.step, " (early stop)" if self.early_stopped else "")
+
+    async def _finish(self) -> None:
+        await self.intake.stop()
+        if self.checkpointer.unacked and self.error is None:
+            await _safe(self.checkpointer.ack_held())
+        self.metrics.close()
+        if self.cfg.logger.plot:
+            path = self.log_dir / "metrics.jsonl"
+            title = f"run {self.cfg.run.run_id}"
+            await asyncio.to_thread(
+                lambda: plot_reward_curve(read_records(path), self.log_dir / "reward_curve.png", title)
+            )
+
+    async def _hold_while_paused(self) -> None:
+        """A user pause holds the run here; the state says "paused" meanwhile."""
+        resume_state = self.state
+        await self.collector.hold_while_paused(lambda: setattr(self, "state", TrainerState.PAUSED))
+        self.state = resume_state
+
+    # ---- refit, checkpoints, validation ----------------------------------------------------------
+
+    async def _refit(self, version: int, initial: bool = False) -> RefitReport:
+        self.state = TrainerState.REFIT
+        if initial:
+            log.info("initial refit: publishing v%d before any task is issued", version)
+        report = await self.publisher.refit(
+            version,
+            self.learner.export_weights,
+            wait_for_generators_s=self.cfg.trainer.startup_timeout_s if initial else None,
+        )
+        self.weight_version = version
+        return report
+
+    async def _checkpoint(self, *, force: bool) -> bool:
+        control = ControlState(scheduler=self.scheduler.state(), consumed_ids=sorted(self.buffer.consumed_ids()))
+        return await self.checkpointer.after_step(control, checkpoint_meta(self.step, self.weight_version), force=force)
+
+    async def _validate(self, validation_id: str) -> ValidationRecord | None:
+        resume_state, self.state = self.state, TrainerState.VALIDATING
+        try:
+            return await self.validation.run(validation_id, self.step)
+        finally:
+            self.state = resume_state
+
+    # ---- status -------------------------------------------------------------------------------
+
+    async def status(self) -> TrainerStatus:
+        gens = await live_workers(self.redis, self.keys)
+        return TrainerStatus(
+            run_id=self.cfg.run.run_id,
+            state=self.state,
+            error=self.error,
+            step=self.step,
+            max_num_steps=self.cfg.grpo.max_num_steps,
+            weight_version=self.weight_version,
+            buffer_depth={str(k): v for k, v in self.buffer.depth_by_target().items()},
+            pending_groups=self.buffer.pending_groups(),
+            in_flight_groups={str(k): v for k, v in self.scheduler.in_flight_by_target().items()},
+            evicted_total=self.buffer.evicted_total,
+            cancelled_rollouts_total=self.intake.cancelled_total,
+            early_stopped=self.early_stopped,
+            pause=await self.pause.reasons(),
+            last=self.last_record.without_ledger() if self.last_record else None,
+            last_validation=self.validation.last,
+            workers=[
+                WorkerSummary(
+                    id=w.worker_id, kind=w.kind, state=w.state, weight_version=w.weight_version, in_flight=w.in_flight
+                )
+                for w in gens
+            ],
+            uptime_s=time.time() - self.started_at,
+        )
+
+
+def _no_validation(traj: Trajectory) -> None:
+    log.warning("validation trajectory %s arrived, but this run has no validation data; dropped", traj.task_id)
+
+
+async def _safe(coro: Awaitable[object]) -> None:
+    try:
+        await coro
+    except Exception as exc:
+        log.warning("ignored during shutdown: %s", exc)

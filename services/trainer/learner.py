@@ -1,0 +1,81 @@
+"""The learner: the part of the trainer that runs the training backend.
+
+The trainer is two roles. The control plane (`services.trainer.control_plane`) owns Redis, the
+REST API, the scheduler, the replay buffer, validation, refit coordination and the metrics
+records. The learner owns the model: forward, backward and optimizer, its part of each checkpoint,
+and the export of the weights. Between them, this narrow interface:
+
+    control plane --StepBatch--------------> Learner.train ----> LearnerMetrics
+                  --export_weights(folder)--> a safetensors folder generators load (called by the refit)
+                  --save(folder) / load(folder)--> the learner's part of a step's checkpoint
+
+`LocalLearner` runs the backend in this process, in a worker thread, so the control plane's event
+loop keeps serving REST and streams while a step trains. A learner spanning many ranks keeps this
+interface: rank 0 hands each step's batch to the others and returns their reduced metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from services.trainer.backends.base import TrainingBackend
+from services.trainer.batch import StepBatch
+from shared.records import LearnerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Learner(Protocol):
+    async def start(self) -> None:
+        """Build the backend and load the policy."""
+        ...
+
+    async def train(self, batch: StepBatch) -> LearnerMetrics:
+        """One step on ``batch``; its metrics."""
+        ...
+
+    def export_weights(self, out_dir: Path) -> None:
+        """Write the policy as a safetensors folder (called from the refit's writer thread)."""
+        ...
+
+    async def save(self, path: Path) -> None:
+        """Write the learner's part of a checkpoint into the existing folder ``path``."""
+        ...
+
+    async def load(self, path: Path) -> None:
+        """Restore what `save` wrote."""
+        ...
+
+
+class LocalLearner:
+    """The learner of a single-process trainer: ``build()`` makes the backend (in a thread, at
+    `start`), and every call on it runs in a worker thread."""
+
+    def __init__(self, build: Callable[[], TrainingBackend]) -> None:
+        self._build = build
+        self._backend: TrainingBackend | None = None
+
+    @property
+    def backend(self) -> TrainingBackend:
+        if self._backend is None:
+            raise RuntimeError("the learner has not started: call start() first")
+        return self._backend
+
+    async def start(self) -> None:
+        self._backend = await asyncio.to_thread(self._build)
+
+    async def train(self, batch: StepBatch) -> LearnerMetrics:
+        return await asyncio.to_thread(self.backend.train_step, batch)
+
+    def export_weights(self, out_dir: Path) -> None:
+        self.backend.save_weights(out_dir)
+
+    async def save(self, path: Path) -> None:
+        await asyncio.to_thread(self.backend.save_checkpoint, path)
+
+    async def load(self, path: Path) -> None:
+        await asyncio.to_thread(self.backend.load_checkpoint, path)

@@ -1,0 +1,93 @@
+"""A training step's record (`shared.records.StepRecord`), built from what the step's parts report.
+
+Called by the control plane once a step is trained, refitted and checkpointed; the record goes to
+metrics.jsonl, TensorBoard and the Prometheus metrics (`services.trainer.metrics_log`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.trainer.buffer import Group, ReplayBuffer, SampleResult
+from services.trainer.refit import RefitReport
+from services.trainer.scheduler import Scheduler
+from shared.records import BatchStats, BufferSummary, LearnerMetrics, Staleness, StepRecord, StepTiming
+
+
+@dataclass(frozen=True)
+class StepClock:
+    """perf_counter readings of a step: start, batch ready, training done."""
+
+    start: float
+    data_ready: float
+    trained: float
+
+
+def staleness_counts(step: int, groups: Iterable[Group]) -> dict[str, int]:
+    """{age: trajectories} for a step's groups; age = step - launch version of each trajectory
+    (rows that never reached a generator have no version and are left out)."""
+    counts: dict[str, int] = {}
+    for g in groups:
+        for t in g.rows.values():
+            if t.launch_version >= 0:
+                age = str(step - t.launch_version)
+                counts[age] = counts.get(age, 0) + 1
+    return counts
+
+
+def staleness(step: int, sample: SampleResult) -> Staleness:
+    ages = [step - g.gen_version for g in sample.groups]
+    offsets: dict[str, int] = {}
+    for t in sample.targets:
+        offsets[str(t - step)] = offsets.get(str(t - step), 0) + 1
+    return Staleness(
+        mean=sum(ages) / len(ages),
+        max=max(ages),
+        counts=staleness_counts(step, sample.groups),
+        sampled_target_offsets=offsets,
+    )
+
+
+def build_step_record(
+    step: int,
+    sample: SampleResult,
+    batch: BatchStats,
+    learner: LearnerMetrics,
+    refit: RefitReport,
+    clock: StepClock,
+    *,
+    buffer: ReplayBuffer,
+    scheduler: Scheduler,
+    evicted_ids: list[str],
+    group_size: int,
+    received_total: int,
+    started_at: float,
+) -> StepRecord:
+    elapsed = time.time() - started_at
+    return StepRecord(
+        step=step,
+        weight_version=step,
+        time=time.time(),
+        batch=batch,
+        learner=learner,
+        staleness=staleness(step, sample),
+        buffer=BufferSummary(
+            depth={str(k): v for k, v in buffer.depth_by_target().items()},
+            in_flight_groups={str(k): v for k, v in scheduler.in_flight_by_target().items()},
+            evicted_groups=len(evicted_ids) // group_size,
+            evicted_total=buffer.evicted_total,
+            duplicates_total=buffer.duplicates_total,
+        ),
+        timing=StepTiming(
+            wait_data_s=clock.data_ready - clock.start,
+            train_s=clock.trained - clock.data_ready,
+            step_s=time.perf_counter() - clock.start,
+        ),
+        refit=refit.summary(),
+        trajectories_received=received_total,
+        trajectories_per_s=received_total / max(elapsed, 1e-6),
+        consumed_ids=sorted(t.task_id for g in sample.groups for t in g.rows.values()),
+        evicted_ids=sorted(evicted_ids),
+    )

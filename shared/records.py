@@ -1,0 +1,267 @@
+"""The trainer's records, typed: what it writes to ``metrics.jsonl`` and what its REST API answers.
+
+    metrics.jsonl   one `StepRecord` (``"kind": "train"``) per step, one `ValidationRecord`
+                    (``"kind": "validation"``) per validation, as JSON lines
+    GET  /status            `TrainerStatus` (its ``last`` is the last StepRecord without the id ledger)
+    POST /validate          `ValidationAccepted`;  GET /validations/<id>: `ValidationStatus`
+    POST /pause, /resume    `PauseAnswer`, `ResumeAnswer`
+
+A step record groups its figures by who produced them: ``batch`` (the control plane's batch builder:
+rewards, masks, environment metrics), ``learner`` (forward, backward, optimizer), ``staleness``,
+``buffer``, ``timing`` and ``refit``; plus the ledger of the trajectory ids the step consumed and
+evicted (no id may appear twice in a run). Written by the trainer (`services.trainer`); decoded by
+`read_records` in the CLI (`streamrl report`, `status`, the live display), the demo summary and
+the benchmarks. Nothing here is read by key from a dict.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+
+class TrainerState(enum.StrEnum):
+    """What the trainer's control plane is doing (GET /status ``state``)."""
+
+    STARTING = "starting"
+    LOADING_POLICY = "loading_policy"
+    REFIT = "refit"
+    VALIDATING = "validating"
+    COLLECTING = "collecting"
+    TRAINING = "training"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class BatchStats(msgspec.Struct, kw_only=True):
+    """A step's batch as the control plane built it (before training)."""
+
+    reward_mean: float
+    reward_std: float
+    num_rows: int  # rollouts in the batch (placeholders included)
+    num_placeholders: int  # backfilled failures: no loss, no part in the baselines
+    num_prefix_breaks: int
+    num_prefix_break_samples: int  # extra rows made of the turns after a break (env.on_prefix_break: new_sample)
+    num_mixed_version_rows: int  # rollouts whose turns came from more than one weight version
+    num_truncated: int
+    num_masked_samples: int
+    num_mask_sample_filtered: int  # masked because the environment flagged them
+    mean_seq_len: float
+    gen_tokens: int
+    advantages_abs_mean: float
+    zero_advantage_groups: int  # groups whose rewards all tie: no signal
+    env: dict[str, float] = {}  # the mean of each environment metric over the step's rollouts
+    rollout_failures: dict[str, int] = {}  # rollouts that failed, by reason
+
+
+class LearnerMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the learner reports for one step; None: not measured in this step (absent in JSON)."""
+
+    loss: float
+    grad_norm: float
+    num_updates: int
+    train_tokens: int
+    lr: float
+    train_time_s: float
+    # trainer / generator probability agreement (1.0 and 0.0 when they agree exactly)
+    token_mult_prob_error: float | None = None
+    gen_kl_error: float | None = None
+    sampling_importance_ratio: float | None = None
+    is_oob_ratio: float | None = None
+    clip_fraction: float | None = None
+    kl_penalty: float | None = None
+    max_abs_logprob_diff: float | None = None
+    # sequence-level logprob error; the *_after_mask figures only with grpo.seq_logprob_error_threshold
+    max_seq_mult_prob_error: float | None = None
+    mean_seq_mult_prob_error: float | None = None
+    min_seq_mult_prob_error: float | None = None
+    num_masked_seqs_by_logprob_error: int | None = None
+    masked_correct_pct: float | None = None
+    max_seq_mult_prob_error_after_mask: float | None = None
+    mean_seq_mult_prob_error_after_mask: float | None = None
+    min_seq_mult_prob_error_after_mask: float | None = None
+    mean_seq_len_after_mask: float | None = None
+    micro_batch_token_efficiency: float | None = None  # real tokens / tokens computed
+
+
+class Staleness(msgspec.Struct, kw_only=True):
+    """How old the weights behind a step's trajectories were (age = step - launch version)."""
+
+    mean: float
+    max: int
+    counts: dict[str, int]  # age -> trajectories
+    sampled_target_offsets: dict[str, int]  # target step - step -> groups taken
+
+
+class BufferSummary(msgspec.Struct, kw_only=True):
+    depth: dict[str, int]  # target step -> complete groups staged, after the step took its batch
+    in_flight_groups: dict[str, int]  # target step -> groups issued and not yet complete
+    evicted_groups: int  # evicted as stale while this step waited for its batch
+    evicted_total: int
+    duplicates_total: int
+
+
+class StepTiming(msgspec.Struct, kw_only=True):
+    wait_data_s: float
+    train_s: float
+    step_s: float
+
+
+class RefitSummary(msgspec.Struct, kw_only=True):
+    """The refit that published the step's weights (version step + 1)."""
+
+    total_s: float
+    write_s: float
+    checksum_s: float
+    confirm_s: float  # announce to the last generator's ack
+    generators: list[str]  # confirmed the version (membership follows scaling)
+    dropped_generators: list[str]  # left or began draining before confirming
+
+
+class StepRecord(msgspec.Struct, kw_only=True, tag="train", tag_field="kind", omit_defaults=True):
+    step: int
+    weight_version: int  # the version the step trained (its trajectories' newest possible)
+    time: float  # unix time the record was written
+    batch: BatchStats
+    learner: LearnerMetrics
+    staleness: Staleness
+    buffer: BufferSummary
+    timing: StepTiming
+    refit: RefitSummary
+    trajectories_received: int
+    trajectories_per_s: float
+    consumed_ids: list[str] = []  # the ledger; left out of /status
+    evicted_ids: list[str] = []
+
+    def without_ledger(self) -> StepRecord:
+        return msgspec.structs.replace(self, consumed_ids=[], evicted_ids=[])
+
+
+class ValidationRecord(msgspec.Struct, kw_only=True, tag="validation", tag_field="kind", omit_defaults=True):
+    validation_id: str
+    step: int  # steps done when it ran (it ran on weight version ``step``)
+    time: float
+    accuracy: float  # mean reward over all rollouts (pass@1 averaged over the k samples)
+    num_samples: int
+    num_failed: int
+    num_missing: int  # rollouts that had not arrived at the deadline
+    avg_length: float  # generated tokens per rollout
+    duration_s: float
+    pass_k: float | None = None  # with k > 1: share of prompts where any rollout has reward > 0
+    pass_all_k: float | None = None  # share of prompts where all k do
+    env: dict[str, float] = {}
+
+    def metric(self, name: str) -> float | None:
+        """A numeric figure by the name ``grpo.stop_at_validation_metric`` uses: a field
+        (``accuracy``, ``pass_k``, ...) or ``env/<metric>``."""
+        if name.startswith("env/"):
+            return self.env.get(name[4:])
+        value = getattr(self, name, None) if name in self.__struct_fields__ else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def metric_names(self) -> list[str]:
+        fields = [f for f in self.__struct_fields__ if self.metric(f) is not None and f not in ("step", "time")]
+        return sorted(fields + [f"env/{k}" for k in self.env])
+
+
+Record = StepRecord | ValidationRecord
+
+ValidationState = Literal["queued", "running", "done", "failed", "dropped"]
+
+
+class ValidationStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A validation's state (GET /validations/<id>): queued -> running -> done | failed; queued
+    -> dropped when the run ended before it could run (``error`` says why)."""
+
+    validation_id: str
+    status: ValidationState
+    requested_at_step: int
+    result: ValidationRecord | None = None
+    error: str | None = None
+
+
+class ValidationAccepted(msgspec.Struct, kw_only=True):
+    validation_id: str
+    at_step: int
+    status: ValidationState
+    result_url: str
+
+
+class PauseAnswer(msgspec.Struct, kw_only=True):
+    epoch: int
+
+
+class ResumeAnswer(msgspec.Struct, kw_only=True, omit_defaults=True):
+    resumed: bool
+    epoch: int | None = None
+    reason: str | None = None  # why nothing was resumed
+
+
+class WorkerSummary(msgspec.Struct, kw_only=True):
+    id: str
+    kind: str
+    state: str
+    weight_version: int
+    in_flight: int
+
+
+class TrainerStatus(msgspec.Struct, kw_only=True):
+    """GET /status."""
+
+    run_id: str
+    state: TrainerState
+    error: str | None
+    step: int
+    max_num_steps: int
+    weight_version: int
+    buffer_depth: dict[str, int]
+    pending_groups: int
+    in_flight_groups: dict[str, int]
+    evicted_total: int
+    cancelled_rollouts_total: int
+    early_stopped: bool
+    pause: dict[str, int]
+    last: StepRecord | None
+    last_validation: ValidationRecord | None
+    workers: list[WorkerSummary]
+    uptime_s: float
+
+
+_record_decoder = msgspec.json.Decoder(Record)
+_encoder = msgspec.json.Encoder()
+
+
+def encode_record(record: Record) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode_record(line: bytes | str) -> Record:
+    return _record_decoder.decode(line)
+
+
+def read_records(path: Path) -> list[Record]:
+    """Every record of a metrics.jsonl (none if the file does not exist); a line that is not a
+    record is an error naming the file and line."""
+    if not path.is_file():
+        return []
+    records: list[Record] = []
+    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(_record_decoder.decode(line))
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not a streamrl metrics record: {exc}") from None
+    return records
+
+
+def step_records(records: list[Record]) -> list[StepRecord]:
+    return sorted((r for r in records if isinstance(r, StepRecord)), key=lambda r: r.step)
+
+
+def validation_records(records: list[Record]) -> list[ValidationRecord]:
+    return sorted((r for r in records if isinstance(r, ValidationRecord)), key=lambda r: r.step)

@@ -1,0 +1,227 @@
+"""The simulated parts of the pipeline benchmark (`streamrl.bench_pipeline`), around the real
+trainer control plane and real gateway workers:
+
+* `SimBackend`: the learner's backend; a step sleeps the scenario's training time and the weights
+  are a 64-byte file;
+* `SleepEnv`: a benchmark-only environment (registered for the run only) that sleeps a log-normal
+  duration and calls no model. Each prompt's k-th attempt has a fixed, seeded set of G durations,
+  so the real run and the ideal schedule see the same rollout times. A rollout with no model call
+  has no turns: the trainer treats its rows as placeholders, which costs nothing here;
+* `SimGenerator`: in a process of its own, registers a generator heartbeat and confirms every
+  weight announcement at once (the heartbeat carries the new version before the ack);
+* `serve_gateways`: GATEWAY_WORKERS `GatewayWorker`s built as the gateway app builds one (tasks
+  stream in, one session per rollout through the real `SessionProxy`, trajectories out), in a
+  process of their own as in a deployment.
+
+`serve` is the entry point of the helper processes `_spawn` starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from services.gym_gateway import envs
+from services.gym_gateway.envs.base import ChatClient, Outcome
+from services.gym_gateway.proxy import GeneratorPool, SessionProxy
+from services.gym_gateway.worker import GatewayWorker
+from services.trainer.batch import StepBatch
+from shared import keys as K
+from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
+from shared.records import LearnerMetrics
+from shared.registry import HeartbeatTask, publish_heartbeat
+from shared.run_config import RunConfig
+from shared.streams import StreamClient, connect
+from streamrl.bench_schedule import Scenario
+
+ENV_NAME = "bench_sleep"
+GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class SimBackend:
+    """A training backend whose step takes ``train_s`` and whose weights are 64 bytes; the
+    benchmark plugs it into the real control plane as its learner's backend."""
+
+    name = "sim"
+
+    def __init__(self, train_s: float) -> None:
+        self.train_s = train_s
+        self.spans: list[tuple[float, float]] = []  # perf_counter start, end of every train_step
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> SimBackend:
+        raise NotImplementedError("built by the benchmark with its scenario's training time")
+
+    def train_step(self, batch: StepBatch) -> LearnerMetrics:
+        t0 = time.perf_counter()
+        time.sleep(self.train_s)
+        self.spans.append((t0, time.perf_counter()))
+        return LearnerMetrics(
+            loss=0.0, grad_norm=0.0, num_updates=1, train_tokens=0, lr=0.0, train_time_s=time.perf_counter() - t0
+        )
+
+    def save_weights(self, out_dir: Path) -> None:
+        (out_dir / "model.safetensors").write_bytes(bytes(64))
+
+    def save_checkpoint(self, path: Path) -> None:
+        raise NotImplementedError("the benchmark's runs keep no checkpoints")
+
+    def load_checkpoint(self, path: Path) -> None:
+        raise NotImplementedError("the benchmark's runs keep no checkpoints")
+
+
+class SleepEnv:
+    """Benchmark-only environment: a prompt's rollouts sleep the scenario's durations, in order
+    (its k-th rollout is row k % G of attempt k // G), and call no model."""
+
+    name = ENV_NAME
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.started: dict[int, int] = defaultdict(int)
+        self.running = 0
+        self.peak = 0
+
+    def next_duration(self, prompt: int) -> float:
+        k = self.started[prompt]
+        self.started[prompt] += 1
+        g = self.scenario.group_size
+        return self.scenario.durations(prompt, k // g)[k % g]
+
+    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+        seconds = self.next_duration(int(instance["prompt"]))
+        sleep_from = time.time()
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.running -= 1
+        return Outcome(reward=0.0, metrics={"sim_rollout_s": seconds, "sim_sleep_from": sleep_from})
+
+
+def registered_env(env: SleepEnv):
+    """Make ``env`` resolvable by name for the duration of a run."""
+    return envs.registered(env)
+
+
+class SimGenerator:
+    """Plays a generator: a registry heartbeat, and an immediate ack of every weight announcement
+    (the heartbeat carries the new version before the ack goes out). Ends when the run stops."""
+
+    def __init__(self, redis_url: str, run_id: str) -> None:
+        self.worker_id = "generator-sim"
+        self.redis = connect(redis_url)
+        self.streams = StreamClient(self.redis, K.RunKeys(run_id), self.worker_id)
+        self.version = -1
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.worker_id,
+            kind="generator",
+            url="http://generator.sim",
+            pid=os.getpid(),
+            host="sim",
+            state="ready",
+            weight_version=self.version,
+        )
+
+    async def run(self) -> None:
+        keys = self.streams.keys
+        await publish_heartbeat(self.redis, keys, self._heartbeat())
+        heartbeat = HeartbeatTask(self.redis, keys, self._heartbeat)
+        heartbeat.start()
+        cursor = "0-0"
+        try:
+            while not await self.redis.exists(keys.stop):
+                for d in await self.streams.read_after(keys.weights, cursor, WeightAnnouncement, block_ms=200):
+                    cursor = d.entry_id
+                    self.version = d.msg.version
+                    await publish_heartbeat(self.redis, keys, self._heartbeat())
+                    ack = WeightAck(worker_id=self.worker_id, version=self.version, ok=True, cache_reset=True)
+                    await self.streams.publish(keys.weight_acks, ack)
+        finally:
+            await heartbeat.aclose(self.worker_id)
+            await self.redis.aclose()
+
+
+async def serve_gateways(cfg: RunConfig, scenario: Scenario, report: Path) -> None:
+    """GATEWAY_WORKERS gateway workers as `services.gym_gateway.app` builds one (own Redis client,
+    session proxy, the config's slots), sharing one process; they end when the run stops."""
+    env = SleepEnv(scenario)
+    keys = K.RunKeys(cfg.run.run_id)
+    gw = cfg.gym_gateway
+    http = aiohttp.ClientSession()
+    clients, workers = [], []
+    with registered_env(env):
+        for i in range(GATEWAY_WORKERS):
+            redis = connect(cfg.redis.url)
+            gateway_id = f"gateway-sim-{i}"
+            pool = GeneratorPool(redis, keys, refresh_s=0.0)
+            proxy = SessionProxy(pool, http, request_timeout_s=gw.request_timeout_s)
+            clients.append(redis)
+            workers.append(
+                GatewayWorker(
+                    StreamClient(redis, keys, gateway_id),
+                    proxy,
+                    http,
+                    env_cfg=cfg.env,
+                    session_base_url="http://gateway.sim",
+                    max_concurrent=gw.max_concurrent_rollouts,
+                    reclaim_idle_s=gw.reclaim_idle_s,
+                    gateway_id=gateway_id,
+                )
+            )
+        try:
+            await asyncio.gather(*(w.run() for w in workers))
+        finally:
+            for w in workers:
+                await w.drain(0.0)  # stragglers still running when the last step ended
+            await http.close()
+            for redis in clients:
+                await redis.aclose()
+    failed: dict[str, int] = defaultdict(int)
+    for w in workers:
+        for reason, n in w.failed.items():
+            failed[reason] += n
+    report.write_text(
+        json.dumps(
+            {"peak_rollouts": env.peak, "rollouts_started": sum(env.started.values()), "failed_rollouts": dict(failed)}
+        )
+    )
+
+
+def serve(argv: list[str]) -> None:
+    """Entry point of a helper process: ``generator|gateway <config.json> <scenario.json> <report.json>``."""
+    role, config, scenario, report = argv
+    cfg = msgspec.json.decode(Path(config).read_bytes(), type=RunConfig)
+    if role == "generator":
+        asyncio.run(SimGenerator(cfg.redis.url, cfg.run.run_id).run())
+    else:
+        s = Scenario(**json.loads(Path(scenario).read_text()))
+        asyncio.run(serve_gateways(cfg, s, Path(report)))
+
+
+def _spawn(role: str, work: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from streamrl.bench_pipeline_sim import serve; serve(sys.argv[1:])",
+        role,
+        str(work / "config.json"),
+        str(work / "scenario.json"),
+        str(work / f"{role}.report.json"),
+    ]
+    with open(work / f"{role}.log", "wb") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
