@@ -69,12 +69,17 @@ def _agent_keys(run_id: str, rnd: str) -> tuple[str, str]:
 
 class BenchChatEnv:
     """Hands the rollout's session URL to the external agent (the bench driver) and waits until it
-    says the conversation is over; the session stays open (and recorded) meanwhile."""
+    says the conversation is over; the session stays open (and recorded) meanwhile. It plays an
+    external agent, so it hands over the session's URL (``llm.base_url``), not the in-process client."""
 
     name = ENV_NAME
 
     def __init__(self) -> None:
         self._redis = None
+
+    @classmethod
+    def from_config(cls, env_cfg: Any) -> BenchChatEnv:
+        return cls()  # plugged in as an object (`envs.registered`); nothing to configure
 
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{"i": i} for i in range(n)]

@@ -5,6 +5,9 @@
 * ``gateway_stack``: ``async with gateway_stack(...) as stack`` starts generator(s) (transformers
   engine, weights v0 confirmed) and a gateway on loopback ports over the session's Valkey, on a
   fresh run id; ``stack.stop_generator(i)`` stops one generator mid-test.
+* ``scripted_gateway``: ``async with scripted_gateway(policies, **sections) as stack`` starts a
+  gateway whose only generator is a `tests.scripted_generator.ScriptedGenerator` playing
+  ``policies``: real worker, environments and session proxy, no model.
 * ``registered_env``: ``with registered_env(env): ...`` makes an environment object resolvable by
   its name for the duration of a test.
 
@@ -152,6 +155,7 @@ def gateway_stack(tiny_model_dir, redis_url, tmp_path):
     async def _stack(num_generators: int = 1, drain_timeout_s: float = 5.0, model_dir=None, **sections: dict):
         model_dir = model_dir or tiny_model_dir
         run_id = f"gw-{uuid.uuid4().hex[:8]}"
+        sections["gym_gateway"] = {"drain_timeout_s": drain_timeout_s, **sections.get("gym_gateway", {})}
         path = tmp_path / f"{run_id}.yaml"
         path.write_text(yaml.safe_dump(run_tree(model_dir, redis_url, tmp_path, run_id, **sections)))
         cfg = load(RunConfig, path, env={})
@@ -171,12 +175,39 @@ def gateway_stack(tiny_model_dir, redis_url, tmp_path):
             for i in range(num_generators):
                 await wait_ack(streams, 0, f"gen-{i}")
             gw_port = free_port()
-            gateway = build_gateway(cfg, worker_id="gw-0", port=gw_port, drain_timeout_s=drain_timeout_s)
+            gateway = build_gateway(cfg, worker_id="gw-0", port=gw_port)
             async with serve(gateway, gw_port) as gw_url:
                 yield Stack(cfg, gateway, streams, gw_url, gens)
         finally:
             for g in reversed(gens):
                 await g.stop()
+            await redis.aclose()
+
+    return _stack
+
+
+@pytest.fixture
+def scripted_gateway(redis_url, tmp_path):
+    """Factory: ``scripted_gateway(policies, **sections)`` (sections as for ``gateway_stack``)."""
+    from services.gym_gateway.app import build_app as build_gateway
+    from tests.scripted_generator import ScriptedGenerator
+
+    @contextlib.asynccontextmanager
+    async def _stack(policies: dict, **sections: dict):
+        run_id = f"sg-{uuid.uuid4().hex[:8]}"
+        path = tmp_path / f"{run_id}.yaml"
+        path.write_text(yaml.safe_dump(run_tree("scripted-policy", redis_url, tmp_path, run_id, **sections)))
+        cfg = load(RunConfig, path, env={})
+        redis = connect(redis_url)
+        streams = StreamClient(redis, K.RunKeys(run_id), "test-trainer")
+        await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
+        try:
+            async with ScriptedGenerator(policies).serving(serve, redis, streams.keys):
+                gw_port = free_port()
+                gateway = build_gateway(cfg, worker_id="gw-0", port=gw_port)
+                async with serve(gateway, gw_port) as gw_url:
+                    yield Stack(cfg, gateway, streams, gw_url)
+        finally:
             await redis.aclose()
 
     return _stack

@@ -1,15 +1,35 @@
-"""streamrl gym gateway: ``python -m services.gym_gateway --config RUN.yaml [--port N] [key=value ...]``.
+"""``python -m services.gym_gateway --config FILE [key=value ...] [--port N] [--worker-id ID]``
 
-SIGTERM (scale-down): the worker drains while the session proxy still listens (`shared.serve`):
-it stops reading tasks, lets running rollouts finish (their environments keep reaching the model
-through this proxy) within DRAIN_TIMEOUT_S and releases the rest to the group; then uvicorn stops.
+Parses the command line, loads the run config (file, environment, dotted overrides), binds the
+port (0: any free port; the bound port is the one sessions and the registry advertise) and serves
+the app (`services.gym_gateway.app`) with `shared.service.run_server`.
+
+SIGTERM (scale-down), or the run's end: the worker drains while the session routes still listen
+(environments and agents keep reaching the model through them): it stops reading tasks, lets
+running rollouts finish within gym_gateway.drain_timeout_s and releases the rest to the group;
+then uvicorn stops and the lifespan closes the clients. A second signal stops at once.
+
+Exit code: 0 after SIGTERM or the run's end, 1 when the gateway failed (its worker loop died: the
+restart policy acts), 2 on a config error.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 import sys
 
-DRAIN_TIMEOUT_S = 30.0
+log = logging.getLogger("services.gym_gateway")
+
+# The drain's own deadline is gym_gateway.drain_timeout_s; releasing what is left takes a moment more.
+RELEASE_MARGIN_S = 5.0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,30 +43,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.gym_gateway.app import build_app
     from shared.registry import default_worker_id
-    from shared.serve import DrainFirstServer
+    from shared.service import run_server
 
-    port = cfg.gym_gateway.port if args.port is None else args.port
-    app = build_app(
-        cfg, worker_id=args.worker_id or default_worker_id("gateway"), port=port, drain_timeout_s=DRAIN_TIMEOUT_S
-    )
+    gw = cfg.gym_gateway
+    sock = bind(gw.host, gw.port if args.port is None else args.port)
+    port = sock.getsockname()[1]
+    worker_id = args.worker_id or default_worker_id("gateway")
+    app = build_app(cfg, worker_id=worker_id, port=port)
 
     async def drain() -> None:
-        worker = getattr(app.state, "worker", None)
-        if worker is not None:  # None: the lifespan has not started yet
-            await worker.drain(DRAIN_TIMEOUT_S)
+        await app.state.worker.drain(gw.drain_timeout_s)
 
     # Keep-alive well above the clients' idle expiry, so a pooled connection is never reused
     # just as the server closes it (a ReadError on a healthy rollout).
     config = uvicorn.Config(
         app,
-        host=cfg.gym_gateway.host,
-        port=port,
         log_level="warning",
-        timeout_graceful_shutdown=35,
+        lifespan="on",
+        timeout_graceful_shutdown=int(gw.drain_timeout_s + RELEASE_MARGIN_S),
         timeout_keep_alive=120,
     )
-    DrainFirstServer(config, drain, drain_timeout_s=DRAIN_TIMEOUT_S + 5.0).run()
-    return 0
+    log.info("gym gateway %s listening on %s:%d", worker_id, gw.host, port)
+    return run_server(app, config, drain=drain, drain_timeout_s=gw.drain_timeout_s + RELEASE_MARGIN_S, sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""The per-rollout session proxy: ``/sessions/<rollout_id>/v1/{chat/completions,completions}`` in
-front of the generators.
+"""The per-rollout session proxy: every model call of a rollout, in front of the generators.
 
-Any OpenAI-compatible agent can be pointed at a session URL without knowing about token ids. For
-each call the proxy
+Calls reach it from agents holding the session's URL (``/sessions/<id>/v1/...`` and NeMo-Gym's
+``/ng-rollout/<id>/...``, `services.gym_gateway.session_routes`) and, in the gateway's own process,
+from the built-in environments (`services.gym_gateway.session_client`). Any OpenAI-compatible agent
+can use a session without knowing about token ids. For each call the proxy
+  * refuses what one recorded trajectory cannot hold: streaming, ``n`` other than 1 (a 400 naming
+    the field; the one place these are checked, for every path),
   * fills the rollout's sampling profile and request tag (train or validation),
   * attaches the session's exact token history (``required_prefix_token_ids``) once the agent
     replays an assistant turn, so the generator splices the model's own tokens back in,
@@ -17,8 +20,8 @@ each call the proxy
 
     open --> call* --> close          call: prepare -> POST (failover on a dead generator) -> record
 
-Owned by the gateway app; the worker opens a session per rollout and assembles the trajectory
-from the recorded turns when the rollout ends.
+Built by the gateway app's lifespan; the worker opens a session per rollout and assembles the
+trajectory from the recorded turns when the rollout ends.
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ class Session:
 
 class NoGenerator(RuntimeError):
     """No generator can take a session: an infrastructure failure."""
+
+
+def unknown_session(session_id: str) -> HTTPError:
+    return HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -173,7 +180,7 @@ class SessionProxy:
     def session(self, session_id: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None:
-            raise HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
+            raise unknown_session(session_id)
         return s
 
     def _sampling_updates(self, s: Session, req) -> dict:

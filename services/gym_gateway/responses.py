@@ -15,7 +15,7 @@ Token fields on replayed model items go onto their assistant message, so the gen
 the model's exact tokens (the proxy also attaches the session's own history). ``build_response``
 turns the generator's answer into output items (reasoning, message, function_call, in that order)
 whose last item carries the turn's ``prompt_token_ids``, ``generation_token_ids`` and
-``generation_log_probs``. Called by `services.gym_gateway.nemo_gym_routes`.
+``generation_log_probs``. Called by `services.gym_gateway.session_routes`.
 """
 
 from __future__ import annotations
@@ -208,9 +208,8 @@ def _template_kwargs(metadata: dict[str, str] | None) -> dict[str, Any] | None:
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request of one Responses call; a 400 naming the field for what chat cannot carry."""
-    if req.stream:
-        raise bad_request("streaming is not supported; send stream: false", param="stream")
+    """The chat request of one Responses call; a 400 naming the field for what chat cannot carry.
+    ``stream`` is carried over: the session proxy refuses streaming for every path alike."""
     if req.background:
         raise bad_request("background responses are not supported", param="background")
     if req.previous_response_id is not None:
@@ -228,6 +227,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         top_p=req.top_p,
         max_tokens=req.max_output_tokens,
         chat_template_kwargs=_template_kwargs(req.metadata),
+        stream=bool(req.stream),
     )
 
 

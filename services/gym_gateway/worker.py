@@ -1,11 +1,14 @@
 """The gateway's task worker: tasks stream in, trajectories out.
 
-    XREADGROUP tasks (up to free slots) -> RUNNING rollout (session + environment, deadline)
+    XREADGROUP tasks (up to free slots) -> RUNNING rollout: a fresh session on the proxy, the
+        task's environment (`envs.get_env`) handed a `SessionClient` on it, under the task's deadline
         -> failed for an infra reason and retries left? -> run again (fresh session, same task)
         -> trajectory XADD + task XACK, atomically, only while this worker owns the task
     pending tasks of a dead worker --XAUTOCLAIM after reclaim_idle_s--> run here
-    SIGTERM: stop reading -> running rollouts finish within the drain limit -> the rest, and tasks
-        read but not started, are released to the group at once (re-added, old entry acked)
+    the run's stop key set -> `run` returns (the app then stops the service, draining first)
+    drain (SIGTERM or the run's end): stop reading -> running rollouts finish within
+        gym_gateway.drain_timeout_s -> the rest, and tasks read but not started, are released to
+        the group at once (re-added, old entry acked)
 
 At most ``max_concurrent_rollouts`` rollouts run at once; no new task is read while the launch gate
 is closed (`shared.pause.launch_gate_closed`) or all slots are busy, so backpressure stays in
@@ -17,7 +20,7 @@ Failures are classified (`classify`). Infrastructure failures (``timeout``, ``tr
 then published as a zero-token ``failed`` placeholder carrying ``fallback_reason``: the trainer's
 failure policy stops the run or backfills. Policy failures (``model_refused``: the model's request
 was refused, e.g. its context is full) end the rollout as ``truncated`` with reward 0 and the turns
-so far. Counts per reason are kept for metrics.
+so far. Counts per reason are kept for metrics (`services.gym_gateway.metrics`).
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ import aiohttp
 import msgspec
 
 from services.gym_gateway.envs import UnknownEnvironment, get_env
-from services.gym_gateway.envs.base import ChatClient, InfraError, ModelRequestError, Outcome
+from services.gym_gateway.envs.base import Environment, InfraError, ModelRequestError, Outcome
 from services.gym_gateway.proxy import NoGenerator, Session, SessionProxy
+from services.gym_gateway.session_client import SessionClient
 from shared import keys as K
 from shared.pause import launch_gate_closed
-from shared.protocol import Task, Trajectory
+from shared.protocol import RolloutStatus, Task, Trajectory
+from shared.run_config import EnvSection
 from shared.streams import Delivery, StreamClient
 
 log = logging.getLogger(__name__)
@@ -88,10 +93,10 @@ def assemble(
     infra = failure is not None and failure.kind == "infra"
     turns = [] if infra else session.turns
     versions = [t.weight_version for t in session.turns]
+    status: RolloutStatus = "failed" if infra else "truncated"
     if failure is None:
+        assert outcome is not None, "a rollout without a failure has an outcome"
         status = outcome.status
-    else:
-        status = "failed" if infra else "truncated"
     return Trajectory(
         task_id=task.task_id,
         group_id=task.group_id,
@@ -122,33 +127,33 @@ def assemble(
 
 
 class GatewayWorker:
+    """Runs the tasks of one gateway worker (see the module docstring); built by the app's lifespan,
+    which supervises `run` and calls `drain` at shutdown."""
+
     def __init__(
         self,
         streams: StreamClient,
         proxy: SessionProxy,
         http: aiohttp.ClientSession,
         *,
+        env_cfg: EnvSection,
         session_base_url: str,
         max_concurrent: int,
         reclaim_idle_s: float,
-        max_turns: int,
         gateway_id: str,
-        carry_mask_flag: bool = True,
-        env_cfg=None,
     ) -> None:
         self.streams = streams
         self.proxy = proxy
         self.http = http
+        self.env_cfg = env_cfg
         self.session_base_url = session_base_url.rstrip("/")
         self.max_concurrent = max_concurrent
         self.reclaim_idle_s = reclaim_idle_s
-        self.max_turns = max_turns
         self.gateway_id = gateway_id
-        self.carry_mask_flag = carry_mask_flag
-        self.env_cfg = env_cfg
-        retry = env_cfg is not None and env_cfg.failure_policy == "retry"
-        self.max_retries = env_cfg.max_rollout_retries if retry else 0
-        self._envs: dict = {}  # one instance per environment name, built on first use
+        self.max_turns = env_cfg.max_turns
+        self.carry_mask_flag = env_cfg.should_mask_flagged_samples
+        self.max_retries = env_cfg.max_rollout_retries if env_cfg.failure_policy == "retry" else 0
+        self._envs: dict[str, Environment] = {}  # one instance per environment name, built on first use
         self.active: dict[str, asyncio.Task] = {}
         self.deliveries: dict[str, Delivery[Task]] = {}  # task id -> the entry it came from (running)
         self.held: list[Delivery[Task]] = []  # read, not started yet (gate closed or no free slot)
@@ -198,7 +203,7 @@ class GatewayWorker:
             else:
                 self.held = got
 
-    def _env(self, name: str):
+    def _env(self, name: str) -> Environment:
         env = self._envs.get(name)
         if env is None:
             env = self._envs[name] = get_env(name, self.env_cfg)
@@ -207,10 +212,11 @@ class GatewayWorker:
     def _launch(self, d: Delivery[Task]) -> None:
         if d.msg.task_id in self.active:
             return
-        t = asyncio.create_task(self._rollout(d), name=f"rollout-{d.msg.task_id}")
-        self.active[d.msg.task_id] = t
-        self.deliveries[d.msg.task_id] = d
-        t.add_done_callback(lambda _t, tid=d.msg.task_id: self._done(tid))
+        task_id = d.msg.task_id
+        t = asyncio.create_task(self._rollout(d), name=f"rollout-{task_id}")
+        self.active[task_id] = t
+        self.deliveries[task_id] = d
+        t.add_done_callback(lambda _t: self._done(task_id))
 
     def _done(self, task_id: str) -> None:
         self.active.pop(task_id, None)
@@ -266,12 +272,13 @@ class GatewayWorker:
         try:
             session = await self.proxy.open(session_id, task.kind, task.sampling, env=task.env)
             env = self._env(task.env)
-            client = ChatClient(
-                f"{self.session_base_url}/sessions/{session_id}/v1",
-                self.http,
+            client = SessionClient(
+                self.proxy,
+                session_id,
+                base_url=f"{self.session_base_url}/sessions/{session_id}/v1",
+                http=self.http,
                 timeout_s=task.deadline_s,
                 sampling=task.sampling,
-                session_id=session_id,
             )
             outcome = await asyncio.wait_for(
                 env.rollout(task.instance, client, max_turns=self.max_turns), task.deadline_s

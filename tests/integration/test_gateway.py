@@ -105,3 +105,24 @@ async def test_proxy_http_errors_name_the_problem(stack):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert (await http.get("/ready")).status_code == 200
         assert "streamrl_gateway_model_calls_total" in (await http.get("/metrics")).text
+
+
+async def test_streaming_is_refused_on_every_session_path(stack):
+    """One check in the session proxy covers chat, completions and Responses at every prefix."""
+    from services.gym_gateway.session_routes import SESSION_PREFIXES
+
+    gateway, _, gw_url = stack
+    session = await gateway.state.proxy.open("stream-1", "train", SamplingParams(max_tokens=4))
+    bodies = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "stream": True},
+        "/v1/completions": {"prompt": [5, 6, 7], "stream": True},
+        "/v1/responses": {"input": "x", "stream": True},
+    }
+    refused = []
+    async with httpx.AsyncClient(base_url=gw_url, timeout=30) as http:
+        for prefix in SESSION_PREFIXES:
+            for path, body in bodies.items():
+                r = await http.post(prefix.format(session_id="stream-1") + path, json=body)
+                assert r.status_code == 400, (prefix, path, r.text)
+                refused.append(r.json()["error"]["param"])
+    assert refused == ["stream"] * 9 and session.calls == 0

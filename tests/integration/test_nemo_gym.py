@@ -260,7 +260,7 @@ async def test_calls_reaching_another_gateway_worker_are_forwarded_to_the_sessio
 
     async with gateway_stack() as gw:
         port = free_port()
-        other = build_gateway(gw.cfg, worker_id="gw-1", port=port, drain_timeout_s=5)
+        other = build_gateway(gw.cfg, worker_id="gw-1", port=port)
         async with serve_app(other, port) as other_url:
             for _ in range(100):
                 if len(await live_workers(gw.streams.redis, gw.streams.keys, "gym_gateway")) == 2:
@@ -282,5 +282,5 @@ async def test_calls_reaching_another_gateway_worker_are_forwarded_to_the_sessio
     assert first.status_code == second.status_code == 200
     assert first.json()["output"][-1]["generation_token_ids"] == list(session.turns[0].generated())
     assert session.calls == 2 and session.prefix_breaks == 0 and stats.json()["calls"] == 2
-    assert dict(other.state.session_owners) == {"fw.1": gw.url}
+    assert dict(other.state.forwarder.owners) == {"fw.1": gw.url}
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "session_id"

@@ -113,7 +113,12 @@ async def swe_stack(fixing_model, redis_url, tmp_path):
             },
         },
         "env": {"name": "swe", "max_turns": 2, "swe": {"workspace_root": str(tmp_path / "ws"), "eval_timeout_s": 120}},
-        "gym_gateway": {"max_concurrent_rollouts": 2, "rollout_timeout_s": 300, "reclaim_idle_s": 600},
+        "gym_gateway": {
+            "max_concurrent_rollouts": 2,
+            "rollout_timeout_s": 300,
+            "reclaim_idle_s": 600,
+            "drain_timeout_s": 5,
+        },
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -134,7 +139,7 @@ async def swe_stack(fixing_model, redis_url, tmp_path):
                 ),
             )
             await _wait_ack(streams, 0)
-            async with serve(build_gateway(cfg, worker_id="gw-0", port=gw_port, drain_timeout_s=5), gw_port):
+            async with serve(build_gateway(cfg, worker_id="gw-0", port=gw_port), gw_port):
                 yield cfg, streams
     await redis.aclose()
 

@@ -147,7 +147,6 @@ def test_bad_input_items_are_400s_naming_the_item(item, param):
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"stream": True}, "stream"),
         ({"metadata": {"chat_template_kwargs": "{not json"}}, "metadata.chat_template_kwargs"),
     ],
 )
@@ -155,6 +154,11 @@ def test_what_chat_cannot_carry_is_refused_by_name(fields, param):
     with pytest.raises(HTTPError) as err:
         chat_request(_req(input="x", **fields))
     assert err.value.param == param
+
+
+def test_streaming_is_carried_to_the_chat_request_for_the_proxy_to_refuse():
+    assert chat_request(_req(input="x", stream=True)).stream is True
+    assert chat_request(_req(input="x")).stream is False
 
 
 def test_template_switches_from_metadata_reach_the_chat_request():

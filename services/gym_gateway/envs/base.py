@@ -1,21 +1,32 @@
-"""The environment contract and the chat client agents use to reach the model.
+"""The environment contract: what an environment is (`Environment`), what it reaches the model
+with (`ModelClient`), what it returns (`Outcome`) and how it fails (`InfraError` and its kinds,
+`ModelRequestError`).
 
-An environment runs one rollout: it talks to the model only through `ChatClient` (an
-OpenAI-compatible client pointed at the rollout's session proxy URL, exactly what a black-box agent
-would be given) and returns an `Outcome` with the reward. Token ids never pass through the
-environment: the session proxy records them. Environments are selected by name (`envs.get_env`).
+An environment runs one rollout at a time against the model and returns an `Outcome` with the
+reward. Token ids never pass through it: the session proxy records every model call. The gateway
+worker hands it a `ModelClient` bound to the rollout's session, in one of two ways:
+
+    built-in loop (crossing, tool_calc, guess_number, echo, swe):  llm.chat(...)
+        -> the session proxy, in the gateway's own process (`services.gym_gateway.session_client`)
+    external agent (openhands, nemo_gym):  llm.base_url  (``http://<gateway>/sessions/<id>/v1``)
+        -> the agent's own OpenAI client -> the gateway's session routes -> the session proxy
+
+`ChatClient` is the same interface over HTTP, for a caller that holds only a session's URL.
+Environments are built by the registry (`services.gym_gateway.envs.get_env`) with
+``from_config``, and every one passes the contract test (tests/integration/test_env_contract.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Self
 
 import aiohttp
 import msgspec
 
 from shared.openai_api import ChatCompletionResponse
 from shared.protocol import SamplingParams
+from shared.run_config import EnvSection
 
 
 class InfraError(RuntimeError):
@@ -49,11 +60,51 @@ class Outcome:
     mask_sample: bool = False  # "do not train on this rollout" (e.g. an iteration cap was hit)
 
 
-class ChatClient:
-    """Minimal async OpenAI chat client for a session URL (``.../sessions/<id>/v1``).
+class ModelClient(Protocol):
+    """The model, as one rollout's session. ``chat`` raises `ModelRequestError` when the request is
+    refused (4xx: a bad request, a full context) and `TransportError` when the model cannot be
+    reached (5xx, connection, timeout)."""
 
-    Harness drivers that run an external agent hand it ``base_url`` (an OpenAI-compatible endpoint)
-    and pass ``sampling`` (the task's sampling profile) through to the agent's own LLM settings."""
+    session_id: str
+    sampling: SamplingParams | None  # the task's sampling profile, for agents that set their own
+    base_url: str  # the session's OpenAI base URL (``.../sessions/<id>/v1``), for external agents
+    http: aiohttp.ClientSession  # the gateway's HTTP client, for drivers that call agent servers
+    timeout_s: float
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any
+    ) -> ChatCompletionResponse: ...
+
+
+class Environment(Protocol):
+    """An environment or agent-harness driver, registered by ``name`` in `services.gym_gateway.envs`
+    and built once per gateway worker by ``from_config``."""
+
+    name: str
+
+    @classmethod
+    def from_config(cls, env_cfg: EnvSection) -> Self:
+        """Build from the run's ``env`` section (a driver reads its own sub-section, e.g.
+        ``env.swe``; environments that need nothing ignore it)."""
+        ...
+
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
+        """Run one episode against the model, at most ``max_turns`` model calls where the
+        environment runs the loop itself; raise `InfraError` on an infrastructure failure."""
+        ...
+
+    def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """``n`` JSON-serialisable task instances, the same for the same ``seed`` (``streamrl
+        data make``); a ValueError naming where the rows come from when the environment has no
+        generator of its own."""
+        ...
+
+
+class ChatClient:
+    """`ModelClient` over HTTP, for a caller that holds only a session's URL
+    (``.../sessions/<id>/v1``): what a black-box agent sees. The gateway worker hands its
+    environments a `services.gym_gateway.session_client.SessionClient` instead, which reaches the
+    session proxy without a loopback HTTP call and fails the same way."""
 
     def __init__(
         self,
@@ -74,13 +125,10 @@ class ChatClient:
     async def chat(
         self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any
     ) -> ChatCompletionResponse:
-        body: dict[str, Any] = {"messages": messages, **params}
-        if tools:
-            body["tools"] = tools
         try:
             async with self.http.post(
                 f"{self.base_url}/chat/completions",
-                data=msgspec.json.encode(body),
+                data=chat_body(messages, tools, params),
                 headers={"content-type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as resp:
@@ -95,15 +143,9 @@ class ChatClient:
         return self._decoder.decode(content)
 
 
-class Environment(Protocol):
-    """An environment or agent-harness driver. Built once per gateway worker by
-    ``envs.get_env(name, env_cfg)``: a class with ``from_config(env_cfg)`` gets the run's ``env``
-    config section (its own sub-section, e.g. ``env.swe``), others are built without arguments."""
-
-    name: str
-
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
-        """Run one episode against the model; raise on infrastructure failure."""
-
-    def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
-        """A dataset of ``n`` task instances (for built-in environments)."""
+def chat_body(messages: list[dict[str, Any]], tools: list[dict] | None, params: dict[str, Any]) -> bytes:
+    """The JSON body of a chat call, as both clients send it."""
+    body: dict[str, Any] = {"messages": messages, **params}
+    if tools:
+        body["tools"] = tools
+    return msgspec.json.encode(body)

@@ -22,7 +22,8 @@ import random
 import re
 from typing import Any
 
-from services.gym_gateway.envs.base import ChatClient, Outcome
+from services.gym_gateway.envs.base import ModelClient, Outcome
+from shared.run_config import EnvSection
 
 LOOK_TOOL = {
     "type": "function",
@@ -54,11 +55,15 @@ def observation(light: str) -> str:
 class CrossingEnv:
     name = "crossing"
 
+    @classmethod
+    def from_config(cls, env_cfg: EnvSection) -> CrossingEnv:
+        return cls()  # nothing to configure
+
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         rng = random.Random(seed)
         return [{"light": rng.choice(LIGHTS)} for _ in range(n)]
 
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         light = instance["light"]
         if light not in RULE:
             raise ValueError(f"crossing instance has light {light!r}; expected one of {LIGHTS}")

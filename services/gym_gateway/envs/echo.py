@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from services.gym_gateway.envs.base import ChatClient, Outcome
+from services.gym_gateway.envs.base import ModelClient, Outcome
+from shared.run_config import EnvSection
 
 WORDS = (
     "apple banana cherry grape lemon mango orange peach pear plum red green blue yellow "
@@ -25,11 +26,15 @@ def score(expected: list[str], reply: str | None) -> float:
 class EchoEnv:
     name = "echo"
 
+    @classmethod
+    def from_config(cls, env_cfg: EnvSection) -> EchoEnv:
+        return cls()  # nothing to configure
+
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         rng = random.Random(seed)
         return [{"words": [rng.choice(WORDS) for _ in range(rng.randint(2, 4))]} for _ in range(n)]
 
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         words = list(instance["words"])
         resp = await llm.chat([{"role": "user", "content": "Repeat after me: " + " ".join(words)}])
         return Outcome(reward=score(words, resp.choices[0].message.content), metrics={"turns": 1.0})

@@ -14,7 +14,8 @@ answers "higher", "lower" or "correct", and the model guesses again:
 Reward 1.0 when a guess is correct within the budget, else 0.0. Guessing at random wins about a
 third of the time with 7 numbers and 3 guesses; bisecting on the feedback always wins, so the
 reward rises only if the policy learns to condition on what the environment told it. An assistant
-message without a tool call ends the episode (reward 0). The demo trains on this task.
+message without a tool call ends the episode (reward 0); so does running out of guesses (the
+budget, or ``max_turns`` model calls when fewer).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import json
 import random
 from typing import Any
 
-from services.gym_gateway.envs.base import ChatClient, Outcome
+from services.gym_gateway.envs.base import ModelClient, Outcome
+from shared.run_config import EnvSection
 
 GUESS_TOOL = {
     "type": "function",
@@ -42,9 +44,10 @@ def prompt(instance: dict[str, Any]) -> str:
     )
 
 
-def feedback(secret: int, arguments: str) -> str:
+def feedback(secret: int, arguments: str | dict[str, Any]) -> str:
     try:
-        n = int(json.loads(arguments)["number"])
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+        n = int(args["number"])
     except (ValueError, KeyError, TypeError):
         return 'error: arguments must be {"number": <integer>}'
     return "correct" if n == secret else "higher" if secret > n else "lower"
@@ -53,11 +56,15 @@ def feedback(secret: int, arguments: str) -> str:
 class GuessNumberEnv:
     name = "guess_number"
 
+    @classmethod
+    def from_config(cls, env_cfg: EnvSection) -> GuessNumberEnv:
+        return cls()  # nothing to configure
+
     def make_instances(self, n: int, seed: int, high: int = 7, budget: int = 3) -> list[dict[str, Any]]:
         rng = random.Random(seed)
         return [{"secret": rng.randint(1, high), "high": high, "budget": budget} for _ in range(n)]
 
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         secret, budget = int(instance["secret"]), int(instance["budget"])
         messages: list[dict[str, Any]] = [{"role": "user", "content": prompt(instance)}]
         guesses = invalid = 0

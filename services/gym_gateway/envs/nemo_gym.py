@@ -11,9 +11,11 @@ calls to ``/ng-rollout/<_ng_rollout_id>/v1/...`` on the model server its config 
 NeMo-Gym config has ``observability_enabled: true`` (or training token capture for that agent).
 So the NeMo-Gym config names a gateway worker (host, port) as the policy model server and enables
 observability, and the driver sets ``_ng_rollout_id`` to the session id
-(`services.gym_gateway.nemo_gym_routes` serves those paths). After ``/run`` the driver asks the
-session how many model calls it recorded: model output in the agent's answer with none recorded
-means the agent's calls went to another model server (``nemo_gym_routing``).
+(`services.gym_gateway.session_routes` serves those paths). The agent servers are other processes,
+so the rollout's model calls come back over HTTP; the driver never calls ``llm.chat`` itself.
+After ``/run`` the driver asks the session how many model calls it recorded (``GET
+/sessions/<id>/stats``): model output in the agent's answer with none recorded means the agent's
+calls went to another model server (``nemo_gym_routing``).
 
 Agents are found by ``agent_ref.name`` (or ``env.nemo_gym.default_agent``) in
 ``env.nemo_gym.agent_servers``, else in the global config of the NeMo-Gym head server
@@ -49,8 +51,8 @@ import aiohttp
 import msgspec
 import yaml
 
-from services.gym_gateway.envs.base import ChatClient, InfraError, Outcome, TransportError
-from shared.run_config import NemoGymSection
+from services.gym_gateway.envs.base import InfraError, ModelClient, Outcome, TransportError
+from shared.run_config import EnvSection, NemoGymSection
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +123,13 @@ class NemoGymEnv:
         self._rollout_seq: dict[Any, itertools.count] = defaultdict(itertools.count)
 
     @classmethod
-    def from_config(cls, env_cfg) -> NemoGymEnv:
+    def from_config(cls, env_cfg: EnvSection) -> NemoGymEnv:
         return cls(env_cfg.nemo_gym)
 
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         raise ValueError("nemo_gym rows come from a NeMo-Gym dataset JSONL (data.train_path), not a generator")
 
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         body = self.run_body(instance, llm)
         agent = await self.agent(instance, llm.http)
         result = await self._run(agent, body, llm.http)
@@ -136,7 +138,7 @@ class NemoGymEnv:
 
     # -- the /run request ----------------------------------------------------------------------
 
-    def run_body(self, instance: dict[str, Any], llm: ChatClient) -> dict[str, Any]:
+    def run_body(self, instance: dict[str, Any], llm: ModelClient) -> dict[str, Any]:
         """The row as NeMo-Gym's rollout collection posts it, with the task's sampling."""
         params = instance.get("responses_create_params")
         if not isinstance(params, dict):
@@ -187,7 +189,7 @@ class NemoGymEnv:
     async def global_config(self, http: aiohttp.ClientSession) -> dict[str, Any]:
         """The head server's global config (fetched once; a failed read is retried next time)."""
         if self._global_config is None:
-            url = f"{self.cfg.head_server_url.rstrip('/')}/global_config_dict_yaml"
+            url = f"{(self.cfg.head_server_url or '').rstrip('/')}/global_config_dict_yaml"
             try:
                 async with http.get(url, timeout=aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s)) as resp:
                     status, raw = resp.status, await resp.read()
@@ -245,7 +247,9 @@ class NemoGymEnv:
             return None
         ref = (server_entry(config, agent) or {}).get("resources_server")
         name = ref.get("name") if isinstance(ref, dict) else None
-        entry = server_entry(config, name) if isinstance(name, str) else None
+        if not isinstance(name, str):
+            return None
+        entry = server_entry(config, name)
         return Server(name, f"http://{entry['host']}:{entry['port']}") if entry else None
 
     async def _answers(self, url: str, http: aiohttp.ClientSession) -> bool:
@@ -259,7 +263,7 @@ class NemoGymEnv:
 
     # -- after /run ----------------------------------------------------------------------------
 
-    async def _check_routed(self, result: VerifyResult, llm: ChatClient) -> None:
+    async def _check_routed(self, result: VerifyResult, llm: ModelClient) -> None:
         output = (result.response or {}).get("output") or []
         produced = any(
             isinstance(o, dict) and (o.get("type") in _MODEL_ITEM_TYPES or o.get("role") == "assistant") for o in output

@@ -2,13 +2,15 @@
 
     task instance -> workspace (template folder + files, or a SWE instance's copy)
       -> job.json -> <env.openhands.python> openhands_runner.py job.json result.json
-           (own process group; LiteLLM -> the rollout's session proxy, task sampling on every call)
+           (own process group; LiteLLM -> the session's URL, task sampling on every call)
       -> result.json {status, iterations, actions, error_kind}
       -> reward from the workspace: the task's check command (exit 0: 1.0), or SWE's hidden tests
 
 The SDK needs Python >= 3.12 and its own dependencies, so it runs in its own virtualenv
 (``scripts/setup_openhands.sh``) and process; ``openhands_runner.py`` is the only code that runs
-there. The process gets offline settings (``LITELLM_LOCAL_MODEL_COST_MAP=True``, no telemetry), a
+there. Being another process, the agent cannot use the gateway's in-process model client: it gets
+the session's OpenAI base URL (``llm.base_url``) and its calls come back to the gateway's session
+routes over HTTP. The process gets offline settings (``LITELLM_LOCAL_MODEL_COST_MAP=True``, no telemetry), a
 scrubbed environment, its own HOME and tmux socket folder. When the rollout is cancelled (its
 deadline) or ``env.openhands.timeout_s`` passes, the whole process group is killed, then every
 tmux server with a socket in the job's socket folder (tmux daemonises out of the group).
@@ -42,10 +44,13 @@ import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.gym_gateway.envs.base import ChatClient, ModelRequestError, Outcome, SandboxError, TransportError
-from shared.run_config import OpenHandsSection, SweSection
+from services.gym_gateway.envs.base import ModelClient, ModelRequestError, Outcome, SandboxError, TransportError
+from shared.run_config import EnvSection, OpenHandsSection, SweSection
+
+if TYPE_CHECKING:
+    from services.gym_gateway.envs.swe.agent import SweEnv
 
 RUNNER = Path(__file__).with_name("openhands_runner.py")
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
@@ -81,10 +86,10 @@ class OpenHandsEnv:
     def __init__(self, cfg: OpenHandsSection | None = None, swe_cfg: SweSection | None = None) -> None:
         self.cfg = cfg or OpenHandsSection()
         self.swe_cfg = swe_cfg or SweSection()
-        self._swe_env = None
+        self._swe_env: SweEnv | None = None  # built on the first SWE row
 
     @classmethod
-    def from_config(cls, env_cfg: Any) -> OpenHandsEnv:
+    def from_config(cls, env_cfg: EnvSection) -> OpenHandsEnv:
         return cls(env_cfg.openhands, env_cfg.swe)
 
     @property
@@ -108,7 +113,7 @@ class OpenHandsEnv:
             )
         return out
 
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         if "swe" in instance:
             return await self._swe_rollout(instance["swe"], llm, max_turns)
         prompt, check = _require_str(instance, "prompt"), _require_str(instance, "check")
@@ -119,7 +124,7 @@ class OpenHandsEnv:
             passed, check_status = await run_check(check, ws, self.cfg.check_timeout_s)
         return self.outcome(run, 1.0 if passed else 0.0, {"check_exit": float(check_status)})
 
-    async def _swe_rollout(self, row: Any, llm: ChatClient, max_turns: int) -> Outcome:
+    async def _swe_rollout(self, row: Any, llm: ModelClient, max_turns: int) -> Outcome:
         from services.gym_gateway.envs import swe
 
         if not isinstance(row, dict):
@@ -165,7 +170,7 @@ class OpenHandsEnv:
 
     # -- the agent process -----------------------------------------------------------------------
 
-    def job(self, prompt: str, workspace: Path, llm: ChatClient, *, max_turns: int) -> dict[str, Any]:
+    def job(self, prompt: str, workspace: Path, llm: ModelClient, *, max_turns: int) -> dict[str, Any]:
         """The runner's job for one episode (see openhands_runner.py)."""
         if llm.sampling is None:
             raise ValueError("the openhands driver needs the task's sampling profile on its chat client")
@@ -189,7 +194,7 @@ class OpenHandsEnv:
         }
 
     async def run_agent(
-        self, prompt: str, workspace: Path, llm: ChatClient, *, max_turns: int, job_dir: Path
+        self, prompt: str, workspace: Path, llm: ModelClient, *, max_turns: int, job_dir: Path
     ) -> AgentRun:
         """Run the runner on ``prompt`` in ``workspace``; its files go to ``job_dir``."""
         job_path, result_path, log_path = job_dir / "job.json", job_dir / "result.json", job_dir / "runner.log"

@@ -1,4 +1,4 @@
-"""``tool_calc``: a multi-turn tool-use task the tiny demo model can learn on a CPU.
+"""``tool_calc``: a multi-turn tool-use task a tiny model can learn on a CPU (the default ``env.name``).
 
 The user asks for ``a op b`` and is told to use the calculator. A good episode takes two model
 turns with environment feedback between them:
@@ -21,7 +21,8 @@ import random
 import re
 from typing import Any
 
-from services.gym_gateway.envs.base import ChatClient, Outcome
+from services.gym_gateway.envs.base import ModelClient, Outcome
+from shared.run_config import EnvSection
 
 CALCULATOR_TOOL = {
     "type": "function",
@@ -94,6 +95,10 @@ def run_tool_call(name: str, arguments: str | dict) -> str:
 class ToolCalcEnv:
     name = "tool_calc"
 
+    @classmethod
+    def from_config(cls, env_cfg: EnvSection) -> ToolCalcEnv:
+        return cls()  # nothing to configure
+
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         rng = random.Random(seed)
         out = []
@@ -107,7 +112,7 @@ class ToolCalcEnv:
             out.append({"a": a, "b": b, "op": op})
         return out
 
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         messages: list[dict[str, Any]] = [{"role": "user", "content": question(instance)}]
         tool_calls = tool_errors = 0
         for turn in range(max_turns):

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.gym_gateway.envs.base import ChatClient, ModelRequestError, Outcome
+from services.gym_gateway.envs.base import ModelClient, ModelRequestError, Outcome
 from services.gym_gateway.envs.swe.evaluate import evaluate
 from services.gym_gateway.envs.swe.instance import Instance, InstanceError, instance_from_row, load_instances
 from services.gym_gateway.envs.swe.runtime import Workspace, make_runtime
 from services.gym_gateway.envs.swe.tools import TOOLS, run_tool
-from shared.run_config import SweSection
+from shared.run_config import EnvSection, SweSection
 
 SHIPPED_INSTANCES = Path(__file__).resolve().parents[4] / "data" / "swe_instances"
 # No workspace path in the prompt: it differs per rollout, and the same instance should give the
@@ -62,7 +62,7 @@ def assistant_message(msg: Any) -> dict[str, Any]:
     return out
 
 
-async def run_agent(instance: Instance, ws: Workspace, llm: ChatClient, *, max_turns: int) -> Episode:
+async def run_agent(instance: Instance, ws: Workspace, llm: ModelClient, *, max_turns: int) -> Episode:
     """The tool-calling loop: at most ``max_turns`` model calls."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
@@ -101,7 +101,7 @@ class SweEnv:
         self._instances: dict[str, Instance] | None = None
 
     @classmethod
-    def from_config(cls, env_cfg: Any) -> SweEnv:
+    def from_config(cls, env_cfg: EnvSection) -> SweEnv:
         return cls(env_cfg.swe)
 
     def instances(self) -> dict[str, Instance]:
@@ -131,7 +131,7 @@ class SweEnv:
             out += [{"instance_id": i} for i in ids]
         return out[:n]
 
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         inst = self.resolve(instance)
         async with self.runtime.workspace(inst) as ws:
             ep = await run_agent(inst, ws, llm, max_turns=max_turns)
