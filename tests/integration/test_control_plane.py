@@ -1,0 +1,271 @@
+"""The trainer's control plane running its real loop (real Valkey, the torch learner on the tiny
+model) against a generator and a gateway played through Redis as they speak the protocol: the
+generator heartbeats and confirms every weight version; the gateway reads tasks (not while the
+launch gate is closed) and answers each with a one-turn trajectory.
+
+What a user of pause, resume and validation relies on, whatever the machine's speed:
+* a pause before the first task holds the run (nothing is issued) without failing it;
+* a pause at a step boundary holds the issue of the next step's tasks too, and a lag-0 run
+  continues after the resume instead of stalling;
+* time spent paused does not count against trainer.data_timeout_s;
+* the last boundary holds too: a validation requested there runs before the run ends, and once it
+  has ended a request is refused;
+* a run that fails reports why, sets the stop key, and drops queued validations with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from services.trainer.batch import StepBatch
+from services.trainer.control_plane import ControlPlane
+from services.trainer.intake import RunFailed
+from services.trainer.learner import Learner
+from shared import keys as K
+from shared.pause import PauseReason, launch_gate_closed
+from shared.protocol import Heartbeat, Task, Trajectory, WeightAck, WeightAnnouncement, make_turn
+from shared.records import LearnerMetrics, TrainerState, ValidationRecord, read_records, step_records
+from shared.registry import publish_heartbeat
+from shared.streams import StreamClient, connect
+from tests.trainer_fixtures import control_plane, serving_app, trainer_config
+
+pytestmark = pytest.mark.integration
+
+
+class Peers:
+    """A generator and a gateway, played through Redis. ``answer(task)`` decides whether the
+    gateway answers a task now (a task it may not answer yet is kept and offered again)."""
+
+    def __init__(self, redis_url: str, keys: K.RunKeys) -> None:
+        self.redis = connect(redis_url)
+        self.keys = keys
+        self.generator = StreamClient(self.redis, keys, "gen-peer")
+        self.gateway = StreamClient(self.redis, keys, "gw-peer")
+        self.answer = lambda task: True
+        self.version = -1
+        self.held: list = []
+
+    async def run(self) -> None:
+        await self.gateway.ensure_group(self.keys.tasks, K.GATEWAYS_GROUP)
+        cursor = "0-0"
+        while True:
+            await self._beat()
+            for d in await self.generator.read_after(self.keys.weights, cursor, WeightAnnouncement, block_ms=50):
+                cursor, self.version = d.entry_id, d.msg.version
+                await self._beat()
+                ack = WeightAck(worker_id="gen-peer", version=self.version, ok=True, cache_reset=True)
+                await self.generator.publish(self.keys.weight_acks, ack)
+            await self._serve_tasks()
+            await asyncio.sleep(0.05)
+
+    async def _beat(self) -> None:
+        hb = Heartbeat(
+            worker_id="gen-peer",
+            kind="generator",
+            url="http://peer",
+            pid=1,
+            host="h",
+            state="ready",
+            weight_version=self.version,
+        )
+        await publish_heartbeat(self.redis, self.keys, hb)
+
+    async def _serve_tasks(self) -> None:
+        if not await launch_gate_closed(self.redis, self.keys):
+            self.held += await self.gateway.read_group(self.keys.tasks, K.GATEWAYS_GROUP, Task, count=64, block_ms=20)
+        keep = []
+        for d in self.held:
+            if not self.answer(d.msg):
+                keep.append(d)
+                continue
+            await self.gateway.publish_and_ack(
+                self.keys.trajectories, _trajectory(d.msg, self.version), self.keys.tasks, K.GATEWAYS_GROUP, d.entry_id
+            )
+        self.held = keep
+
+
+def _trajectory(task: Task, version: int) -> Trajectory:
+    turn = make_turn(
+        prompt_ids=[5, 6, 7],
+        context_len=0,
+        generated_ids=[8, 9],
+        generated_logprobs=[-1.0, -1.2],
+        weight_version=version,
+    )
+    return Trajectory(
+        task_id=task.task_id,
+        group_id=task.group_id,
+        index_in_group=task.index_in_group,
+        group_size=task.group_size,
+        prompt_index=task.prompt_index,
+        env=task.env,
+        kind=task.kind,
+        target_step=task.target_step,
+        launch_version=version,
+        reward=float(task.index_in_group % 2),
+        status="ok",
+        turns=[turn],
+    )
+
+
+class PausingLearner:
+    """The real learner; when it finishes training step ``pause_after``, the user pauses the run
+    (the pause is in Redis before the control plane reaches the step's boundary)."""
+
+    def __init__(self, inner: Learner, control: ControlPlane, pause_after: int) -> None:
+        self.inner, self.control, self.pause_after = inner, control, pause_after
+        self.trained = 0
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def train(self, batch: StepBatch) -> LearnerMetrics:
+        metrics = await self.inner.train(batch)
+        if self.trained == self.pause_after:
+            await self.control.pause.pause(PauseReason.USER)
+        self.trained += 1
+        return metrics
+
+    def export_weights(self, out_dir):
+        self.inner.export_weights(out_dir)
+
+    async def save(self, path):
+        await self.inner.save(path)
+
+    async def load(self, path):
+        await self.inner.load(path)
+
+
+async def _until(check, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _start(cfg, redis_url: str, *, pause_after: int | None = None):
+    control = control_plane(cfg)
+    if pause_after is not None:
+        control.learner = control.checkpointer.learner = PausingLearner(control.learner, control, pause_after)
+    peers = Peers(redis_url, control.keys)
+    peer_task = asyncio.create_task(peers.run())
+    await control.open()
+    return control, peers, peer_task, asyncio.create_task(control.run())
+
+
+async def _stop(control: ControlPlane, peers: Peers, peer_task: asyncio.Task, run: asyncio.Task) -> None:
+    for task in (run, peer_task):
+        task.cancel()
+    await asyncio.gather(run, peer_task, return_exceptions=True)
+    await control.aclose()
+    await peers.redis.aclose()
+
+
+def _config(tmp_path, redis_url, tiny_model_dir, prefix: str, *, steps: int, lag: int, data_timeout_s: float):
+    return trainer_config(
+        tmp_path,
+        redis_url,
+        tiny_model_dir,
+        prefix,
+        grpo={"max_num_steps": steps, "async_grpo": {"max_trajectory_age_steps": lag}},
+        trainer={"data_timeout_s": data_timeout_s, "refit_timeout_s": 60.0, "startup_timeout_s": 60.0},
+        logger={"plot": False, "tensorboard": False},
+    )
+
+
+async def test_a_pause_before_the_first_task_holds_the_run_and_paused_time_is_not_a_data_timeout(
+    tiny_model_dir, redis_url, tmp_path
+):
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-start", steps=1, lag=1, data_timeout_s=2.0)
+    control = control_plane(cfg)
+    epoch = await control.pause.pause(PauseReason.USER)  # paused before the trainer even started
+    peers = Peers(redis_url, control.keys)
+    peer_task = asyncio.create_task(peers.run())
+    await control.open()
+    run = asyncio.create_task(control.run())
+    try:
+        await _until(lambda: control.state == TrainerState.PAUSED, "the run held after its initial refit")
+        assert control.weight_version == 0  # v0 was published and confirmed first
+        await asyncio.sleep(2 * cfg.trainer.data_timeout_s)  # paused far longer than the data deadline
+        assert not run.done() and control.state == TrainerState.PAUSED
+        assert await control.redis.xlen(control.keys.tasks) == 0  # nothing issued while paused
+        assert await control.pause.resume(PauseReason.USER, epoch)
+        await asyncio.wait_for(run, 120)
+        assert control.state == TrainerState.FINISHED and control.step == 1
+    finally:
+        await _stop(control, peers, peer_task, run)
+
+
+async def test_a_pause_at_a_boundary_holds_the_next_issue_and_a_lag_0_run_continues_after_resume(
+    tiny_model_dir, redis_url, tmp_path
+):
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-lag0", steps=2, lag=0, data_timeout_s=2.0)
+    control, peers, peer_task, run = await _start(cfg, redis_url, pause_after=0)
+    try:
+        await _until(lambda: control.state == TrainerState.PAUSED, "the run held at the boundary after step 0")
+        assert control.step == 1
+        await asyncio.sleep(2 * cfg.trainer.data_timeout_s)
+        tasks = await control.redis.xrange(control.keys.tasks)
+        assert len(tasks) == 4 and not run.done()  # step 1's tasks wait for the resume; the run waits too
+        peers.answer = lambda task: task.target_step != 1  # step 1's rollouts take their time
+        assert (await control.pause.reasons()).keys() == {"user"}
+        await control.pause.resume(PauseReason.USER, (await control.pause.reasons())["user"])
+        await _until(lambda: control.state == TrainerState.COLLECTING, "step 1 waiting for its data")
+        epoch = await control.pause.pause(PauseReason.USER)  # paused while the step collects
+        await asyncio.sleep(2 * cfg.trainer.data_timeout_s)
+        assert not run.done(), "time spent paused counted against trainer.data_timeout_s"
+        peers.answer = lambda task: True
+        await control.pause.resume(PauseReason.USER, epoch)
+        await asyncio.wait_for(run, 120)
+        assert control.step == 2 and control.state == TrainerState.FINISHED
+        records = step_records(read_records(control.log_dir / "metrics.jsonl"))
+        assert [r.step for r in records] == [0, 1] and all(len(r.consumed_ids) == 4 for r in records)
+    finally:
+        await _stop(control, peers, peer_task, run)
+
+
+async def test_the_last_boundary_holds_and_a_validation_requested_there_runs_before_the_end(
+    tiny_model_dir, redis_url, tmp_path
+):
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-end", steps=1, lag=1, data_timeout_s=60.0)
+    control, peers, peer_task, run = await _start(cfg, redis_url, pause_after=0)
+    app = serving_app(cfg, control)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
+            await _until(lambda: control.state == TrainerState.PAUSED, "the run held at its last boundary")
+            assert control.step == cfg.grpo.max_num_steps and not run.done()
+            status = (await client.get("/status")).json()
+            assert status["state"] == "paused" and status["last"]["step"] == 0 and "consumed_ids" not in status["last"]
+            vid = (await client.post("/validate")).json()["validation_id"]
+            assert (await client.post("/resume")).json()["resumed"] is True
+            await asyncio.wait_for(run, 120)
+            done = (await client.get(f"/validations/{vid}")).json()
+            assert done["status"] == "done" and done["result"]["step"] == 1 and done["result"]["num_samples"] == 2
+            refused = await client.post("/validate")
+            assert refused.status_code == 409 and "the run has finished" in refused.text
+        vals = [r for r in read_records(control.log_dir / "metrics.jsonl") if isinstance(r, ValidationRecord)]
+        assert [v.validation_id for v in vals] == [vid]
+        assert await control.redis.get(control.keys.stop) == b"finished"
+    finally:
+        await _stop(control, peers, peer_task, run)
+
+
+async def test_a_run_without_data_fails_loudly_and_drops_queued_validations(tiny_model_dir, redis_url, tmp_path):
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-fail", steps=2, lag=0, data_timeout_s=1.0)
+    control, peers, peer_task, run = await _start(cfg, redis_url)
+    peers.answer = lambda task: task.target_step == 0  # step 1's data never comes
+    try:
+        await _until(lambda: control.step == 1, "step 0 trained")
+        queued = control.validation.request(control.step)
+        with pytest.raises(RunFailed, match=r"step 1: no 2 usable groups within 1s \(trainer.data_timeout_s\)"):
+            await asyncio.wait_for(run, 60)
+        assert control.state == TrainerState.FAILED and "trainer.data_timeout_s" in (control.error or "")
+        assert await control.redis.get(control.keys.stop) == b"failed"
+        dropped = control.validation.statuses[queued.validation_id]
+        assert dropped.status == "dropped" and dropped.error and dropped.error.startswith("the run failed: RunFailed")
+    finally:
+        await _stop(control, peers, peer_task, run)
