@@ -202,34 +202,3 @@ class ModelCard(msgspec.Struct, kw_only=True):
 class ModelList(msgspec.Struct, kw_only=True):
     data: list[ModelCard]
     object: str = "list"
-
-
-# Generator admin API.
-
-
-class LoadWeightsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    version: int
-    path: str
-    checksum: str | None = None
-    mode: Literal["drain", "keep"] = "drain"
-
-
-class PauseRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    mode: Literal["drain", "keep"] = "drain"
-
-
-class GeneratorState(msgspec.Struct, kw_only=True):
-    worker_id: str
-    state: str
-    weight_version: int
-    engine: str
-    model: str
-    in_flight: int  # admitted HTTP requests not finished
-    running: int  # requests inside the engine (batched together)
-    waiting: int  # requests at the gate or queued in the engine
-    requests_total: int
-    generated_tokens_total: int
-    tokens_per_s: float
-    prefix_cache_resets: int
-    last_refit_s: float
-    error: str | None = None

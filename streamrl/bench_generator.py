@@ -61,7 +61,6 @@ def config_tree(model_dir: Path, redis_url: str, run_id: str) -> dict:
     return {
         "run": {"run_id": run_id, "seed": 0},
         "redis": {"url": redis_url},
-        "data": {"train_path": "unused.jsonl"},
         "policy": {
             "model_name": str(model_dir.resolve()),
             "generation": {
@@ -263,10 +262,9 @@ def save_load_baseline(state_dicts: list[dict[str, Any]], folder: Path) -> list[
 def generator_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any]:
     """Throughput (generator processes started per block), splice and refit (a generator of its
     own); a JSON-able dict for `render_section`."""
-    from services.generator.__main__ import ENV_DEFAULTS
+    from services.generator.vllm_env import apply_env_defaults
 
-    for key, value in ENV_DEFAULTS.items():  # before anything imports vLLM
-        os.environ.setdefault(key, value)
+    apply_env_defaults()  # before anything imports vLLM
     from services.generator.app import build_renderer
     from shared.config import load
     from shared.run_config import RunConfig

@@ -355,10 +355,9 @@ def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """``python -m streamrl.bench_throughput CONFIG OUT``: one raw block, results as JSON in OUT."""
-    from services.generator.__main__ import ENV_DEFAULTS
+    from services.generator.vllm_env import apply_env_defaults
 
-    for key, value in ENV_DEFAULTS.items():  # before anything imports vLLM
-        os.environ.setdefault(key, value)
+    apply_env_defaults()  # before anything imports vLLM
     config, out = Path(argv[0]), Path(argv[1])
     out.write_text(json.dumps(asyncio.run(_raw_block(config))))
     return 0

@@ -44,7 +44,7 @@ print(json.dumps({"args": vars(args), "cfg": msgspec.to_builtins(cfg)}))
 def accepted_env() -> set[str]:
     """Environment variables the services read: config addresses and secrets, the API token, and
     the variables the generator sets for vLLM before importing it."""
-    from services.generator.__main__ import ENV_DEFAULTS
+    from services.generator.vllm_env import ENV_DEFAULTS
     from shared.auth import TOKEN_ENV, TOKEN_FILE_ENV
     from shared.config import ENV_OVERRIDES
 

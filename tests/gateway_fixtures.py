@@ -166,7 +166,7 @@ def gateway_stack(tiny_model_dir, redis_url, tmp_path):
         try:
             for i in range(num_generators):
                 port = free_port()
-                gens.append(_Served(build_generator(cfg, f"gen-{i}", port), port))
+                gens.append(_Served(build_generator(cfg, worker_id=f"gen-{i}", port=port), port))
                 await gens[-1].start()
             ann = WeightAnnouncement(
                 version=0, path=str(model_dir), checksum=checksum_dir(model_dir), num_bytes=dir_num_bytes(model_dir)

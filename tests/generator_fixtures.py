@@ -48,7 +48,6 @@ def config_tree(model_dir: Path | str, *, run_id: str, redis_url: str | None, ba
     return {
         "run": {"run_id": run_id, "seed": 0},
         "redis": {"url": redis_url},
-        "data": {"train_path": "unused.jsonl"},
         "policy": {"model_name": str(model_dir), "generation": gen},
         "generator": {"host": "127.0.0.1", "drain_timeout_s": 5.0, "weight_load_timeout_s": 30.0},
     }
@@ -130,7 +129,7 @@ async def hf_generator(tiny_model_dir, redis_url, write_config):
     @contextlib.asynccontextmanager
     async def _make(*, with_redis: bool = True, model_dir=None, **generation):
         _, cfg = write_config(model_dir or tiny_model_dir, redis_url=redis_url if with_redis else None, **generation)
-        app = build_app(cfg, f"gen-test-{uuid.uuid4().hex[:6]}", 0)
+        app = build_app(cfg, worker_id=f"gen-test-{uuid.uuid4().hex[:6]}", port=0)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://generator", timeout=60.0) as client:

@@ -1,17 +1,22 @@
-"""The generator's FastAPI app: `build_app` wires the long-lived objects, the lifespan runs them.
+"""The generator's FastAPI app, on the lifecycle every service shares (`shared.service`).
 
-Built in named steps (engine, tokenizer + renderer, runtime, metrics, service, weight sync, app);
-everything long-lived hangs off ``app.state``. The lifespan starts, in this order::
+`build_app` constructs the long-lived objects in named steps (engine, tokenizer + renderer,
+runtime, metrics, service, weight sync, app) without I/O and keeps them on ``app.state``, with a
+`ServiceLifecycle`. The lifespan starts, in this order::
 
     loop-lag probe, Redis client + heartbeat (state "starting")
     bring-up task: engine.start -> load the newest announced weights -> freeze the start-up heap
                    (no garbage collection pauses over it) -> state "ready"
                    -> weight watcher task (follows the weights stream)
 
-so /health answers while the engine loads. A bring-up or watcher task that dies marks the
-generator failed (/ready 503, heartbeat "failed" with the error). Shutdown: state "draining"
-(set at SIGTERM by `begin_drain`), wait up to generator.drain_timeout_s for in-flight requests,
-stop the tasks, deregister, close the engine and Redis, each with a time limit.
+so /health answers while the engine loads. Both tasks are supervised: one that dies (an engine
+that cannot start, an unreadable weights stream) fails the service loudly: state "failed" with
+the error, the heartbeat says so at once, /ready answers 503, and the server drains and exits
+with code 1 so a restart policy acts. A failed weight *load* is not a dead task: it marks the
+generator failed (503 for generation) until a later load succeeds, and the process stays up.
+Shutdown: state "draining" (set at SIGTERM by `begin_drain`), wait up to
+generator.drain_timeout_s for in-flight requests, stop the tasks, deregister, close the engine
+and Redis, each with a time limit.
 
 Without ``redis.url`` the generator serves alone: no heartbeat, no weight stream (admin loads
 still work). Called by `services.generator.__main__` and by tests.
@@ -25,8 +30,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Depends, FastAPI
 
@@ -45,12 +50,12 @@ from shared.openapi import document_bodies
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
+from shared.service import Readiness, ServiceLifecycle, add_probe_routes, bounded
 from shared.streams import StreamClient, connect
 
 log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 30.0
-_TASK_STOP_TIMEOUT_S = 5.0
 
 
 def build_renderer(cfg: RunConfig) -> ChatRenderer:
@@ -70,8 +75,8 @@ def advertised_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def build_app(cfg: RunConfig, worker_id: str, port: int, *, engine: Engine | None = None) -> FastAPI:
-    """The generator app for ``cfg``; the engine starts in the lifespan, not here."""
+def build_app(cfg: RunConfig, *, worker_id: str, port: int, engine: Engine | None = None) -> FastAPI:
+    """The generator app for ``cfg``; nothing starts here (the engine starts in the lifespan)."""
     gen_cfg = cfg.generator
     engine = engine if engine is not None else build_engine(cfg)  # 1. engine client
     renderer = build_renderer(cfg)  # 2. tokenizer + chat template
@@ -92,14 +97,36 @@ def build_app(cfg: RunConfig, worker_id: str, port: int, *, engine: Engine | Non
     s.cfg, s.runtime, s.metrics, s.service, s.weights, s.renderer = cfg, runtime, metrics, service, weights, renderer
     s.worker_id, s.url, s.started_at = worker_id, advertised_url(gen_cfg.host, port), time.time()
     s.redis = s.heartbeat = None
-    s.tasks = {}
+    s.lifecycle = ServiceLifecycle("generator")
+    s.lifecycle.on_failure(lambda error: _mark_failed(app, error))
     s.auth = AuthPolicy.from_env(cfg.auth.protect_agent_routes)  # admin routes check it (routes_admin)
     metrics.count_dead_letters(lambda: s.weights.streams)  # the weights stream, once the lifespan connects
     install_error_handlers(app)
     app.include_router(openai_router, dependencies=[Depends(require_agent_token)])
     app.include_router(admin_router)
+    add_probe_routes(app, lambda: readiness(runtime), _render_metrics(metrics))
     document_bodies(app)
     return app
+
+
+def readiness(rt: Runtime) -> Readiness:
+    """``GET /ready``: ready while the engine is up and the generator is not failed or draining
+    (paused and loading still count: they end by themselves)."""
+    return Readiness(ready=rt.ready, state=rt.state, weight_version=rt.weight_version, error=rt.error)
+
+
+def _render_metrics(metrics: GeneratorMetrics) -> Callable[[], Awaitable[bytes]]:
+    async def render() -> bytes:
+        return metrics.render()
+
+    return render
+
+
+def _mark_failed(app: FastAPI, error: str) -> None:
+    """The lifecycle's failure hook: state "failed" with the error, in the registry at once."""
+    app.state.runtime.fail(error)
+    if app.state.heartbeat is not None:
+        app.state.heartbeat.beat_now()
 
 
 def begin_drain(app: FastAPI) -> None:
@@ -149,7 +176,7 @@ async def _bring_up(app: FastAPI) -> None:
     if s.heartbeat is not None:
         s.heartbeat.beat_now()
     if cursor is not None:
-        _start_task(app, "weight-watcher", s.weights.watch(cursor))
+        s.lifecycle.supervise("weight-watcher", s.weights.watch(cursor))
 
 
 def freeze_startup_heap() -> None:
@@ -159,23 +186,6 @@ def freeze_startup_heap() -> None:
     engine's batch runs empty (seen by ``streamrl bench --only generator``)."""
     gc.collect()
     gc.freeze()
-
-
-def _start_task(app: FastAPI, name: str, coro: Any) -> None:
-    task = asyncio.create_task(coro, name=name)
-    app.state.tasks[name] = task
-
-    def _done(t: asyncio.Task) -> None:
-        if t.cancelled():
-            return
-        exc = t.exception()
-        if exc is not None:
-            log.error("%s died", name, exc_info=exc)
-            app.state.runtime.fail(f"{name} died: {type(exc).__name__}: {exc}")
-            if app.state.heartbeat is not None:
-                app.state.heartbeat.beat_now()
-
-    task.add_done_callback(_done)
 
 
 @asynccontextmanager
@@ -190,7 +200,7 @@ async def _lifespan(app: FastAPI):
         s.heartbeat.start()
     else:
         log.warning("no redis.url: not registering and not following the weights stream")
-    _start_task(app, "bring-up", _bring_up(app))
+    s.lifecycle.supervise("bring-up", _bring_up(app))
     try:
         yield
     finally:
@@ -210,31 +220,11 @@ async def _shutdown(app: FastAPI) -> None:
     begin_drain(app)
     await _wait_idle(s.runtime, s.cfg.generator.drain_timeout_s)
     s.weights.stop()
-    await _stop_tasks(list(s.tasks.values()))
+    await s.lifecycle.stop_tasks()
     if s.heartbeat is not None:
-        await _bounded(s.heartbeat.aclose(s.worker_id), "deregister")
-    await _bounded(s.runtime.engine.aclose(), "engine close")
+        await bounded(s.heartbeat.aclose(s.worker_id), "deregister", _CLOSE_TIMEOUT_S)
+    await bounded(s.runtime.engine.aclose(), "engine close", _CLOSE_TIMEOUT_S)
     if s.redis is not None:
-        await _bounded(s.redis.aclose(), "redis close")
+        await bounded(s.redis.aclose(), "redis close", _CLOSE_TIMEOUT_S)
     await s.metrics.aclose()
     log.info("generator %s stopped after %d request(s)", s.worker_id, s.runtime.requests_total)
-
-
-async def _stop_tasks(tasks: list[asyncio.Task]) -> None:
-    """Cancel ``tasks`` and wait a bounded time; their loops also check a stop flag, because a
-    cancellation can be lost inside the Redis client."""
-    for task in tasks:
-        task.cancel()
-    pending = [t for t in tasks if not t.done()]
-    if pending:
-        _, still = await asyncio.wait(pending, timeout=_TASK_STOP_TIMEOUT_S)
-        for task in still:
-            log.warning("task %s did not stop within %.0fs", task.get_name(), _TASK_STOP_TIMEOUT_S)
-
-
-async def _bounded(coro: Any, what: str) -> None:
-    try:
-        async with asyncio.timeout(_CLOSE_TIMEOUT_S):
-            await coro
-    except Exception as exc:  # shutdown goes on: log and close the rest
-        log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)

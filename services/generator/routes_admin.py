@@ -1,17 +1,15 @@
-"""Operational and admin routes: /health, /ready, /metrics and /admin/*.
+"""The generator's admin routes (`shared.admin_api` messages); the probes /health, /ready and
+/metrics are the shared ones (`shared.service.add_probe_routes`, mounted by the app).
 
-* ``GET /health``: the process answers (200 always).
-* ``GET /ready``: 200 only while the engine is up and the generator is not failed or draining.
-* ``GET /metrics``: Prometheus text.
-* ``POST /admin/pause {mode}``, ``POST /admin/resume``: pause reason "admin" (a refit keeps its own).
+* ``POST /admin/pause {mode}``, ``POST /admin/resume``: pause reason `LocalPause.ADMIN` (a refit
+  keeps its own).
 * ``POST /admin/load_weights {version, path, checksum, mode}``: the watcher's code path
   (`WeightSync.apply`), acked on the weight_acks stream as well; 500 naming the error on failure.
   A ``path`` without safetensors files is a 400 that leaves the generator serving.
 * ``POST /admin/reset_prefix_cache``: the engine's answer.
-* ``GET /admin/state``: `shared.openai_api.GeneratorState`.
+* ``GET /admin/state``: `shared.admin_api.GeneratorState`.
 
-Every ``/admin/*`` route requires the API token when one is set (`shared.auth`); the probes and
-``/metrics`` stay open.
+Every route here requires the API token when one is set (`shared.auth`).
 """
 
 from __future__ import annotations
@@ -19,13 +17,11 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
 
-from services.generator.runtime import Runtime
+from services.generator.runtime import LocalPause, Runtime
 from services.generator.weights import LoadOrder
+from shared.admin_api import GeneratorState, LoadWeightsRequest, PauseRequest
 from shared.http import HTTPError, MsgspecJSON, bad_request, read_body, require_control_token
-from shared.metrics import CONTENT_TYPE
-from shared.openai_api import GeneratorState, LoadWeightsRequest, PauseRequest
 from shared.openapi import json_body
 from shared.weights_format import safetensors_files
 
@@ -37,23 +33,6 @@ def _runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-@router.get("/health")
-async def health() -> MsgspecJSON:
-    return MsgspecJSON({"status": "ok"})
-
-
-@router.get("/ready")
-async def ready(request: Request) -> MsgspecJSON:
-    rt = _runtime(request)
-    body = {"status": rt.state, "weight_version": rt.weight_version, "error": rt.error}
-    return MsgspecJSON(body, status_code=200 if rt.ready else 503)
-
-
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
-
-
 @router.get("/admin/state", dependencies=CONTROL)
 async def state(request: Request) -> MsgspecJSON:
     return MsgspecJSON(generator_state(request.app.state))
@@ -62,13 +41,13 @@ async def state(request: Request) -> MsgspecJSON:
 @router.post("/admin/pause", dependencies=CONTROL, openapi_extra=json_body(PauseRequest))
 async def pause(request: Request) -> MsgspecJSON:
     body = await read_body(request, PauseRequest)
-    await _runtime(request).pause("admin", body.mode)
+    await _runtime(request).pause(LocalPause.ADMIN, body.mode)
     return MsgspecJSON(generator_state(request.app.state))
 
 
 @router.post("/admin/resume", dependencies=CONTROL)
 async def resume(request: Request) -> MsgspecJSON:
-    await _runtime(request).resume("admin")
+    await _runtime(request).resume(LocalPause.ADMIN)
     return MsgspecJSON(generator_state(request.app.state))
 
 

@@ -9,12 +9,13 @@ Lifecycle (``state``)::
     starting --engine up, initial weights loaded--> ready <--resume-- paused (admin pause)
                                                     ready --refit--> loading --ok--> ready
     any --failed load / failed cache reset / engine died--> failed      (503 for generation)
+    any --a background task died (bring-up, weight watcher)--> failed, and the service exits 1
     any --SIGTERM--> draining      (503 for new sessions; sessions already here are still served)
 
 Admission: a request waits while the gate is closed (a pause or a refit is under way), then for
 one of ``generator.max_concurrent_requests`` slots; the weight version is read when it is
-admitted. Pauses are kept per reason ("admin", "refit"), so ending one does not end the other;
-the engine resumes when no reason is left.
+admitted. Pauses are kept per reason (`LocalPause`: admin, refit), so ending one does not end the
+other; the engine resumes when no reason is left.
 
 Draining (scale-down, SIGTERM): the registry shows "draining", so gateways stop routing new
 sessions here; a request of a session this generator has already served is still admitted (a
@@ -26,6 +27,7 @@ over. `drain_sessions` returns once nothing is in flight and no call came for
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections import deque
@@ -42,6 +44,15 @@ _RATE_WINDOW_S = 10.0
 # Sessions are remembered this long after their last call (to keep serving them while draining).
 _SESSION_MEMORY_S = 600.0
 _SESSION_PRUNE_EVERY = 1024
+
+
+class LocalPause(enum.StrEnum):
+    """Why this generator's engine is paused. Local to one generator, unlike the run-wide
+    `shared.pause.PauseReason` the trainer records in Redis (its refit reaches generators as a
+    weight announcement, which `services.generator.weights` applies under REFIT)."""
+
+    ADMIN = "admin"  # POST /admin/pause, until POST /admin/resume
+    REFIT = "refit"  # a weight load, until it finished (state "loading")
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,7 @@ class Runtime:
         self._gate = asyncio.Event()
         self._gate.set()
         self._slots = asyncio.Semaphore(max_concurrent_requests)
-        self._pause_reasons: set[str] = set()
+        self._pause_reasons: set[LocalPause] = set()
         self._pause_lock = asyncio.Lock()
         self._tokens: deque[tuple[float, int]] = deque()
         self._sessions: dict[str, float] = {}  # session id -> last admission (monotonic)
@@ -86,7 +97,7 @@ class Runtime:
             return "draining"
         if not self.started:
             return "starting"
-        if "refit" in self._pause_reasons:
+        if LocalPause.REFIT in self._pause_reasons:
             return "loading"
         if self._pause_reasons:
             return "paused"
@@ -97,7 +108,8 @@ class Runtime:
         return self.state in ("ready", "paused", "loading")
 
     def fail(self, error: str) -> None:
-        """Mark the generator failed; generation answers 503 until a later load succeeds."""
+        """Mark the generator failed; generation answers 503 until a later load succeeds (called
+        for a failed load, an engine that died, and by the app when the service itself failed)."""
         log.error("generator failed: %s", error)
         self.error = error
 
@@ -189,10 +201,10 @@ class Runtime:
     # -- pause / resume ------------------------------------------------------------------------
 
     @property
-    def pause_reasons(self) -> frozenset[str]:
+    def pause_reasons(self) -> frozenset[LocalPause]:
         return frozenset(self._pause_reasons)
 
-    async def pause(self, reason: str, mode: PauseMode) -> None:
+    async def pause(self, reason: LocalPause, mode: PauseMode) -> None:
         """Close the gate and pause the engine. ``drain`` waits up to drain_timeout_s for
         in-flight requests, then freezes the rest (logged); ``keep`` freezes them at once."""
         async with self._pause_lock:
@@ -216,7 +228,7 @@ class Runtime:
                 )
                 await self.engine.pause("keep")
 
-    async def resume(self, reason: str) -> bool:
+    async def resume(self, reason: LocalPause) -> bool:
         """End the pause for ``reason``; True when nothing else holds the engine paused."""
         async with self._pause_lock:
             self._pause_reasons.discard(reason)

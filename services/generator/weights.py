@@ -17,7 +17,8 @@ other weights.
 
 At startup the newest announcement (if any) is loaded before the generator reports ready; the
 watcher then reads entries after it with blocking reads, so nothing published in between is
-missed. Started by the app's lifespan; a watcher that dies marks the generator failed.
+missed. Started by the app's bring-up task as a supervised task: a watcher that dies fails the
+service (`shared.service.ServiceLifecycle`), which then exits with code 1.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from redis.exceptions import RedisError
 
 from services.generator.engine import PauseMode
 from services.generator.metrics import GeneratorMetrics
-from services.generator.runtime import Runtime
+from services.generator.runtime import LocalPause, Runtime
 from shared import keys as K
 from shared.protocol import ProtocolError, WeightAck, WeightAnnouncement
 from shared.streams import StreamClient
@@ -126,7 +127,7 @@ class WeightSync:
         async with asyncio.timeout(self.load_timeout_s):
             await self._verify(order)
         try:
-            await rt.pause("refit", order.mode)
+            await rt.pause(LocalPause.REFIT, order.mode)
             async with asyncio.timeout(self.load_timeout_s):
                 await engine.load_weights(order.path)
                 cache_reset = False
@@ -143,7 +144,7 @@ class WeightSync:
             rt.error = None
             return cache_reset
         finally:
-            await rt.resume("refit")
+            await rt.resume(LocalPause.REFIT)
 
     async def _verify(self, order: LoadOrder) -> None:
         if order.checksum is None:

@@ -51,7 +51,7 @@ def test_a_draining_generator_serves_its_sessions_refuses_new_ones_then_exits(tm
     tree["redis"] = {"url": redis_url}
     tree["policy"]["model_name"] = str(tiny_model_dir)
     tree["policy"]["generation"]["backend"] = "transformers"
-    tree["data"]["train_path"] = str(tmp_path / "unused.jsonl")
+    del tree["data"]  # the generator reads no dataset, so its config needs none
     tree["generator"].update(drain_session_idle_s=IDLE_S, drain_timeout_s=30)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(tree))

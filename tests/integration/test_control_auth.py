@@ -161,7 +161,7 @@ async def test_cli_sends_the_token_from_the_environment(trainer, tmp_path):
 async def _generator(cfg: RunConfig):
     from services.generator.app import build_app
 
-    app = build_app(cfg, f"gen-auth-{uuid.uuid4().hex[:6]}", 0)
+    app = build_app(cfg, worker_id=f"gen-auth-{uuid.uuid4().hex[:6]}", port=0)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://generator", timeout=60.0

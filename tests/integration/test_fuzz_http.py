@@ -123,7 +123,7 @@ def test_generator_api_never_answers_5xx(tiny_model_dir, redis_url, generator_co
     )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))
-    app = build_generator(load(RunConfig, path, env={}), "gen-fuzz", 0)
+    app = build_generator(load(RunConfig, path, env={}), worker_id="gen-fuzz", port=0)
     schema = served_schema(app)
     body = schema.raw_schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletionRequest"}
@@ -203,7 +203,10 @@ def test_gateway_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path, regi
     keys, r = K.RunKeys(cfg.run.run_id), redis.Redis.from_url(redis_url)
     r.xgroup_create(keys.trajectories, K.TRAINER_GROUP, id="0", mkstream=True)
     env = HoldEnv()
-    with registered_env(env), ThreadServer(lambda port: build_generator(cfg, "gen-fuzz", port)) as generator:
+    with (
+        registered_env(env),
+        ThreadServer(lambda port: build_generator(cfg, worker_id="gen-fuzz", port=port)) as generator,
+    ):
         # weights v0, as the trainer's initial refit does: sessions go only to a generator serving a version
         r.xadd(
             keys.weights,

@@ -7,8 +7,9 @@ import asyncio
 import msgspec
 import pytest
 
+from shared.admin_api import GeneratorState
 from shared.keys import RunKeys
-from shared.openai_api import ChatCompletionResponse, CompletionResponse, GeneratorState
+from shared.openai_api import ChatCompletionResponse, CompletionResponse
 from shared.registry import live_workers
 from shared.streams import connect
 

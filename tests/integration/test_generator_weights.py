@@ -145,7 +145,7 @@ async def test_latest_announcement_is_loaded_at_startup(streams, new_weights, wr
     sc = streams(run_id)
     await sc.publish(sc.keys.weights, announcement(new_weights, 3))
     _, cfg = write_config(tiny_model_dir, redis_url=redis_url, run_id=run_id)
-    app = build_app(cfg, "gen-startup", 0)
+    app = build_app(cfg, worker_id="gen-startup", port=0)
     async with app.router.lifespan_context(app):
         await wait_state(app, "ready")
         assert app.state.runtime.weight_version == 3
@@ -165,6 +165,7 @@ async def test_bad_checksum_fails_the_generator_until_a_good_load(hf_generator, 
         assert r.status_code == 503 and "checksum mismatch" in r.json()["error"]["message"]
         hb = await wait_heartbeat(sc, lambda hb: hb.state == "failed")
         assert "checksum mismatch" in hb.error and hb.weight_version == -1
+        assert gen.app.state.lifecycle.exit_code is None  # a failed load leaves the process up to recover
         # The admin route takes the same path and recovers the generator.
         r = await gen.client.post(
             "/admin/load_weights", json={"version": 2, "path": str(new_weights), "checksum": checksum_dir(new_weights)}
@@ -220,7 +221,7 @@ async def test_refused_prefix_cache_reset_fails_the_refit(
     streams, new_weights, write_config, tiny_model_dir, redis_url
 ):
     _, cfg = write_config(tiny_model_dir, redis_url=redis_url)
-    app = build_app(cfg, "gen-refuse", 0, engine=_RefusingCacheEngine(cfg))
+    app = build_app(cfg, worker_id="gen-refuse", port=0, engine=_RefusingCacheEngine(cfg))
     sc = streams(cfg.run.run_id)
     async with app.router.lifespan_context(app):
         await wait_state(app, "ready")
@@ -234,4 +235,6 @@ async def test_refused_prefix_cache_reset_fails_the_refit(
             r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 503 and "prefix cache" in r.json()["error"]["message"]
             ready = await client.get("/ready")
-            assert ready.status_code == 503 and ready.json()["status"] == "failed"
+            assert ready.status_code == 503 and ready.json()["state"] == "failed"
+        # A failed load is not a dead task: the process stays up for the next load.
+        assert app.state.lifecycle.exit_code is None and not app.state.lifecycle.failed

@@ -128,7 +128,7 @@ async def swe_stack(fixing_model, redis_url, tmp_path):
     await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
     gen_port, gw_port = free_port(), free_port()
     with one_torch_thread():  # the generator's engine runs in this process
-        async with serve(build_generator(cfg, "gen-0", gen_port), gen_port):
+        async with serve(build_generator(cfg, worker_id="gen-0", port=gen_port), gen_port):
             await streams.publish(
                 streams.keys.weights,
                 WeightAnnouncement(

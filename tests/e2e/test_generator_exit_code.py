@@ -1,0 +1,41 @@
+"""A generator that cannot serve exits non-zero (crash-only), so a restart policy acts: here its
+engine cannot start (the model folder holds no weights), the bring-up task dies, and
+``python -m services.generator`` stops with exit code 1 instead of lingering unready.
+The generator runs as a process with the transformers engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_generator_whose_engine_cannot_start_exits_1(tmp_path, tiny_model_dir):
+    model = tmp_path / "model-without-weights"  # tokenizer and config load; the engine's weights do not
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = tmp_path / "run.yaml"
+    tree = {"policy": {"model_name": str(model), "generation": {"backend": "transformers"}}}
+    config.write_text(yaml.safe_dump(tree))
+    log = tmp_path / "generator.log"
+    cmd = [sys.executable, "-m", "services.generator", "--config", str(config), "--port", "0"]  # any free port
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert code == 1, text[-3000:]
+    assert "bring-up died" in text, text[-3000:]
