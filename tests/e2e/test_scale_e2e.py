@@ -117,7 +117,7 @@ def scaled_run(tmp_path_factory, tiny_model_dir, redis_url):
         up = _scale(out, redis_url, "generator=2", "gym-gateway=2")
         _wait_for(
             "refit confirmed by the new generator",
-            lambda: any("generator-1" in r["refit_generators"] for r in _records(out)),
+            lambda: any("generator-1" in r["refit"]["generators"] for r in _records(out)),
             proc,
             log,
             120,
@@ -146,9 +146,9 @@ def test_scale_commands_report_counts_and_return_when_done(scaled_run):
 def test_refits_follow_the_generators_that_serve(scaled_run):
     out, *_ = scaled_run
     records = _records(out)
-    assert records[0]["refit_generators"] == ["generator-0"]
-    assert any(r["refit_generators"] == ["generator-0", "generator-1"] for r in records)
-    assert records[-1]["refit_generators"] == ["generator-0"]  # it left; the trainer no longer waits for it
+    assert records[0]["refit"]["generators"] == ["generator-0"]
+    assert any(r["refit"]["generators"] == ["generator-0", "generator-1"] for r in records)
+    assert records[-1]["refit"]["generators"] == ["generator-0"]  # it left; the trainer no longer waits for it
 
 
 def test_every_step_trains_its_full_batch_once_and_no_task_is_lost(scaled_run, redis_url):

@@ -134,8 +134,8 @@ def test_a_killed_generators_sessions_fail_over_and_the_refits_drop_it(chaos):
     for t in moved:
         assert t.turns[-1].generator_id == "generator-0"
     after = [r for r in run.records() if r.get("kind") == "train" and r["time"] > fault.ended_at + 15]
-    assert after and all(r["refit_generators"] == ["generator-0"] for r in after)
-    dropped = {g for r in run.records() if r.get("kind") == "train" for g in r["refit_dropped_generators"]}
+    assert after and all(r["refit"]["generators"] == ["generator-0"] for r in after)
+    dropped = {g for r in run.records() if r.get("kind") == "train" for g in r["refit"]["dropped_generators"]}
     assert dropped <= {"generator-1"}
 
 
@@ -156,7 +156,7 @@ def test_a_frozen_redis_stalls_the_run_without_loss_or_hang(chaos):
     assert fault.details["recover_s"] < 15.0
     records = [r for r in run.records() if r.get("kind") == "train"]
     # The live generator was silent only because Redis was: no refit dropped it.
-    assert all("generator-0" not in r["refit_dropped_generators"] for r in records)
+    assert all("generator-0" not in r["refit"]["dropped_generators"] for r in records)
     # No hang: training went on soon after Redis answered again.
     assert min(r["time"] for r in records if r["time"] > fault.ended_at) - fault.ended_at < 60.0
 

@@ -36,7 +36,7 @@ FIELD_VALUES = {  # what the downward API gives a pod (addresses from the docume
 def kubectl() -> str:
     exe = Path(sys.executable).parent / "kubectl"
     found = str(exe) if exe.is_file() else shutil.which("kubectl")
-    assert found, "kubectl is missing: run scripts/k8s_tools.sh (scripts/setup.sh does)"
+    assert found, "kubectl is missing: run scripts/k8s_tools.sh (scripts/test.sh does)"
     return found
 
 
