@@ -18,6 +18,7 @@ from shared.config_error import ConfigError
 from shared.protocol import SamplingParams
 
 ServiceName = Literal["generator", "gym_gateway", "trainer"]  # a service's config section and module name
+SERVICES: tuple[ServiceName, ...] = ("generator", "gym_gateway", "trainer")
 
 
 def D(text: str) -> Meta:

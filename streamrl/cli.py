@@ -301,14 +301,23 @@ def data_make(env: str, out: Path, n: int = typer.Option(1000, "--n"), seed: int
 
 
 @config_app.command("check", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def config_check(ctx: typer.Context, config: Path) -> None:
-    """Load CONFIG strictly (with overrides after it) and print the resolved tree."""
+def config_check(
+    ctx: typer.Context,
+    config: Path,
+    service: str = typer.Option("all", help="check what one service requires: generator, gym_gateway, trainer"),
+) -> None:
+    """Load CONFIG strictly (with overrides after it), check what its services require, and print
+    the resolved tree."""
     from shared.config import load, to_yaml
     from shared.config_error import ConfigError
-    from shared.run_config import RunConfig
+    from shared.run_config import SERVICES, RunConfig
 
+    if service != "all" and service not in SERVICES:
+        _fail(f"--service must be all or one of: {', '.join(SERVICES)}")
     try:
         cfg = load(RunConfig, config, list(ctx.args))
+        for name in SERVICES if service == "all" else [s for s in SERVICES if s == service]:
+            cfg.check_service(name)
     except ConfigError as exc:
         _fail(f"config error: {exc}")
     typer.echo(to_yaml(cfg))

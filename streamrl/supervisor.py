@@ -33,7 +33,7 @@ import redis
 from shared import keys as K
 from shared.auth import redact_url
 from shared.config import load
-from shared.run_config import RunConfig
+from shared.run_config import SERVICES, RunConfig
 from streamrl.progress import Progress
 from streamrl.redis_server import RedisServer, free_port
 from streamrl.worker_pool import ScaleChannel, WorkerPool
@@ -112,6 +112,8 @@ class Supervisor:
         self.config_path = str(Path(config_path).resolve())
         self.overrides = list(overrides)
         self.cfg = load(RunConfig, config_path, overrides)  # fail on a bad config before starting anything
+        for service in SERVICES:  # what each of the job's services requires (the trainer: its datasets)
+            self.cfg.check_service(service)
         self.out = Path(self.cfg.run.output_dir)
         self.logs = self.out / "logs"
         self.trainer: Child | None = None

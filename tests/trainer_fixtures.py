@@ -39,13 +39,14 @@ def trainer_config(tmp_path: Path, redis_url: str, model_dir: Path, prefix: str,
     return cfg
 
 
-def control_plane(cfg: RunConfig, hooks: TrainerHooks | None = None) -> ControlPlane:
-    """The control plane with the configured backend, as the trainer service builds it (not opened)."""
+def control_plane(cfg: RunConfig, hooks: TrainerHooks | None = None, url: str = "http://test") -> ControlPlane:
+    """The control plane with the configured backend, as the trainer service builds it (not
+    opened); ``url`` is the address it registers (where `streamrl status` looks for it)."""
     return ControlPlane(
         cfg,
         LocalLearner(lambda: build_backend(cfg)),
         worker_id=f"trainer-{uuid.uuid4().hex[:6]}",
-        url="http://test",
+        url=url,
         hooks=hooks,
     )
 

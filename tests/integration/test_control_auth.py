@@ -24,7 +24,6 @@ import msgspec
 import pytest
 
 from shared.auth import AuthPolicy
-from shared.config import decode_tree
 from shared.run_config import RunConfig
 from streamrl.redis_server import RedisServer, free_port
 from tests.gateway_fixtures import collect, make_task
@@ -67,28 +66,15 @@ def secured_redis(tmp_path_factory):
 
 @pytest.fixture
 async def trainer(tiny_model_dir, secured_redis, tmp_path, serve_app):
-    from services.trainer.app import build_app
-    from services.trainer.runtime import TrainerRuntime
+    from tests.trainer_fixtures import control_plane, serving_app, trainer_config
 
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
-    run_id = f"auth-{uuid.uuid4().hex[:8]}"
-    cfg = decode_tree(
-        {
-            "run": {"run_id": run_id, "output_dir": str(tmp_path / "out")},
-            "redis": {"url": secured_redis},
-            "data": {"train_path": str(data), "val_path": str(data)},
-            "policy": {"model_name": str(tiny_model_dir)},
-            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
-        },
-        RunConfig,
-    )
+    cfg = trainer_config(tmp_path, secured_redis, tiny_model_dir, "auth")
     port = free_port()
-    rt = TrainerRuntime(cfg, worker_id="trainer-auth", url=f"http://127.0.0.1:{port}")
-    await rt.start()
-    async with serve_app(build_app(rt, auth=AuthPolicy(TOKEN)), port) as url:
-        yield rt, url, secured_redis
-    await rt.aclose()
+    control = control_plane(cfg, url=f"http://127.0.0.1:{port}")
+    await control.open()
+    async with serve_app(serving_app(cfg, control, auth=AuthPolicy(TOKEN)), port) as url:
+        yield control, url, secured_redis
+    await control.aclose()
 
 
 async def test_trainer_control_routes_need_the_token(trainer, caplog):

@@ -1,5 +1,7 @@
 """Config loading: strict keys, dotted overrides, environment, cross-field checks, shipped files."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,24 @@ def test_only_the_trainer_requires_the_datasets():
     with pytest.raises(ConfigError, match=r"^data.val_path is required when grpo.val_period > 0"):
         with_train.check_service("trainer")
     load(RunConfig, None, REQUIRED, env={}).check_service("trainer")
+
+
+def test_a_job_and_config_check_require_what_every_service_of_the_run_reads(tmp_path):
+    from streamrl.supervisor import Supervisor
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("policy:\n  model_name: m\n")  # no dataset: a generator's config, not a run's
+    with pytest.raises(ConfigError, match=r"^data.train_path is required"):
+        Supervisor(str(cfg), [], progress=False)  # refused before any process starts
+
+    def check(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "streamrl.cli", "config", "check", str(cfg), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+    refused = check()
+    assert refused.returncode == 2 and "config error: data.train_path is required" in refused.stderr
+    assert check("--service", "generator").returncode == 0
+    assert check("data.train_path=t.jsonl").returncode == 0
 
 
 BASE = "policy:\n  model_name: m\ndata:\n  train_path: t.jsonl\n"
