@@ -8,9 +8,10 @@ runtime, metrics, service, weight sync, app) without I/O and keeps them on ``app
     bring-up task: engine.start -> load the newest announced weights -> freeze the start-up heap
                    (no garbage collection pauses over it) -> state "ready"
                    -> weight watcher task (follows the weights stream)
+                   -> engine watch task (raises once the engine died: vLLM's engine core is gone)
 
-so /health answers while the engine loads. Both tasks are supervised: one that dies (an engine
-that cannot start, an unreadable weights stream) fails the service loudly: state "failed" with
+so /health answers while the engine loads. Every task is supervised: one that dies (an engine
+that cannot start or died, an unreadable weights stream) fails the service loudly: state "failed" with
 the error, the heartbeat says so at once, /ready answers 503, and the server drains and exits
 with code 1 so a restart policy acts. A failed weight *load* is not a dead task: it marks the
 generator failed (503 for generation) until a later load succeeds, and the process stays up.
@@ -56,6 +57,7 @@ from shared.streams import StreamClient, connect
 log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 30.0
+ENGINE_CHECK_S = 1.0  # how often the engine-watch task asks whether the engine is still alive
 
 
 def build_renderer(cfg: RunConfig) -> ChatRenderer:
@@ -175,8 +177,17 @@ async def _bring_up(app: FastAPI) -> None:
     log.info("generator %s ready at %s (weight version %d)", s.worker_id, s.url, s.runtime.weight_version)
     if s.heartbeat is not None:
         s.heartbeat.beat_now()
+    s.lifecycle.supervise("engine-watch", watch_engine(s.runtime.engine, ENGINE_CHECK_S))
     if cursor is not None:
         s.lifecycle.supervise("weight-watcher", s.weights.watch(cursor))
+
+
+async def watch_engine(engine: Engine, interval_s: float) -> None:
+    """Raise once the engine died (vLLM's engine core process is gone): it cannot serve again, so
+    the service fails and exits for its restart policy, instead of answering 503 forever."""
+    while not engine.errored:
+        await asyncio.sleep(interval_s)
+    raise RuntimeError("the engine died")
 
 
 def freeze_startup_heap() -> None:

@@ -103,3 +103,32 @@ async def test_a_weight_watcher_that_dies_fails_the_generator_loudly(write_confi
 
 async def _ready(client: httpx.AsyncClient) -> bool:
     return (await client.get("/ready")).status_code == 200
+
+
+class _EngineThatDies(HfEngine):
+    """Serves, until ``die()``: then it reports itself errored, as vLLM's client does once its
+    engine core process is gone."""
+
+    dead = False
+
+    @property
+    def errored(self) -> bool:
+        return self.dead
+
+
+async def test_an_engine_that_dies_while_serving_fails_the_generator_loudly(
+    write_config, tiny_model_dir, redis_url, redis, monkeypatch
+):
+    import services.generator.app as generator_app
+
+    monkeypatch.setattr(generator_app, "ENGINE_CHECK_S", 0.05)
+    _, cfg = write_config(tiny_model_dir, redis_url=redis_url)
+    engine = _EngineThatDies(cfg)
+    app = build_app(cfg, worker_id=f"gen-{uuid.uuid4().hex[:6]}", port=0, engine=engine)
+    async with _served(app) as client:
+        await _until(lambda: _ready(client), "the generator to become ready")
+        assert app.state.lifecycle.exit_code is None
+        engine.dead = True
+        await _assert_failed_loudly(
+            app, client, redis, cfg.run.run_id, "engine-watch died: RuntimeError: the engine died"
+        )
