@@ -14,7 +14,7 @@ from an earlier checkpoint, and its weights are gone. It
 never waits while ``n`` usable groups exist (the upstream stall), and it never hands out a
 trajectory id twice (the consumed-id ledger rejects duplicates that a reclaimed task may produce).
 
-Owned by the trainer runtime; the scheduler reads its per-target counts.
+Owned by the trainer's control plane; the scheduler's plan reads its per-target counts.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from shared.protocol import Trajectory
+from shared.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ class SampleResult:
 
 
 class ReplayBuffer:
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> ReplayBuffer:
+        a = cfg.grpo.async_grpo
+        return cls(max_age=a.max_trajectory_age_steps, allow_future=a.allow_future_targets)
+
     def __init__(self, *, max_age: int, allow_future: bool = True) -> None:
         self.max_age = max_age
         self.allow_future = allow_future

@@ -41,12 +41,11 @@ from services.trainer.intake import TrajectoryIntake
 from services.trainer.learner import Learner
 from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve
 from services.trainer.refit import RefitReport, WeightPublisher
-from services.trainer.scheduler import PromptSource, Scheduler
+from services.trainer.scheduler import Scheduler
 from services.trainer.step_record import StepClock, build_step_record
 from services.trainer.validation import ValidationRunner
 from services.trainer.validation_control import ValidationController
 from shared import keys as K
-from shared.jsonl import read_jsonl
 from shared.pause import PauseControl
 from shared.protocol import Heartbeat, Task, Trajectory
 from shared.records import (
@@ -91,19 +90,9 @@ class ControlPlane:
         self.redis = connect(cfg.redis.url or "redis://127.0.0.1:6379/0")
         self.streams = StreamClient(self.redis, self.keys, CONSUMER)
         self.pause = PauseControl(self.redis, self.keys)
-        self.buffer = ReplayBuffer(
-            max_age=g.async_grpo.max_trajectory_age_steps, allow_future=g.async_grpo.allow_future_targets
-        )
-        self.scheduler = Scheduler(
-            PromptSource(cfg.data.train_path, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
-            num_prompts_per_step=g.num_prompts_per_step,
-            group_size=g.num_generations_per_prompt,
-            max_age=g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
-            default_env=cfg.env.name,
-            sampling=cfg.policy.generation.sampling("train"),
-            rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
-        )
-        runner = self._validation_runner()
+        self.buffer = ReplayBuffer.from_config(cfg)
+        self.scheduler = Scheduler.from_config(cfg)
+        runner = ValidationRunner.from_config(cfg, self.streams)
         self.intake = TrajectoryIntake(
             self.streams,
             self.buffer,
@@ -160,20 +149,6 @@ class ControlPlane:
         self.early_stopped = False
         self.last_record: StepRecord | None = None
         self.started_at = time.time()
-
-    def _validation_runner(self) -> ValidationRunner | None:
-        cfg = self.cfg
-        if not cfg.data.val_path:
-            return None
-        return ValidationRunner(
-            self.streams,
-            read_jsonl(cfg.data.val_path),
-            sampling=cfg.policy.generation.sampling("validation"),
-            default_env=cfg.env.name,
-            max_samples=cfg.grpo.max_val_samples,
-            rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
-            generations_per_prompt=cfg.grpo.val_num_generations_per_prompt,
-        )
 
     # ---- open and close -----------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import msgspec
 
 from shared.jsonl import read_jsonl
 from shared.protocol import SamplingParams, Task
+from shared.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,19 @@ class Scheduler:
         self.group_seq = 0
         self.group_prefix = "g"  # "r<incarnation>-g" once the control plane knows its incarnation
         self.issued_total = 0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Scheduler:
+        g = cfg.grpo
+        return cls(
+            PromptSource(cfg.data.train_path, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+            num_prompts_per_step=g.num_prompts_per_step,
+            group_size=g.num_generations_per_prompt,
+            max_age=g.async_grpo.max_trajectory_age_steps if g.async_grpo.enabled else 0,
+            default_env=cfg.env.name,
+            sampling=cfg.policy.generation.sampling("train"),
+            rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
+        )
 
     def window(self, step: int, max_steps: int) -> range:
         return range(step, min(step + self.max_age, max_steps - 1) + 1)

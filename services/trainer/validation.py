@@ -22,8 +22,10 @@ import time
 from typing import Any
 
 from services.trainer.scheduler import group_tasks
+from shared.jsonl import read_jsonl
 from shared.protocol import SamplingParams, Trajectory
 from shared.records import ValidationRecord
+from shared.run_config import RunConfig
 from shared.streams import StreamClient
 from shared.wakeup import Wakeup
 
@@ -52,6 +54,21 @@ class ValidationRunner:
         self._results: dict[str, Trajectory] = {}
         self._expected: set[str] = set()
         self._arrived = Wakeup()
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, streams: StreamClient) -> ValidationRunner | None:
+        """The run's validation runner, or None without ``data.val_path``."""
+        if not cfg.data.val_path:
+            return None
+        return cls(
+            streams,
+            read_jsonl(cfg.data.val_path),
+            sampling=cfg.policy.generation.sampling("validation"),
+            default_env=cfg.env.name,
+            max_samples=cfg.grpo.max_val_samples,
+            rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
+            generations_per_prompt=cfg.grpo.val_num_generations_per_prompt,
+        )
 
     def deliver(self, traj: Trajectory) -> None:
         if traj.group_id in self._expected:

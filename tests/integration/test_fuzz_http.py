@@ -7,7 +7,7 @@ through its ASGI transport, with the app's lifespan running on a real backend:
 * the generator with the transformers engine on the tiny model, registered in the session's Valkey;
 * the gym gateway on the same Valkey, in front of that generator, with one open session so that
   the per-session routes see real session ids as well as unknown ones;
-* the trainer around a started TrainerRuntime (tiny policy loaded) on the same Valkey.
+* the trainer around an opened control plane (tiny policy loaded) on the same Valkey.
 
 Each operation gets ``FUZZ_EXAMPLES`` generated cases (``STREAMRL_FUZZ_EXAMPLES`` raises it for a
 longer hunt). Only the server-error check runs: a 4xx naming the field is the expected answer to
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import threading
 import time
@@ -39,10 +38,8 @@ from schemathesis.python import asgi
 from services.generator.app import build_app as build_generator
 from services.gym_gateway.app import build_app as build_gateway
 from services.gym_gateway.envs.base import Outcome
-from services.trainer.app import build_app as build_trainer
-from services.trainer.runtime import TrainerRuntime
 from shared import keys as K
-from shared.config import decode_tree, load
+from shared.config import load
 from shared.protocol import SamplingParams, Task, Trajectory, WeightAnnouncement, decode, encode
 from shared.run_config import RunConfig
 from shared.weights_format import checksum_dir, dir_num_bytes
@@ -256,27 +253,17 @@ def test_gateway_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path, regi
 
 
 def test_trainer_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
-    cfg = decode_tree(
-        {
-            "run": {"run_id": f"fuzz-tr-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
-            "redis": {"url": redis_url},
-            "data": {"train_path": str(data), "val_path": str(data)},
-            "policy": {"model_name": str(tiny_model_dir)},
-            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
-        },
-        RunConfig,
-    )
-    cfg.check()
-    runtime = TrainerRuntime(cfg, worker_id="trainer-fuzz", url="http://test")
-    app = build_trainer(runtime)
+    from tests.trainer_fixtures import control_plane, serving_app, trainer_config
+
+    cfg = trainer_config(tmp_path, redis_url, tiny_model_dir, "fuzz-tr")
+    control = control_plane(cfg)
+    app = serving_app(cfg, control)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):  # the runtime's Redis client must live on the loop that serves the app
-        await runtime.start()
+    async def lifespan(_app):  # the control plane opens on the loop that serves the app (its Redis client)
+        await control.open()
         yield
-        await runtime.aclose()
+        await control.aclose()
 
     app.router.lifespan_context = lifespan
     schema = served_schema(app, "/status")

@@ -5,19 +5,18 @@ builds, and stream lengths and pending entries per consumer from Redis. Event-lo
 
 from __future__ import annotations
 
-import json
-import types
-import uuid
+import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.trainer.step_record import StepClock, build_step_record
 from shared import keys as K
-from shared.config import decode_tree
 from shared.protocol import SamplingParams, Task, Trajectory, make_turn
-from shared.run_config import RunConfig
 from tests.gateway_fixtures import collect, make_task
+from tests.record_fixtures import batch_stats, learner_metrics
+from tests.trainer_fixtures import control_plane, serving_app, trainer_config
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
@@ -75,28 +74,12 @@ async def test_gateway_rollout_outcomes_by_reason(gateway_stack):
 
 @pytest.fixture
 async def trainer(tiny_model_dir, redis_url, tmp_path):
-    from services.trainer.app import build_app
-    from services.trainer.runtime import TrainerRuntime
-
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"env": "crossing", "instance": {"light": c}}) + "\n" for c in ("red", "green")))
-    cfg = decode_tree(
-        {
-            "run": {"run_id": f"obs-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
-            "redis": {"url": redis_url},
-            "data": {"train_path": str(data)},
-            "policy": {"model_name": str(tiny_model_dir)},
-            "grpo": {
-                "num_prompts_per_step": 2,
-                "num_generations_per_prompt": 2,
-                "async_grpo": {"max_trajectory_age_steps": 2},
-            },
-        },
-        RunConfig,
+    cfg = trainer_config(
+        tmp_path, redis_url, tiny_model_dir, "obs", grpo={"async_grpo": {"max_trajectory_age_steps": 2}}
     )
-    rt = TrainerRuntime(cfg, worker_id="trainer-obs", url="http://test")
-    await rt.start()
-    app = build_app(rt)
+    rt = control_plane(cfg)
+    await rt.open()
+    app = serving_app(cfg, rt)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
         yield rt, client
     await rt.aclose()
@@ -138,18 +121,22 @@ async def test_trainer_staleness_refit_phases_and_queues(trainer):
     sample = rt.buffer.sample(step, 2)
     assert len(sample.groups) == 2
     report = RefitReport(version=step + 1, save_s=0.4, confirm_s=1.5, total_s=1.9, generators=["g0"], checksum_s=0.25)
-    record = rt._step_record(
+    record = build_step_record(
         step,
         sample,
-        types.SimpleNamespace(stats={"reward_mean": 0.5}),
-        {"loss": 0.1},
+        batch_stats(0.5),
+        learner_metrics(0.1),
         report,
-        t0=0.0,
-        t_data=1.0,
-        t_train=3.0,
+        StepClock(start=time.perf_counter() - 3.0, data_ready=time.perf_counter() - 2.0, trained=time.perf_counter()),
+        buffer=rt.buffer,
+        scheduler=rt.scheduler,
+        evicted_ids=[],
+        group_size=2,
+        received_total=4,
+        started_at=time.time() - 10.0,
     )
-    assert record["staleness_counts"] == {"2": 1, "1": 1, "0": 2}
-    rt.metrics.write(record)  # the runtime's writer: JSONL, TensorBoard and the Prometheus sink
+    assert record.staleness.counts == {"2": 1, "1": 1, "0": 2} and record.staleness.max == 2
+    rt.metrics.write(record)  # the control plane's writer: JSONL, TensorBoard and the Prometheus sink
 
     # queues: 3 tasks, 2 delivered to one gateway consumer and not acked
     tasks = [
@@ -183,7 +170,8 @@ async def test_trainer_staleness_refit_phases_and_queues(trainer):
     assert value(text, f"{phases}_sum", phase="write") == pytest.approx(0.4)
     assert value(text, f"{phases}_sum", phase="checksum") == pytest.approx(0.25)
     assert value(text, f"{phases}_sum", phase="confirm") == pytest.approx(1.25)
-    assert value(text, "streamrl_trainer_step_phase_seconds_sum", phase="train") == pytest.approx(2.0)
+    assert value(text, "streamrl_trainer_step_phase_seconds_sum", phase="train") == pytest.approx(2.0, abs=0.05)
+    assert value(text, "streamrl_trainer_reward_mean") == 0.5 and value(text, "streamrl_trainer_refit_seconds") == 1.9
     assert value(text, "streamrl_stream_length", stream="tasks") == 3
     assert value(text, "streamrl_stream_pending", stream="tasks", group=K.GATEWAYS_GROUP) == 2
     assert value(text, "streamrl_stream_lag", stream="tasks", group=K.GATEWAYS_GROUP) == 1

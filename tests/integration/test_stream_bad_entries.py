@@ -15,7 +15,6 @@ wrong message type, and an entry without the message field.
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 
 import httpx
@@ -149,27 +148,13 @@ async def test_gateway_dead_letters_bad_tasks_and_runs_the_next(gateway_stack, m
 async def test_trainer_dead_letters_bad_trajectories_and_keeps_consuming(
     tiny_model_dir, redis_url, tmp_path, monkeypatch
 ):
-    from services.trainer.app import build_app
-    from services.trainer.runtime import TrainerRuntime
-    from shared.config import decode_tree
-    from shared.run_config import RunConfig
+    from tests.trainer_fixtures import control_plane, serving_app, trainer_config
 
     monkeypatch.setitem(K.MAX_ENTRY_BYTES, "trajectories", SMALL_LIMIT)
-    data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"env": "crossing", "instance": {"light": "red"}}) + "\n")
-    cfg = decode_tree(
-        {
-            "run": {"run_id": f"dl-{uuid.uuid4().hex[:8]}", "output_dir": str(tmp_path / "out")},
-            "redis": {"url": redis_url},
-            "data": {"train_path": str(data)},
-            "policy": {"model_name": str(tiny_model_dir)},
-            "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
-        },
-        RunConfig,
-    )
-    rt = TrainerRuntime(cfg, worker_id="trainer-dl", url="http://test")
-    await rt.start()
-    consumer = asyncio.create_task(rt._consume())  # the runtime's background trajectory consumer
+    cfg = trainer_config(tmp_path, redis_url, tiny_model_dir, "dl", grpo={"num_prompts_per_step": 1})
+    rt = control_plane(cfg)
+    await rt.open()
+    rt.intake.start()  # the trainer's background trajectory intake
     try:
         keys = rt.keys
         await rt.streams.publish(keys.trajectories, _trajectory("r1-g0", 0))
@@ -180,17 +165,15 @@ async def test_trainer_dead_letters_bad_trajectories_and_keeps_consuming(
             if rt.buffer.count_usable(0):
                 break
             await asyncio.sleep(0.05)
-        assert rt.buffer.count_usable(0) == 1 and rt.trajectories_received == 2  # the group completed
-        assert not consumer.done() and rt._fatal is None
+        assert rt.buffer.count_usable(0) == 1 and rt.intake.received_total == 2  # the group completed
+        assert rt.intake.error is None  # bad entries were dead-lettered; the intake lives on
         _assert_dead_lettered(await _letters(rt.redis, keys), keys.trajectories, ids, entries)
-        app = build_app(rt)
+        app = serving_app(cfg, rt)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
             metrics = (await client.get("/metrics")).text
         assert _dead_letter_counts(metrics) == {"trajectories": float(len(entries))}
     finally:
-        rt._stopping = True
-        consumer.cancel()
-        await asyncio.gather(consumer, return_exceptions=True)
+        await rt.intake.stop()
         await rt.aclose()
 
 
