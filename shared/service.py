@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from types import FrameType
 from typing import Any
@@ -232,6 +233,22 @@ class DrainFirstServer(uvicorn.Server):
                 self.should_exit = True
             else:  # uvicorn re-raises the signal once shut down: the parent sees it ended by the signal
                 super().handle_exit(self._drain_signal or signal.SIGTERM, None)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The service's listening socket, bound before the app is built so that ``port`` 0 (any free
+    port) gives the port the service registers and advertises."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def advertised_url(host: str, port: int) -> str:
+    """The URL other processes reach a service at: a wildcard bind address becomes the host name."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"http://{host}:{port}"
 
 
 def run_server(

@@ -39,8 +39,9 @@ from streamrl.redis_server import RedisServer, free_port
 from streamrl.worker_pool import ScaleChannel, WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
-# A gateway drains up to 30 s (services.gym_gateway.__main__) and then closes its clients.
-GATEWAY_STOP_TIMEOUT_S = 45.0
+# A worker gets this long past its own drain limit (generator.drain_timeout_s,
+# gym_gateway.drain_timeout_s) to close its clients and exit before it is killed.
+STOP_MARGIN_S = 30.0
 
 
 class JobFailed(RuntimeError):
@@ -122,10 +123,16 @@ class Supervisor:
         cfg = self.cfg
         self.pools = {
             "generator": WorkerPool(
-                "generator", self._generator, stop_timeout_s=cfg.generator.drain_timeout_s + 30.0, ready_timeout_s=600.0
+                "generator",
+                self._generator,
+                stop_timeout_s=cfg.generator.drain_timeout_s + STOP_MARGIN_S,
+                ready_timeout_s=600.0,
             ),
             "gym-gateway": WorkerPool(
-                "gym-gateway", self._gateway, stop_timeout_s=GATEWAY_STOP_TIMEOUT_S, ready_timeout_s=120.0
+                "gym-gateway",
+                self._gateway,
+                stop_timeout_s=cfg.gym_gateway.drain_timeout_s + STOP_MARGIN_S,
+                ready_timeout_s=120.0,
             ),
         }
         self.channel: ScaleChannel | None = None

@@ -18,17 +18,9 @@ error.
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 
 log = logging.getLogger("services.generator")
-
-
-def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     from shared.registry import default_worker_id
+    from shared.service import bind
 
     gen_cfg = cfg.generator
     sock = bind(gen_cfg.host, gen_cfg.port if args.port is None else args.port)

@@ -51,7 +51,7 @@ from shared.openapi import document_bodies
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
-from shared.service import Readiness, ServiceLifecycle, add_probe_routes, bounded
+from shared.service import Readiness, ServiceLifecycle, add_probe_routes, advertised_url, bounded
 from shared.streams import StreamClient, connect
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,6 @@ def build_renderer(cfg: RunConfig) -> ChatRenderer:
         raise ValueError(f"the tokenizer in {cfg.policy.tokenizer_path!r} has no chat template")
     vocab_size = int(getattr(AutoConfig.from_pretrained(cfg.policy.model_name), "vocab_size", 0) or 0)
     return ChatRenderer(tokenizer, cfg.generator.turn_terminator, vocab_size)
-
-
-def advertised_url(host: str, port: int) -> str:
-    if host in ("", "0.0.0.0", "::"):
-        host = socket.gethostname()
-    return f"http://{host}:{port}"
 
 
 def build_app(cfg: RunConfig, *, worker_id: str, port: int, engine: Engine | None = None) -> FastAPI:

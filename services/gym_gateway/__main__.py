@@ -16,20 +16,12 @@ restart policy acts), 2 on a config error.
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 
 log = logging.getLogger("services.gym_gateway")
 
 # The drain's own deadline is gym_gateway.drain_timeout_s; releasing what is left takes a moment more.
 RELEASE_MARGIN_S = 5.0
-
-
-def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.gym_gateway.app import build_app
     from shared.registry import default_worker_id
-    from shared.service import run_server
+    from shared.service import bind, run_server
 
     gw = cfg.gym_gateway
     sock = bind(gw.host, gw.port if args.port is None else args.port)

@@ -43,20 +43,13 @@ from shared.openapi import document_bodies
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
-from shared.service import Readiness, ServiceLifecycle, add_probe_routes, bounded
+from shared.service import Readiness, ServiceLifecycle, add_probe_routes, advertised_url, bounded
 from shared.streams import StreamClient, connect
 
 log = logging.getLogger(__name__)
 
 WORKER_TASK = "gateway-worker"
 _CLOSE_TIMEOUT_S = 10.0
-
-
-def advertised_url(host: str, port: int) -> str:
-    """The URL other processes reach this worker at (agents, other gateway workers)."""
-    if host in ("", "0.0.0.0", "::"):
-        host = socket.gethostname()
-    return f"http://{host}:{port}"
 
 
 def build_app(cfg: RunConfig, *, worker_id: str, port: int) -> FastAPI:

@@ -34,14 +34,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.trainer.app import build_app, stop_run
     from shared.registry import default_worker_id
-    from shared.service import run_server
+    from shared.service import advertised_url, bind, run_server
 
     t = cfg.trainer
-    port = t.port if args.port is None else args.port
+    sock = bind(t.host, t.port if args.port is None else args.port)
+    port = sock.getsockname()[1]
     worker_id = args.worker_id or default_worker_id("trainer")
-    app = build_app(cfg, worker_id=worker_id, url=f"http://{t.host}:{port}")
-    config = uvicorn.Config(app, host=t.host, port=port, log_level="warning", lifespan="on")
-    return run_server(app, config, drain=lambda: stop_run(app), drain_timeout_s=60.0)
+    app = build_app(cfg, worker_id=worker_id, url=advertised_url(t.host, port))
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    return run_server(app, config, drain=lambda: stop_run(app), drain_timeout_s=60.0, sockets=[sock])
 
 
 if __name__ == "__main__":
