@@ -18,6 +18,8 @@ Who writes what:
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Any, Literal, TypeVar
 
@@ -159,14 +161,14 @@ class WeightAck(_Message, tag="weight_ack"):
     at: float = msgspec.field(default_factory=time.time)
 
 
-class Heartbeat(_Message, tag="heartbeat"):
+class Heartbeat(_Message, tag="heartbeat", kw_only=True):
     """A live worker's registry record, refreshed every few seconds."""
 
     worker_id: str
     kind: WorkerKind
     url: str
-    pid: int
-    host: str
+    pid: int = msgspec.field(default_factory=os.getpid)  # the sending process's, unless given
+    host: str = msgspec.field(default_factory=socket.gethostname)
     state: Literal["starting", "ready", "paused", "loading", "failed", "draining"]
     weight_version: int = -1
     in_flight: int = 0
@@ -218,7 +220,7 @@ class _Header(msgspec.Struct):
 
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(_Header)
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}  # one per message type
 
 
 def encode(msg: _Message) -> bytes:
@@ -242,7 +244,7 @@ def decode(data: bytes, expected: type[M]) -> M:
     if decoder is None:
         decoder = _decoders[expected] = msgspec.msgpack.Decoder(expected)
     try:
-        msg = decoder.decode(data)
+        msg: M = decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"invalid {tag!r} message: {exc}") from exc
     _validate(msg)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -131,8 +130,6 @@ class SimGenerator:
             worker_id=self.worker_id,
             kind="generator",
             url="http://generator.sim",
-            pid=os.getpid(),
-            host="sim",
             state="ready",
             weight_version=self.version,
         )

@@ -28,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -140,8 +138,6 @@ def _heartbeat_snapshot(app: FastAPI) -> Heartbeat:
         worker_id=s.worker_id,
         kind="generator",
         url=s.url,
-        pid=os.getpid(),
-        host=socket.gethostname(),
         state=rt.state,  # type: ignore[arg-type]
         weight_version=rt.weight_version,
         in_flight=rt.in_flight,

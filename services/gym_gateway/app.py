@@ -21,8 +21,6 @@ runs and the worker is not draining. Called by `services.gym_gateway.__main__` a
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -133,8 +131,6 @@ def _heartbeat(app: FastAPI) -> Heartbeat:
         worker_id=s.worker_id,
         kind="gym_gateway",
         url=s.url,
-        pid=os.getpid(),
-        host=socket.gethostname(),
         state="failed" if lifecycle.failed else "draining" if draining else "ready",
         in_flight=len(worker.active),
         started_at=s.started_at,

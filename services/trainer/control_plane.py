@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -180,8 +178,6 @@ class ControlPlane:
             worker_id=self.worker_id,
             kind="trainer",
             url=self.url,
-            pid=os.getpid(),
-            host=socket.gethostname(),
             state="failed" if self.error else "ready",
             weight_version=self.weight_version,
             started_at=self.started_at,

@@ -21,6 +21,9 @@ import time
 import httpx
 import pytest
 
+from services.gym_gateway.envs.base import Outcome
+from services.gym_gateway.proxy import Session
+from services.gym_gateway.worker import assemble
 from services.trainer.batch import StepBatch
 from services.trainer.control_plane import ControlPlane
 from services.trainer.intake import RunFailed
@@ -89,6 +92,7 @@ class Peers:
 
 
 def _trajectory(task: Task, version: int) -> Trajectory:
+    """The gateway's own record of a one-turn rollout (reward 1 for odd rows of a group)."""
     turn = make_turn(
         prompt_ids=[5, 6, 7],
         context_len=0,
@@ -96,20 +100,8 @@ def _trajectory(task: Task, version: int) -> Trajectory:
         generated_logprobs=[-1.0, -1.2],
         weight_version=version,
     )
-    return Trajectory(
-        task_id=task.task_id,
-        group_id=task.group_id,
-        index_in_group=task.index_in_group,
-        group_size=task.group_size,
-        prompt_index=task.prompt_index,
-        env=task.env,
-        kind=task.kind,
-        target_step=task.target_step,
-        launch_version=version,
-        reward=float(task.index_in_group % 2),
-        status="ok",
-        turns=[turn],
-    )
+    session = Session("s", task.kind, task.sampling, "gen-peer", "http://peer", version, env=task.env, turns=[turn])
+    return assemble(task, session, Outcome(reward=float(task.index_in_group % 2)), None, "gw-peer", time.time())
 
 
 class PausingLearner:
