@@ -45,7 +45,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def set_path(tree: dict, path: list[str], value: Any) -> None:
+def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node = tree
     for i, part in enumerate(path[:-1]):
         child = node.get(part)
@@ -57,7 +57,7 @@ def set_path(tree: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def load_yaml(path: str | os.PathLike) -> dict:
+def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
@@ -98,7 +98,7 @@ def _explain(exc: msgspec.ValidationError, cls: type) -> str:
     return f"invalid config: {msg}"
 
 
-def _choices(cls: type, key: str) -> tuple | None:
+def _choices(cls: type, key: str) -> tuple[object, ...] | None:
     """The allowed values of the Literal field at dotted ``key`` of ``cls``, if it is one."""
     t: Any = mi.type_info(cls)
     for part in key.split("."):
@@ -115,7 +115,7 @@ def _choices(cls: type, key: str) -> tuple | None:
     return values or None
 
 
-def decode_tree(tree: Mapping, cls: type[T]) -> T:
+def decode_tree(tree: Mapping[str, Any], cls: type[T]) -> T:
     try:
         return msgspec.convert(tree, cls, strict=False)
     except msgspec.ValidationError as exc:
@@ -124,12 +124,12 @@ def decode_tree(tree: Mapping, cls: type[T]) -> T:
 
 def load(
     cls: type[T],
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike[str] | None = None,
     overrides: Iterable[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> T:
     """Load ``cls`` from defaults + YAML + environment + overrides. Raises ConfigError."""
-    tree: dict = load_yaml(path) if path else {}
+    tree: dict[str, Any] = load_yaml(path) if path else {}
     environ = os.environ if env is None else env
     for var, key in ENV_OVERRIDES.items():
         if environ.get(var):
@@ -155,4 +155,5 @@ def to_yaml(cfg: msgspec.Struct) -> str:
             return [redact(v) for v in node]
         return redact_url(node) if isinstance(node, str) else node
 
-    return yaml.safe_dump(redact(msgspec.to_builtins(cfg)), sort_keys=False)
+    dumped: str = yaml.safe_dump(redact(msgspec.to_builtins(cfg)), sort_keys=False)
+    return dumped

@@ -86,7 +86,7 @@ class MsgspecJSON(Response):
         return msgspec.json.encode(content)
 
 
-def error_payload(status: int, message: str, param: str | None, type_: str) -> dict:
+def error_payload(status: int, message: str, param: str | None, type_: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 

@@ -28,7 +28,7 @@ class ServiceMetrics:
         )
         self.up_since = Gauge("streamrl_start_time_seconds", "Unix time the service started", registry=self.registry)
         self.up_since.set(time.time())
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def count_dead_letters(self, client: Callable[[], Any]) -> None:
         """Serve the dead-letter counts of the `shared.streams.StreamClient` that ``client()``

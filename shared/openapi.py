@@ -59,4 +59,5 @@ def document_bodies(app: FastAPI) -> None:
             schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
         return schema
 
+    # FastAPI documents replacing app.openapi to extend the schema; its stubs declare a method.
     app.openapi = openapi  # type: ignore[method-assign]

@@ -161,6 +161,9 @@ class WeightAck(_Message, tag="weight_ack"):
     at: float = msgspec.field(default_factory=time.time)
 
 
+WorkerState = Literal["starting", "ready", "paused", "loading", "failed", "draining"]
+
+
 class Heartbeat(_Message, tag="heartbeat", kw_only=True):
     """A live worker's registry record, refreshed every few seconds."""
 
@@ -169,7 +172,7 @@ class Heartbeat(_Message, tag="heartbeat", kw_only=True):
     url: str
     pid: int = msgspec.field(default_factory=os.getpid)  # the sending process's, unless given
     host: str = msgspec.field(default_factory=socket.gethostname)
-    state: Literal["starting", "ready", "paused", "loading", "failed", "draining"]
+    state: WorkerState
     weight_version: int = -1
     in_flight: int = 0
     started_at: float = 0.0

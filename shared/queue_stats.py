@@ -21,6 +21,7 @@ from redis.exceptions import ResponseError
 from shared import keys as K
 from shared.pause import read_pauses
 from shared.protocol import Heartbeat, ProtocolError, decode
+from shared.redis_replies import as_bytes, scored_members
 
 STREAMS = ("tasks", "trajectories", "weights", "weight_acks", "deadletter")
 GROUPS = (("tasks", K.GATEWAYS_GROUP), ("trajectories", K.TRAINER_GROUP))
@@ -101,7 +102,7 @@ async def group_stats(redis: aioredis.Redis, keys: K.RunKeys) -> list[GroupStats
 async def worker_views(redis: aioredis.Redis, keys: K.RunKeys) -> list[WorkerView]:
     """Live workers with the age of their last heartbeat (the registry keeps their expiry time)."""
     now = time.time()
-    members = await redis.zrangebyscore(keys.registry, now, "+inf", withscores=True)
+    members = scored_members(await redis.zrangebyscore(keys.registry, now, "+inf", withscores=True))
     if not members:
         return []
     raw = await redis.hmget(keys.registry_info, [m for m, _ in members])
@@ -110,7 +111,7 @@ async def worker_views(redis: aioredis.Redis, keys: K.RunKeys) -> list[WorkerVie
         if data is None:
             continue
         try:
-            hb = decode(data, Heartbeat)
+            hb = decode(as_bytes(data), Heartbeat)
         except ProtocolError:
             continue
         views.append(WorkerView(hb, max(0.0, now - (expires_at - K.HEARTBEAT_TTL_S))))

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from shared import keys as K
 from shared.protocol import Heartbeat, ProtocolError, decode, encode
+from shared.redis_replies import as_bytes, members
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ async def live_workers(redis: aioredis.Redis, run_keys: K.RunKeys, kind: str | N
             pipe.zremrangebyscore(run_keys.registry, "-inf", now)
             pipe.hdel(run_keys.registry_info, *expired)
             await pipe.execute()
-    ids = await redis.zrangebyscore(run_keys.registry, now, "+inf")
+    ids = members(await redis.zrangebyscore(run_keys.registry, now, "+inf"))
     if not ids:
         return []
     raw = await redis.hmget(run_keys.registry_info, ids)
@@ -55,7 +56,7 @@ async def live_workers(redis: aioredis.Redis, run_keys: K.RunKeys, kind: str | N
         if data is None:
             continue
         try:
-            hb = decode(data, Heartbeat)
+            hb = decode(as_bytes(data), Heartbeat)
         except ProtocolError as exc:
             log.error("unreadable registry record for %r: %s", wid, exc)
             continue
@@ -75,7 +76,7 @@ class HeartbeatTask:
         self._redis = redis
         self._keys = run_keys
         self._snapshot = snapshot
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._closing = False
 

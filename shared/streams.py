@@ -18,9 +18,9 @@ Callers: the trainer (tasks out, trajectories in, weights out, weight acks in), 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry never retries a coroutine
@@ -30,11 +30,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys as K
-from shared.protocol import DeadLetter, ProtocolError, decode, encode
+from shared.protocol import DeadLetter, Message, ProtocolError, decode, encode
+from shared.redis_replies import StreamEntry, as_text, range_entries, read_entries
 
 log = logging.getLogger(__name__)
 
-M = TypeVar("M")
+M = TypeVar("M", bound=Message)
+P = TypeVar("P")
+T = TypeVar("T")
 
 
 # Backoff sleeps 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s, then 2 s per retry: 20 retries span about 33 s.
@@ -46,7 +49,13 @@ class _Retry(Retry):
     """Retries connection errors and timeouts, but not a refused login (a subclass of
     ConnectionError): no retry fixes a wrong password, and it should be reported at once."""
 
-    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+    async def call_with_retry(
+        self,
+        do: Callable[[], Awaitable[T]],
+        fail: Callable[[Exception], Any] | Callable[[Exception, int], Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
         def retryable(exc: Exception) -> bool:
             if isinstance(exc, (AuthenticationError, AuthorizationError)):
                 return False
@@ -84,11 +93,11 @@ def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 
 
 
 @dataclass(frozen=True)
-class Delivery(Generic[M]):
+class Delivery(Generic[P]):
     """One decoded entry read through a consumer group."""
 
     entry_id: str
-    msg: M
+    msg: P
 
 
 # KEYS[1] input stream, KEYS[2] output stream; ARGV: group, entry id, consumer, field, payload.
@@ -107,10 +116,6 @@ local id = redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[5])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return id
 """
-
-
-def _id(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
@@ -141,13 +146,13 @@ class StreamClient:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def publish(self, stream: str, msg, *, maxlen: int | None = None) -> str:
+    async def publish(self, stream: str, msg: Message, *, maxlen: int | None = None) -> str:
         entry_id = await self.redis.xadd(
             stream, {K.ENTRY_FIELD: encode(msg)}, maxlen=maxlen, approximate=maxlen is not None
         )
-        return _id(entry_id)
+        return as_text(entry_id)
 
-    async def publish_many(self, stream: str, msgs: Sequence) -> list[str]:
+    async def publish_many(self, stream: str, msgs: Sequence[Message]) -> list[str]:
         """Publish in one pipelined round trip (not a transaction: each XADD is atomic itself)."""
         if not msgs:
             return []
@@ -155,7 +160,7 @@ class StreamClient:
             for msg in msgs:
                 pipe.xadd(stream, {K.ENTRY_FIELD: encode(msg)})
             ids = await pipe.execute()
-        return [_id(i) for i in ids]
+        return [as_text(i) for i in ids]
 
     async def read_group(
         self,
@@ -175,18 +180,17 @@ class StreamClient:
         reply = await self.redis.xreadgroup(
             group, self.consumer, {stream: "0" if pending else ">"}, count=count, block=None if pending else block_ms
         )
-        entries = reply[0][1] if reply else []
-        return await self._decode_entries(stream, group, entries, expected)
+        return await self._decode_entries(stream, group, read_entries(reply), expected)
 
     async def reclaim(
         self, stream: str, group: str, expected: type[M], *, min_idle_ms: int, count: int = 100
     ) -> list[Delivery[M]]:
         """Take over entries other consumers left pending for at least ``min_idle_ms``."""
-        claimed: list = []
+        claimed: list[StreamEntry] = []
         start = "0-0"
         while True:
             reply = await self.redis.xautoclaim(stream, group, self.consumer, min_idle_ms, start_id=start, count=count)
-            start, entries = _id(reply[0]), reply[1]
+            start, entries = as_text(reply[0]), reply[1]
             deleted = reply[2] if len(reply) > 2 else []
             if deleted:
                 # Entries deleted from the stream while pending (trimmed): nothing to redeliver.
@@ -203,16 +207,24 @@ class StreamClient:
             return 0
         return await self.redis.xack(stream, group, *entry_ids)
 
-    async def publish_and_ack(self, out_stream: str, msg, in_stream: str, group: str, entry_id: str) -> str | None:
+    async def publish_and_ack(
+        self, out_stream: str, msg: Message, in_stream: str, group: str, entry_id: str
+    ) -> str | None:
         """Publish ``msg`` and ack ``entry_id`` in one atomic step, only while this consumer still
         owns the pending entry. None (nothing published) when the entry was acked or taken over by
         another consumer meanwhile, so a result is published at most once per entry."""
         res = await self.redis.eval(
             _PUBLISH_IF_OWNED, 2, in_stream, out_stream, group, entry_id, self.consumer, K.ENTRY_FIELD, encode(msg)
         )
-        return _id(res) if res else None
+        return as_text(res) if res else None
 
-    async def requeue(self, stream: str, group: str, deliveries: Sequence[Delivery], bump=None) -> int:
+    async def requeue(
+        self,
+        stream: str,
+        group: str,
+        deliveries: Sequence[Delivery[M]],
+        bump: Callable[[M], Message] | None = None,
+    ) -> int:
         """Hand entries this consumer holds back to the group at once (a drain that cannot finish
         them): each is re-added as a new entry (``bump(msg)`` may update it first) and the old one
         acked, atomically, so another consumer reads it without waiting for a reclaim."""
@@ -242,18 +254,18 @@ class StreamClient:
             return 0
         if not groups:
             return 0
-        cut: str | None = None
+        bounds: list[str] = []  # per group, then the retention bound: the cut is the smallest
         for g in groups:
-            bound = _next_id(_id(g["last-delivered-id"]))
+            bound = _next_id(as_text(g["last-delivered-id"]))
             if g["pending"]:
                 summary = await self.redis.xpending(stream, g["name"])
                 if summary["pending"]:
-                    bound = min(bound, _id(summary["min"]), key=_id_key)
-            cut = bound if cut is None else min(cut, bound, key=_id_key)
+                    bound = min(bound, as_text(summary["min"]), key=_id_key)
+            bounds.append(bound)
         if retention_s > 0:
             sec, usec = await self.redis.time()
-            oldest_kept = f"{max(0, sec * 1000 + usec // 1000 - int(retention_s * 1000))}-0"
-            cut = min(cut, oldest_kept, key=_id_key)
+            bounds.append(f"{max(0, sec * 1000 + usec // 1000 - int(retention_s * 1000))}-0")
+        cut = min(bounds, key=_id_key)
         return int(await self.redis.xtrim(stream, minid=cut, approximate=False))
 
     async def dead_letter(self, source: str, entry_id: str, payload: bytes, reason: str) -> None:
@@ -269,29 +281,31 @@ class StreamClient:
     async def read_latest(self, stream: str, expected: type[M]) -> Delivery[M] | None:
         """The newest entry of a broadcast stream (e.g. the latest weight announcement). An
         unusable one is dead-lettered and raises ProtocolError."""
-        reply = await self.redis.xrevrange(stream, count=1)
+        reply = range_entries(await self.redis.xrevrange(stream, count=1))
         if not reply:
             return None
-        entry_id, fields = reply[0]
-        return Delivery(_id(entry_id), await self._decode_or_dead_letter(stream, _id(entry_id), fields, expected))
+        eid = as_text(reply[0][0])
+        return Delivery(eid, await self._decode_or_dead_letter(stream, eid, reply[0][1], expected))
 
     async def read_after(
         self, stream: str, last_id: str, expected: type[M], *, block_ms: int, count: int = 100
-    ) -> list[Delivery[M]]:
+    ) -> list[Delivery[M | None]]:
         """Read a broadcast stream (no consumer group) after ``last_id``. A bad entry is
         dead-lettered (by every reader that meets it) and comes back as a Delivery whose ``msg``
         is None, so the caller's cursor still moves past it."""
         reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
-        out: list[Delivery[M]] = []
-        for entry_id, fields in reply[0][1] if reply else []:
-            eid = _id(entry_id)
+        out: list[Delivery[M | None]] = []
+        for entry_id, fields in read_entries(reply):
+            eid = as_text(entry_id)
             try:
                 out.append(Delivery(eid, await self._decode_or_dead_letter(stream, eid, fields, expected)))
             except ProtocolError:
-                out.append(Delivery(eid, None))  # type: ignore[arg-type]
+                out.append(Delivery(eid, None))
         return out
 
-    async def _decode_or_dead_letter(self, stream: str, entry_id: str, fields, expected: type[M]) -> M:
+    async def _decode_or_dead_letter(
+        self, stream: str, entry_id: str, fields: dict[bytes, bytes] | None, expected: type[M]
+    ) -> M:
         """Decode one entry; an unusable one is dead-lettered with the reason, then ProtocolError."""
         payload = fields.get(K.ENTRY_FIELD) if fields else None
         limit = K.max_entry_bytes(stream)
@@ -311,11 +325,13 @@ class StreamClient:
         await self.dead_letter(stream, entry_id, payload or b"", reason)
         raise ProtocolError(reason)
 
-    async def _decode_entries(self, stream: str, group: str, entries, expected: type[M]) -> list[Delivery[M]]:
+    async def _decode_entries(
+        self, stream: str, group: str, entries: list[StreamEntry], expected: type[M]
+    ) -> list[Delivery[M]]:
         good: list[Delivery[M]] = []
         bad: list[str] = []
         for entry_id, fields in entries:
-            eid = _id(entry_id)
+            eid = as_text(entry_id)
             try:
                 good.append(Delivery(eid, await self._decode_or_dead_letter(stream, eid, fields, expected)))
             except ProtocolError:

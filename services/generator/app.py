@@ -29,7 +29,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
@@ -138,7 +138,7 @@ def _heartbeat_snapshot(app: FastAPI) -> Heartbeat:
         worker_id=s.worker_id,
         kind="generator",
         url=s.url,
-        state=rt.state,  # type: ignore[arg-type]
+        state=rt.state,
         weight_version=rt.weight_version,
         in_flight=rt.in_flight,
         started_at=s.started_at,
@@ -190,7 +190,7 @@ def freeze_startup_heap() -> None:
 
 
 @asynccontextmanager
-async def _lifespan(app: FastAPI):
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     s = app.state
     s.metrics.start_loop_lag_probe()
     if s.cfg.redis.url:

@@ -71,8 +71,9 @@ def _part_text(part: Any, where: str) -> str:
         kind = part.get("type")
         if kind in _MEDIA_PART_TYPES:
             raise bad_request(f"{where} is a {kind!r} part; this generator serves text only", param=where)
-        if (kind is None or kind in _TEXT_PART_TYPES) and isinstance(part.get("text"), str):
-            return part["text"]
+        text = part.get("text")
+        if (kind is None or kind in _TEXT_PART_TYPES) and isinstance(text, str):
+            return text
         raise bad_request(f"{where} is an unsupported content part (type {kind!r})", param=where)
     raise bad_request(f"{where} is a {type(part).__name__}, not a content part", param=where)
 
@@ -172,7 +173,8 @@ class ChatRenderer:
         self.vocab_size = max(vocab_size, len(tokenizer))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return text
 
     def encode_text(self, text: str) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -191,19 +193,28 @@ class ChatRenderer:
         return ids
 
     def render_text(
-        self, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool, kwargs: dict
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
     ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
+            text: str = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
             )
+            return text
         except Exception as exc:  # jinja errors: the request's messages do not fit the template
             raise bad_request(
                 f"chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from exc
 
     def render(
-        self, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool, kwargs: dict
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
     ) -> list[int]:
         return self.encode_text(self.render_text(messages, tools, add_generation_prompt, kwargs))
 
@@ -226,7 +237,7 @@ class ChatRenderer:
         self,
         messages: Sequence[ChatMessage],
         *,
-        tools: list | None = None,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         required_prefix_token_ids: list[int] | None = None,
         add_generation_prompt: bool = True,

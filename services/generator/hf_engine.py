@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from services.generator.engine import ChoiceOutput, EngineInfo, EngineStats, GenerationParams, PauseMode
+from services.generator.engine import ChoiceOutput, EngineInfo, EngineStats, FinishReason, GenerationParams, PauseMode
 from shared.run_config import RunConfig
 from shared.weights_format import safetensors_files
 
@@ -203,7 +203,7 @@ class _Row:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     def add(self, token: int, logprob: float, top: Any, stop_ids: set[int]) -> None:
         self.token_ids.append(token)
@@ -223,7 +223,7 @@ class _Row:
             index=self.index,
             token_ids=self.token_ids,
             logprobs=self.logprobs,
-            finish_reason=self.finish_reason or "length",  # type: ignore[arg-type]
+            finish_reason=self.finish_reason or "length",
             top_logprobs=self.top if with_top else None,
         )
 

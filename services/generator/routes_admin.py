@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Depends, Request
+from starlette.datastructures import State
 
 from services.generator.runtime import LocalPause, Runtime
 from services.generator.weights import LoadOrder
@@ -30,7 +31,8 @@ CONTROL = [Depends(require_control_token)]
 
 
 def _runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
+    rt: Runtime = request.app.state.runtime
+    return rt
 
 
 @router.get("/admin/state", dependencies=CONTROL)
@@ -75,7 +77,7 @@ async def reset_prefix_cache(request: Request) -> MsgspecJSON:
     return MsgspecJSON({"success": ok, "prefix_caching_enabled": rt.engine.prefix_caching_enabled})
 
 
-def generator_state(state) -> GeneratorState:
+def generator_state(state: State) -> GeneratorState:
     """The /admin/state answer from the app's state objects."""
     rt: Runtime = state.runtime
     stats = rt.engine.stats()

@@ -19,7 +19,7 @@ from shared.openapi import json_body
 router = APIRouter()
 
 
-async def _counted(request: Request, route: str, work: Awaitable) -> MsgspecJSON:
+async def _counted(request: Request, route: str, work: Awaitable[object]) -> MsgspecJSON:
     requests = request.app.state.metrics.requests
     try:
         result = await work
@@ -34,7 +34,8 @@ async def _counted(request: Request, route: str, work: Awaitable) -> MsgspecJSON
 
 
 def _service(request: Request) -> GenerationService:
-    return request.app.state.service
+    service: GenerationService = request.app.state.service
+    return service
 
 
 @router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))

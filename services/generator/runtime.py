@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from services.generator.engine import Engine, PauseMode
 from shared.http import HTTPError
+from shared.protocol import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Runtime:
     # -- lifecycle -----------------------------------------------------------------------------
 
     @property
-    def state(self) -> str:
+    def state(self) -> WorkerState:
         if self.error is not None or self.engine.errored:
             return "failed"
         if self.draining:

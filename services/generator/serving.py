@@ -61,7 +61,8 @@ def request_kind(tag: RequestTag | None, template_kwargs: dict[str, Any] | None)
                 "chat_template_kwargs.streamrl.kind must be 'train' or 'validation'",
                 param="chat_template_kwargs.streamrl.kind",
             )
-        return raw["kind"]
+        kind: Literal["train", "validation"] = raw["kind"]
+        return kind
     return "train"
 
 
@@ -148,7 +149,7 @@ class GenerationService:
         ended_on_stop = c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in stop_ids
         text = _cut_at_stop(self.renderer.decode(c.token_ids[:-1] if ended_on_stop else c.token_ids), stop_texts)
         parsed = parse_turn(text, tool_calls=parse_tools)
-        finish = c.finish_reason
+        finish: str = c.finish_reason
         if parsed.tool_calls and finish == "stop":
             finish = "tool_calls"
         message = ResponseMessage(
@@ -244,7 +245,7 @@ class GenerationService:
         ids: set[int] = set()
         texts: list[str] = []
         tok = self.renderer.tokenizer
-        for i, s in enumerate(stop if many else [stop]):
+        for i, s in enumerate([stop] if isinstance(stop, str) else stop):
             if not s:
                 raise bad_request("stop strings must not be empty", param=f"stop[{i}]" if many else "stop")
             tid = tok.convert_tokens_to_ids(s)
@@ -308,7 +309,12 @@ def _completion_logprobs(c: ChoiceOutput) -> CompletionLogprobs:
 
 
 def _params(
-    resolved, budget: int, req, stop_ids: set[int], stop_texts: tuple[str, ...], top_n: int
+    resolved: gate.ResolvedSampling,
+    budget: int,
+    req: ChatCompletionRequest | CompletionRequest,
+    stop_ids: set[int],
+    stop_texts: tuple[str, ...],
+    top_n: int,
 ) -> GenerationParams:
     """Engine parameters of a chat or completion request once gate and budget are resolved."""
     return GenerationParams(

@@ -17,10 +17,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.generator.engine import ChoiceOutput, EngineInfo, EngineStats, GenerationParams, PauseMode
+from services.generator.engine import (
+    ChoiceOutput,
+    EngineInfo,
+    EngineStats,
+    FinishReason,
+    GenerationParams,
+    PauseMode,
+)
 from shared.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +68,7 @@ class VllmEngine:
     def errored(self) -> bool:
         return self._llm is not None and bool(self._llm.errored)
 
-    def _engine_args(self):
+    def _engine_args(self) -> AsyncEngineArgs:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         policy = self._cfg.policy
@@ -121,7 +132,7 @@ class VllmEngine:
             self._prefix_caching,
         )
 
-    def _sampling_params(self, params: GenerationParams):
+    def _sampling_params(self, params: GenerationParams) -> SamplingParams:
         SamplingParams, RequestOutputKind, _ = vllm_request_types()
         return SamplingParams(
             n=params.n,
@@ -192,7 +203,7 @@ def _choice(completion: Any, top_logprobs: int) -> ChoiceOutput:
             ]
             for step in steps
         ]
-    reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+    reason: FinishReason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
     return ChoiceOutput(
         index=int(completion.index), token_ids=token_ids, logprobs=logprobs, finish_reason=reason, top_logprobs=top
     )

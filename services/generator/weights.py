@@ -35,6 +35,7 @@ from services.generator.metrics import GeneratorMetrics
 from services.generator.runtime import LocalPause, Runtime
 from shared import keys as K
 from shared.protocol import ProtocolError, WeightAck, WeightAnnouncement
+from shared.redis_replies import as_text, range_entries
 from shared.streams import StreamClient
 from shared.weights_format import checksum_dir, safetensors_files
 
@@ -165,8 +166,8 @@ class WeightSync:
             latest = await self.streams.read_latest(stream, WeightAnnouncement)
         except ProtocolError as exc:
             log.error("newest entry of %s is unreadable (%s); waiting for the next announcement", stream, exc)
-            newest = await self.streams.redis.xrevrange(stream, count=1)
-            return newest[0][0].decode() if newest else "0-0"
+            newest = range_entries(await self.streams.redis.xrevrange(stream, count=1))
+            return as_text(newest[0][0]) if newest else "0-0"
         if latest is None:
             log.info("no weight announcement yet; serving the initial weights as version -1")
             return "0-0"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -140,7 +141,7 @@ def _heartbeat(app: FastAPI) -> Heartbeat:
 
 
 @asynccontextmanager
-async def _lifespan(app: FastAPI):
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     s = app.state
     lifecycle: ServiceLifecycle = s.lifecycle
     clients = _open_clients(s.cfg, s.auth)  # 1. clients

@@ -31,9 +31,11 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import msgspec
+import redis.asyncio as aioredis
 
 from shared import keys as K
 from shared.http import HTTPError
@@ -44,7 +46,7 @@ from shared.openai_api import (
     CompletionResponse,
     RequestTag,
 )
-from shared.protocol import SamplingParams, Turn, make_turn
+from shared.protocol import Heartbeat, SamplingParams, TaskKind, Turn, make_turn
 from shared.registry import live_workers
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Session:
     session_id: str
-    kind: str
+    kind: TaskKind
     sampling: SamplingParams
     generator_id: str
     generator_url: str
@@ -94,11 +96,11 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class GeneratorPool:
     """Ready generators from the registry, refreshed at most every ``refresh_s``."""
 
-    def __init__(self, redis, run_keys: K.RunKeys, refresh_s: float = 1.0) -> None:
+    def __init__(self, redis: aioredis.Redis, run_keys: K.RunKeys, refresh_s: float = 1.0) -> None:
         self.redis = redis
         self.keys = run_keys
         self.refresh_s = refresh_s
-        self._ready: list = []
+        self._ready: list[Heartbeat] = []
         self._at = 0.0
         self._rr = itertools.count()
         self._refresh_lock = asyncio.Lock()
@@ -132,7 +134,7 @@ class GeneratorPool:
         process with a newer start time brings it back at once)."""
         self._dead[worker_id] = (time.monotonic(), time.time())
 
-    def _suspect(self, g, now: float) -> bool:
+    def _suspect(self, g: Heartbeat, now: float) -> bool:
         mark = self._dead.get(g.worker_id)
         if mark is None:
             return False
@@ -168,7 +170,7 @@ class SessionProxy:
         self._chat_decoder = msgspec.json.Decoder(ChatCompletionResponse)
         self._completion_decoder = msgspec.json.Decoder(CompletionResponse)
 
-    async def open(self, session_id: str, kind: str, sampling: SamplingParams, env: str = "") -> Session:
+    async def open(self, session_id: str, kind: TaskKind, sampling: SamplingParams, env: str = "") -> Session:
         gid, url, version = await self.pool.pick()
         s = Session(session_id, kind, sampling, gid, url, version, env=env)
         self.sessions[session_id] = s
@@ -183,13 +185,13 @@ class SessionProxy:
             raise unknown_session(session_id)
         return s
 
-    def _sampling_updates(self, s: Session, req) -> dict:
+    def _sampling_updates(self, s: Session, req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
         if req.stream:
             raise HTTPError(400, "streaming is not supported by the session proxy", param="stream")
         if req.n != 1:
             raise HTTPError(400, "a session records one trajectory: n must be 1", param="n")
         prof = s.sampling
-        updates: dict = {"streamrl": RequestTag(kind=s.kind, session_id=s.session_id)}
+        updates: dict[str, Any] = {"streamrl": RequestTag(kind=s.kind, session_id=s.session_id)}
         if req.temperature is None:
             updates["temperature"] = prof.temperature
         if req.top_p is None:

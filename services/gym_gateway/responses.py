@@ -24,7 +24,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -51,6 +51,15 @@ from shared.responses_api import (
 _TEXT_PARTS = ("output_text", "input_text", "text", "refusal")
 
 
+class _TokenFields(TypedDict, total=False):
+    """The token fields (``TOKEN_FIELDS``) a replayed model item hands its assistant message: all
+    three, or none (empty)."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+
+
 @dataclass
 class _Assistant:
     """The model items of one turn, merged into one assistant message when the turn ends."""
@@ -59,7 +68,7 @@ class _Assistant:
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
-    tokens: dict[str, list] | None = None
+    tokens: _TokenFields | None = None
 
     def flush(self, messages: list[ChatMessage]) -> None:
         if self.open or self.text or self.tool_calls:
@@ -69,7 +78,7 @@ class _Assistant:
                     content="".join(self.text) or None,
                     reasoning_content="\n".join(self.reasoning) or None,
                     tool_calls=self.tool_calls or None,
-                    **(self.tokens or {}),
+                    **(self.tokens or _TokenFields()),
                 )
             )
         self.open, self.text, self.reasoning, self.tool_calls, self.tokens = False, [], [], [], None
@@ -84,14 +93,15 @@ def decode_item(raw: dict[str, Any], i: int) -> InputItem:
             param=f"input[{i}].type",
         )
     try:
-        return msgspec.convert({**raw, "type": kind}, InputItem)
+        item: InputItem = msgspec.convert({**raw, "type": kind}, InputItem)  # a union: typed Any by msgspec
+        return item
     except msgspec.ValidationError as exc:
         msg = str(exc)
         where = msg.rsplit("`$", 1)[-1].rstrip("`") if "`$" in msg else ""
         raise bad_request(f"input[{i}]: {msg}", param=f"input[{i}]{where}") from None
 
 
-def _tokens(item: InputItem, i: int) -> dict[str, list] | None:
+def _tokens(item: InputMessage | ReasoningItem | FunctionCallItem, i: int) -> _TokenFields | None:
     """The item's token fields, all three or none (a 400 naming the missing one)."""
     present = [f for f in TOKEN_FIELDS if getattr(item, f, None) not in (None, msgspec.UNSET)]
     if not present:
@@ -102,13 +112,16 @@ def _tokens(item: InputItem, i: int) -> dict[str, list] | None:
             f"input[{i}] carries {', '.join(present)} without {', '.join(missing)}; the token fields travel together",
             param=f"input[{i}].{missing[0]}",
         )
-    if len(item.generation_token_ids) != len(item.generation_log_probs):
+    prompt, generated, logprobs = item.prompt_token_ids, item.generation_token_ids, item.generation_log_probs
+    assert isinstance(prompt, list) and isinstance(generated, list) and isinstance(logprobs, list)  # all present
+    if len(generated) != len(logprobs):
         raise bad_request(
-            f"input[{i}] has {len(item.generation_token_ids)} generation_token_ids and "
-            f"{len(item.generation_log_probs)} generation_log_probs",
+            f"input[{i}] has {len(generated)} generation_token_ids and {len(logprobs)} generation_log_probs",
             param=f"input[{i}].generation_log_probs",
         )
-    return {f: list(getattr(item, f)) for f in TOKEN_FIELDS}
+    return _TokenFields(
+        prompt_token_ids=list(prompt), generation_token_ids=list(generated), generation_log_probs=list(logprobs)
+    )
 
 
 def _text(content: Any) -> str:

@@ -54,7 +54,7 @@ class SessionClient:
         self._decoder = msgspec.json.Decoder(ChatCompletionResponse)
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, **params: Any
     ) -> ChatCompletionResponse:
         payload = chat_body(messages, tools, params)  # an environment's unencodable message is its own bug
         try:

@@ -62,7 +62,8 @@ class SessionStats(msgspec.Struct, kw_only=True):
 
 
 def _proxy(request: Request) -> SessionProxy:
-    return request.app.state.proxy
+    proxy: SessionProxy = request.app.state.proxy
+    return proxy
 
 
 async def _elsewhere(request: Request, session_id: str) -> Response | None:

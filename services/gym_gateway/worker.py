@@ -154,7 +154,7 @@ class GatewayWorker:
         self.carry_mask_flag = env_cfg.should_mask_flagged_samples
         self.max_retries = env_cfg.max_rollout_retries if env_cfg.failure_policy == "retry" else 0
         self._envs: dict[str, Environment] = {}  # one instance per environment name, built on first use
-        self.active: dict[str, asyncio.Task] = {}
+        self.active: dict[str, asyncio.Task[None]] = {}
         self.deliveries: dict[str, Delivery[Task]] = {}  # task id -> the entry it came from (running)
         self.held: list[Delivery[Task]] = []  # read, not started yet (gate closed or no free slot)
         self.completed = 0

@@ -25,16 +25,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 EPS = 1e-6
 
 
 def group_advantages(
-    rewards: Sequence[float],
+    rewards: npt.ArrayLike,
     *,
     leave_one_out: bool = True,
     normalize: bool = True,
-    is_placeholder: Sequence[bool] | None = None,
+    is_placeholder: npt.ArrayLike | None = None,
 ) -> np.ndarray:
     """Advantages of one group's rows, in the given order."""
     r = np.asarray(rewards, dtype=np.float64)
@@ -69,9 +70,9 @@ def batch_advantages(
     up upstream, and silently computing baselines over it would corrupt the update.
     """
     group_ids = resolve_group_ids(group_ids, group_size)
-    rewards = np.asarray(rewards, dtype=np.float64)
-    placeholder = np.asarray(is_placeholder if is_placeholder is not None else [False] * len(rewards), dtype=bool)
-    out = np.zeros(len(rewards), dtype=np.float32)
+    reward_of = np.asarray(rewards, dtype=np.float64)
+    placeholder = np.asarray(is_placeholder if is_placeholder is not None else [False] * len(reward_of), dtype=bool)
+    out = np.zeros(len(reward_of), dtype=np.float32)
     members: dict[str, list[int]] = {}
     for i, gid in enumerate(group_ids):
         members.setdefault(gid, []).append(i)
@@ -79,7 +80,7 @@ def batch_advantages(
         if len(idx) != group_size:
             raise ValueError(f"group {gid!r} has {len(idx)} rows in the batch, expected {group_size}")
         out[idx] = group_advantages(
-            rewards[idx], leave_one_out=leave_one_out, normalize=normalize, is_placeholder=placeholder[idx]
+            reward_of[idx], leave_one_out=leave_one_out, normalize=normalize, is_placeholder=placeholder[idx]
         )
     return out
 

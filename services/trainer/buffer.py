@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 from shared.protocol import Trajectory
 from shared.run_config import RunConfig
@@ -83,7 +84,7 @@ class ReplayBuffer:
 
     # ---- intake -------------------------------------------------------------------------------
 
-    def add(self, traj: Trajectory, entry_id: str) -> Group | None | bool:
+    def add(self, traj: Trajectory, entry_id: str) -> Group | None | Literal[False]:
         """Stage one trajectory. Returns the group when this row completed it, None when the
         group is still incomplete, False when the row is a duplicate (already held or consumed);
         the caller acks duplicates at once."""
@@ -140,7 +141,7 @@ class ReplayBuffer:
     def evict_stale(self, step: int) -> list[Group]:
         evicted: list[Group] = []
         for target in list(self._staged):
-            keep = []
+            keep: list[Group] = []
             for g in self._staged[target]:
                 (keep if self.usable_at(g, step) else evicted).append(g)
             self._staged[target] = keep

@@ -37,7 +37,9 @@ DEBUG_ENV_VARS = ("STREAMRL_LP_MASK_DEBUG", "NRL_LP_MASK_DEBUG")
 _DEBUG_MAX_ROWS = 200
 
 
-def seq_errors(prev_lp: torch.Tensor, gen_lp: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor):
+def seq_errors(
+    prev_lp: torch.Tensor, gen_lp: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(seq_err [B] with NaN for rows without valid tokens, valid tokens per row [B]); no grad."""
     with torch.no_grad():
         mask = token_mask * sample_mask[:, None]

@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.trainer.buffer import ReplayBuffer
 from services.trainer.scheduler import Scheduler
+from shared import keys as K
 from shared.metrics import ServiceMetrics
 from shared.queue_stats import group_stats, stream_lengths
 from shared.records import Record, ValidationRecord
@@ -144,7 +146,7 @@ class TrainerMetrics(ServiceMetrics):
         self.evicted.set(control.buffer.evicted_total)
         self.deadletter.set(control.streams.deadlettered)
 
-    async def update_from_redis(self, redis, keys) -> None:
+    async def update_from_redis(self, redis: aioredis.Redis, keys: K.RunKeys) -> None:
         """Stream lengths and pending entries; a Redis error leaves the last values (and is logged)."""
         try:
             lengths = await stream_lengths(redis, keys)

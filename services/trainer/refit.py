@@ -29,11 +29,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from shared import keys as K
 from shared.pause import PauseControl, PauseReason
 from shared.protocol import WeightAck, WeightAnnouncement
 from shared.records import RefitSummary
+from shared.redis_replies import as_text, range_entries
 from shared.registry import live_workers
 from shared.streams import StreamClient
 from shared.weights_format import checksum_dir, dir_num_bytes
@@ -120,7 +122,7 @@ class WeightPublisher:
         self.pause = pause
         self.weights_dir = weights_dir
         self.timeout_s = timeout_s
-        self.mode = "keep" if in_flight_updates else "drain"
+        self.mode: Literal["drain", "keep"] = "keep" if in_flight_updates else "drain"
         self.keep_versions = keep_versions
         self.dropped_total = 0  # generators dropped from a refit they did not confirm
         self._dropped: list[str] = []
@@ -211,8 +213,8 @@ class WeightPublisher:
 
     async def _announce_and_confirm(self, registration_timeout_s: float, ann: WeightAnnouncement) -> list[str]:
         expected = set(await wait_for_generators(self.streams, registration_timeout_s, self._note_latency))
-        last = await self.streams.redis.xrevrange(self.streams.keys.weight_acks, count=1)
-        cursor = last[0][0].decode() if last else "0-0"
+        last = range_entries(await self.streams.redis.xrevrange(self.streams.keys.weight_acks, count=1))
+        cursor = as_text(last[0][0]) if last else "0-0"
         await self.streams.publish(self.streams.keys.weights, ann, maxlen=K.WEIGHTS_MAXLEN)
         confirmed: dict[str, WeightAck] = {}
         deadline = time.monotonic() + self.timeout_s

@@ -29,7 +29,7 @@ from services.trainer.scheduler import Scheduler
 from services.trainer.validation import ValidationRunner, periodic_due
 from shared import keys as K
 from shared.pause import PauseControl, PauseReason
-from shared.records import ValidationAccepted, ValidationRecord, ValidationStatus
+from shared.records import ValidationAccepted, ValidationRecord, ValidationState, ValidationStatus
 from shared.run_config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -130,12 +130,17 @@ class ValidationController:
         )
         return record
 
-    def _set(self, vid: str, status: str, requested_at: int, **fields: object) -> None:
+    def _set(
+        self,
+        vid: str,
+        status: ValidationState,
+        requested_at: int,
+        *,
+        result: ValidationRecord | None = None,
+        error: str | None = None,
+    ) -> None:
         self.statuses[vid] = ValidationStatus(
-            validation_id=vid,
-            status=status,  # type: ignore[arg-type]
-            requested_at_step=requested_at,
-            **fields,  # type: ignore[arg-type]
+            validation_id=vid, status=status, requested_at_step=requested_at, result=result, error=error
         )
 
     def stop_hit(self, record: ValidationRecord | None) -> bool:

@@ -72,7 +72,7 @@ class ModelClient(Protocol):
     timeout_s: float
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, **params: Any
     ) -> ChatCompletionResponse: ...
 
 
@@ -123,7 +123,7 @@ class ChatClient:
         self._decoder = msgspec.json.Decoder(ChatCompletionResponse)
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, **params: Any
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, **params: Any
     ) -> ChatCompletionResponse:
         try:
             async with self.http.post(
@@ -143,7 +143,7 @@ class ChatClient:
         return self._decoder.decode(content)
 
 
-def chat_body(messages: list[dict[str, Any]], tools: list[dict] | None, params: dict[str, Any]) -> bytes:
+def chat_body(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, params: dict[str, Any]) -> bytes:
     """The JSON body of a chat call, as both clients send it."""
     body: dict[str, Any] = {"messages": messages, **params}
     if tools:

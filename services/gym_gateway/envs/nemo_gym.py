@@ -120,7 +120,7 @@ class NemoGymEnv:
     def __init__(self, cfg: NemoGymSection) -> None:
         self.cfg = cfg
         self._global_config: dict[str, Any] | None = None
-        self._rollout_seq: dict[Any, itertools.count] = defaultdict(itertools.count)
+        self._rollout_seq: dict[Any, itertools.count[int]] = defaultdict(itertools.count)
 
     @classmethod
     def from_config(cls, env_cfg: EnvSection) -> NemoGymEnv:

@@ -34,7 +34,11 @@ import json
 import os
 import sys
 import traceback
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from openhands.sdk import Agent
 
 # Set before LiteLLM is imported: it would fetch its model-cost map from the network at import.
 OFFLINE_ENV = {
@@ -84,7 +88,7 @@ def classify(exc: BaseException) -> str:
     return "agent_error"
 
 
-def build_agent(job: dict[str, Any]):
+def build_agent(job: dict[str, Any]) -> Agent:
     from openhands.sdk import LLM, Agent, Tool
     from pydantic import SecretStr
 
@@ -121,7 +125,7 @@ def build_agent(job: dict[str, Any]):
     )
 
 
-def summarise(events) -> tuple[int, dict[str, int]]:
+def summarise(events: Iterable[object]) -> tuple[int, dict[str, int]]:
     """(model responses the agent acted on, tool calls by tool name) from the event log."""
     responses: set[str] = set()
     actions: dict[str, int] = {}

@@ -82,7 +82,7 @@ def final_answer(text: str | None) -> int | None:
     return int(found[-1]) if found else None
 
 
-def run_tool_call(name: str, arguments: str | dict) -> str:
+def run_tool_call(name: str, arguments: str | dict[str, Any]) -> str:
     if name != "calculator":
         return f"error: unknown tool {name!r}"
     try:

@@ -28,7 +28,8 @@ def backend_class(name: str) -> type[TrainingBackend]:
         module, cls = BACKENDS[name].split(":")
     except KeyError:
         raise ConfigError(f"trainer.backend {name!r} is not one of: {', '.join(sorted(BACKENDS))}") from None
-    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+    found: type[TrainingBackend] = getattr(importlib.import_module(module), cls)
+    return found
 
 
 def build_backend(cfg: RunConfig) -> TrainingBackend:

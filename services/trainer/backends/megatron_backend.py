@@ -26,7 +26,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +36,16 @@ from shared.config_error import ConfigError
 from shared.run_config import MegatronSection, PolicySection
 from shared.weights_format import safetensors_files
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
 log = logging.getLogger(__name__)
 
 _DDP_KEY = "policy.megatron_cfg.distributed_data_parallel_config"
 
 
-def ddp_config(cfg: MegatronSection):
+def ddp_config(cfg: MegatronSection) -> DistributedDataParallelConfig:
     """megatron-core DistributedDataParallelConfig from the run config (nan check on by default)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -187,7 +191,7 @@ def init_distributed(tensor_parallel: int) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
 
 
-def build_gpt_model(hf: dict[str, Any], dtype: torch.dtype, *, cpu_init: bool = False):
+def build_gpt_model(hf: dict[str, Any], dtype: torch.dtype, *, cpu_init: bool = False) -> GPTModel:
     """A megatron-core GPTModel with the architecture of ``hf`` (random weights)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -221,7 +225,7 @@ def read_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 class MegatronBackend(TorchBackend):
     name = "megatron"
 
-    def _build_model(self):
+    def _build_model(self) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel
 
         check_supported(self.policy)
@@ -241,7 +245,13 @@ class MegatronBackend(TorchBackend):
     def _pad_token_id(self) -> int:
         return int(self.hf_config.get("pad_token_id") or 0)
 
-    def _forward_logits(self, model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def _forward_logits(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # Right padding only follows real tokens, so the causal mask alone keeps real tokens exact.
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)

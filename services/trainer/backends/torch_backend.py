@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import torch
@@ -36,10 +37,13 @@ from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from shared.records import LearnerMetrics
 from shared.run_config import LossSection, OptimizerSection, PolicySection, RunConfig
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 
-def lr_schedule(opt: OptimizerSection, total_updates: int):
+def lr_schedule(opt: OptimizerSection, total_updates: int) -> Callable[[int], float]:
     """Multiplier of the base learning rate after ``n`` updates: warm-up, then constant/linear/cosine
     decay to ``min_lr_ratio`` at ``total_updates``."""
 
@@ -70,7 +74,7 @@ class _StepTotals:
     shapes: list[list[int]] = field(default_factory=list)  # row lengths of each micro-batch run
 
 
-def _load_model(path: str, dtype: torch.dtype):
+def _load_model(path: str, dtype: torch.dtype) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -136,14 +140,20 @@ class TorchBackend:
 
     # ---- what other backends override ----------------------------------------------------------
 
-    def _build_model(self):
+    def _build_model(self) -> torch.nn.Module:
         """The policy as a trainable module on ``self.device``."""
         return _load_model(self.policy.model_name, self.dtype).to(self.device)
 
     def _pad_token_id(self) -> int:
         return int(self.model.config.pad_token_id or 0)
 
-    def _forward_logits(self, model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def _forward_logits(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[B, T, V] logits. Packed inputs come with position ids and no attention mask."""
         if position_ids is not None:
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
@@ -166,7 +176,10 @@ class TorchBackend:
         for i, r in enumerate(rows):
             n = len(r.input_ids)
             ids[i, :n], attn[i, :n], tmask[i, :n], glp[i, :n] = r.input_ids, 1, r.token_mask, r.gen_logprobs
-        t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device)
+
         return {
             "input_ids": t(ids),
             "attention_mask": t(attn),
@@ -177,7 +190,7 @@ class TorchBackend:
             "rewards": [r.reward for r in rows],
         }
 
-    def _token_logprobs(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _token_logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """logprob of token t given tokens < t, at position t (position 0 gets 0), as [rows, T].
         A packed micro-batch (``mb["pack"]``) runs as one sequence and is cut back into rows."""
         if "pack" in mb:
@@ -201,7 +214,7 @@ class TorchBackend:
         packs = packing.first_fit_decreasing([len(r.input_ids) for r in rows], sp.train_mb_tokens)
         return [[rows[i] for i in p] for p in packs]
 
-    def _inputs(self, rows: list[Row]) -> dict:
+    def _inputs(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         mb = self._pad(rows)
         if self.policy.sequence_packing.enabled:
             mb["pack"] = packing.packed_inputs([torch.from_numpy(r.input_ids).to(self.device) for r in rows])
@@ -327,7 +340,9 @@ class TorchBackend:
             computed = sum(len(s) * max(s) for s in shapes)
         return real / computed if computed else 1.0
 
-    def _mask_by_seq_error(self, prev_lp: torch.Tensor, mb: dict, records: list[mismatch.SeqRecord]) -> torch.Tensor:
+    def _mask_by_seq_error(
+        self, prev_lp: torch.Tensor, mb: dict[str, torch.Tensor], records: list[mismatch.SeqRecord]
+    ) -> torch.Tensor:
         """The micro-batch's sample mask after the sequence-level logprob-error threshold."""
         err, n = mismatch.seq_errors(prev_lp, mb["gen_lp"], mb["token_mask"], mb["sample_mask"])
         new = mismatch.apply_threshold(err, mb["sample_mask"], self.seq_error_threshold)
@@ -336,13 +351,13 @@ class TorchBackend:
             records.append(mismatch.SeqRecord(float(n[i]), float(err[i]), float(mb["rewards"][i]), masked))
         return new
 
-    @torch.no_grad()
     def _prev_logprobs(self, rows: list[Row], micro: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for mb_rows in self._micro_batches(rows, micro):
-            lp = self._token_logprobs(self.model, self._inputs(mb_rows))
-            for r, row_lp in zip(mb_rows, lp, strict=True):
-                out[r.task_id] = row_lp[: len(r.input_ids)].clone()
+        with torch.no_grad():
+            for mb_rows in self._micro_batches(rows, micro):
+                lp = self._token_logprobs(self.model, self._inputs(mb_rows))
+                for r, row_lp in zip(mb_rows, lp, strict=True):
+                    out[r.task_id] = row_lp[: len(r.input_ids)].clone()
         return out
 
     def _stack(self, prev: dict[str, torch.Tensor], rows: list[Row], shape: torch.Size) -> torch.Tensor:

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import uuid
+from pathlib import Path
 
 from services.gym_gateway.envs.base import SandboxError
 from services.gym_gateway.envs.swe.runtime import CommandResult, Runtime, Workspace, spawn
@@ -39,7 +40,7 @@ class ContainerRuntime(Runtime):
         self.kind = engine
         self.engine = engine
 
-    def workdir(self, path) -> str:
+    def workdir(self, path: Path) -> str:
         return self.cfg.container_workdir
 
     def image_for(self, ws: Workspace) -> str:

@@ -211,9 +211,10 @@ def _need_snapshot(row: dict[str, Any], where: str, kind: str, fields: tuple[str
 def _str(row: dict[str, Any], name: str, where: str) -> str:
     if name not in row or row[name] in (None, ""):
         raise InstanceError(f"{where}: missing field {name!r}")
-    if not isinstance(row[name], str):
-        raise InstanceError(f"{where}: field {name!r} must be a string, got {type(row[name]).__name__}")
-    return row[name]
+    value = row[name]
+    if not isinstance(value, str):
+        raise InstanceError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    return value
 
 
 def _statuses(raw: Any, name: str, where: str) -> dict[str, str]:

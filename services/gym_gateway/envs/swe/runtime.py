@@ -27,7 +27,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,7 +225,13 @@ def kill_group(pid: int) -> None:
 
 
 async def spawn(
-    argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, max_output_chars: int, on_timeout=None
+    argv: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    timeout_s: float,
+    max_output_chars: int,
+    on_timeout: Callable[[], Awaitable[None]] | None = None,
 ) -> CommandResult:
     """Run ``argv`` in a new session; kill its process group at the deadline, on cancellation and
     once it exits (background leftovers). ``on_timeout`` is awaited after a deadline kill."""
@@ -243,6 +249,7 @@ async def spawn(
     except OSError as exc:
         raise SandboxError(f"cannot start {argv[0]!r} in {cwd}: {exc}") from exc
     buf = _Capped(max_output_chars)
+    assert proc.stdout is not None  # stdout=PIPE
     reader = asyncio.create_task(_read_all(proc.stdout, buf))
     try:
         timed_out = not await _exited(proc, timeout_s)

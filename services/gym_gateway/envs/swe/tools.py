@@ -58,7 +58,7 @@ class ToolError(Exception):
     """A bad tool call: its message goes back to the model."""
 
 
-async def run_tool(ws: Workspace, name: str, arguments: str | dict | None) -> tuple[str, bool]:
+async def run_tool(ws: Workspace, name: str, arguments: str | dict[str, Any] | None) -> tuple[str, bool]:
     """(output for the model, whether the agent finished)."""
     try:
         args = _args(arguments)
@@ -73,7 +73,7 @@ async def run_tool(ws: Workspace, name: str, arguments: str | dict | None) -> tu
         return f"error: {exc}", False
 
 
-def _args(arguments: str | dict | None) -> dict[str, Any]:
+def _args(arguments: str | dict[str, Any] | None) -> dict[str, Any]:
     if isinstance(arguments, dict):
         return arguments
     try:
