@@ -27,7 +27,9 @@ import platform
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -35,6 +37,7 @@ import numpy as np
 from shared import keys as K
 from shared.config import load
 from shared.protocol import Trajectory, encode, make_turn
+from shared.redis_replies import read_entries
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
 from streamrl import bench_gateway, bench_pipeline, bench_pipeline_report
@@ -95,7 +98,7 @@ def _as_lists(t: Trajectory) -> _ListTrajectory:
     )
 
 
-async def _stream_round(redis_url: str, payloads: list[bytes], decode) -> dict[str, float]:
+async def _stream_round(redis_url: str, payloads: list[bytes], decode: Callable[[bytes], object]) -> dict[str, float]:
     redis = connect(redis_url)
     keys = K.RunKeys(f"bench-{uuid.uuid4().hex[:6]}")
     sc = StreamClient(redis, keys, "bench")
@@ -110,8 +113,9 @@ async def _stream_round(redis_url: str, payloads: list[bytes], decode) -> dict[s
     got = 0
     while got < len(payloads):
         reply = await redis.xreadgroup(K.TRAINER_GROUP, "bench", {keys.trajectories: ">"}, count=200, block=1000)
-        entries = reply[0][1] if reply else []
+        entries = read_entries(reply)
         for _, fields in entries:
+            assert fields is not None  # new entries (">") always carry their fields
             decode(fields[K.ENTRY_FIELD])
         await redis.xack(keys.trajectories, K.TRAINER_GROUP, *[e for e, _ in entries])
         got += len(entries)
@@ -145,7 +149,7 @@ def stream_benchmark(redis_url: str, n: int = 3000) -> dict[str, dict[str, float
     return out
 
 
-def demo_benchmark(out_dir: Path) -> dict:
+def demo_benchmark(out_dir: Path) -> dict[str, Any]:
     import shutil
 
     from shared.records import read_records, step_records
@@ -187,7 +191,7 @@ def _ratio(value: float, base: float, fmt: str = "{:.2f}x") -> str:
     return fmt.format(value / base) if base else "n/a"
 
 
-def render_demo(demo: dict) -> str:
+def render_demo(demo: dict[str, Any]) -> str:
     """The demo section: the per-step split as shares of the whole step, the run's counts, and
     each figure that has a like baseline in the same run (reward against the first steps,
     staleness against its bound, time against time) next to it."""
@@ -258,7 +262,7 @@ def render_demo(demo: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_streams(streams: dict) -> str:
+def render_streams(streams: dict[str, dict[str, float]]) -> str:
     lines = [
         "## Stream transport (one Valkey, real StreamClient, 3,000 trajectories of ~1,260 tokens, median of 3)",
         "",
@@ -274,7 +278,14 @@ def render_streams(streams: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(demo: dict, streams: dict, machine: str, generator: dict, gateway: dict, pipeline: dict) -> str:
+def render(
+    demo: dict[str, Any],
+    streams: dict[str, dict[str, float]],
+    machine: str,
+    generator: dict[str, Any],
+    gateway: dict[str, Any],
+    pipeline: dict[str, Any],
+) -> str:
     head = (
         f"# Benchmarks\n\nWritten by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to "
         "refresh every table. Every figure stands next to a baseline measured in the same run.\n\n"
@@ -313,6 +324,9 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     pipeline = bench_pipeline.run_pipeline_benchmark(tmp / "pipeline") if only in (None, "pipeline") else None
     results_path = tmp / "bench.json"
     if only is None:
+        # only=None ran every section
+        assert demo is not None and streams is not None and generator is not None and gateway is not None
+        assert pipeline is not None
         text = render(demo, streams, machine, generator, gateway, pipeline)
         results = {"demo": demo, "streams": streams, "generator": generator, "gateway": gateway, "pipeline": pipeline}
     else:

@@ -34,9 +34,18 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    import aiohttp
+    import msgspec
+    import redis.asyncio as aioredis
+
+    from services.gym_gateway.envs.base import ModelClient, Outcome
+    from shared.openai_api import ChatCompletionResponse
+    from shared.run_config import EnvSection
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Gym gateway"
@@ -75,16 +84,16 @@ class BenchChatEnv:
     name = ENV_NAME
 
     def __init__(self) -> None:
-        self._redis = None
+        self._redis: aioredis.Redis | None = None
 
     @classmethod
-    def from_config(cls, env_cfg: Any) -> BenchChatEnv:
+    def from_config(cls, env_cfg: EnvSection) -> BenchChatEnv:
         return cls()  # plugged in as an object (`envs.registered`); nothing to configure
 
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{"i": i} for i in range(n)]
 
-    async def rollout(self, instance: dict[str, Any], llm, *, max_turns: int):
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         from services.gym_gateway.envs.base import Outcome
         from shared.streams import connect
 
@@ -111,7 +120,7 @@ def serve_gateway(argv: list[str]) -> int:
 # -- the driver --------------------------------------------------------------------------------
 
 
-def config_tree(model_dir: Path, redis_url: str, run_id: str, out: Path) -> dict:
+def config_tree(model_dir: Path, redis_url: str, run_id: str, out: Path) -> dict[str, Any]:
     from streamrl.bench_generator import config_tree as generator_tree
 
     tree = generator_tree(model_dir, redis_url, run_id)
@@ -149,16 +158,24 @@ async def _publish_weights(redis_url: str, run_id: str, model_dir: Path) -> None
         while time.monotonic() < deadline:
             for d in await streams.read_after(streams.keys.weight_acks, cursor, WeightAck, block_ms=500):
                 cursor = d.entry_id
-                if d.msg.version == 0:
-                    if not d.msg.ok:
-                        raise RuntimeError(f"generator refused weights v0: {d.msg.error}")
+                ack = d.msg  # None: an unreadable entry, dead-lettered
+                if ack is not None and ack.version == 0:
+                    if not ack.ok:
+                        raise RuntimeError(f"generator refused weights v0: {ack.error}")
                     return
         raise RuntimeError("generator did not confirm weights v0")
     finally:
         await redis.aclose()
 
 
-async def _conversation(http, base_url: str, i: int, *, direct: bool, decoder) -> list[float] | None:
+async def _conversation(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    i: int,
+    *,
+    direct: bool,
+    decoder: msgspec.json.Decoder[ChatCompletionResponse],
+) -> list[float] | None:
     """TURNS chat calls, timed; the token history is carried here only when calling the generator
     directly (the proxy attaches it itself). None on an error."""
     import msgspec
@@ -187,7 +204,7 @@ async def _conversation(http, base_url: str, i: int, *, direct: bool, decoder) -
     return lat
 
 
-def _client(n: int):
+def _client(n: int) -> tuple[aiohttp.ClientSession, msgspec.json.Decoder[ChatCompletionResponse]]:
     import aiohttp
     import msgspec
 
@@ -203,6 +220,7 @@ async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n
     session URL the environment hands out; per-call client and upstream times."""
     from shared import keys as K
     from shared.protocol import SamplingParams, Task, Trajectory
+    from shared.redis_replies import as_text
     from shared.streams import StreamClient, connect
 
     redis = connect(redis_url)
@@ -235,13 +253,13 @@ async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n
     async def agent(i: int, url: str) -> None:
         lat[i] = await _conversation(http, url, i, direct=False, decoder=decoder)
 
-    agents = []
+    agents: list[asyncio.Task[None]] = []
     while len(agents) < n:
         got = await redis.blpop([sessions_key], timeout=300)
         if got is None:
             break
-        i, url = got[1].decode().split(" ", 1)
-        agents.append(asyncio.create_task(agent(int(i), url)))
+        index, url = as_text(got[1]).split(" ", 1)
+        agents.append(asyncio.create_task(agent(int(index), url)))
     await asyncio.gather(*agents)
     wall = time.perf_counter() - t0
     rss_open = _rss_kb(gateway_pid)  # every conversation over, every session still open
@@ -259,10 +277,11 @@ async def proxy_round(redis_url: str, run_id: str, rnd: str, gateway_pid: int, n
             await streams.ack(streams.keys.trajectories, K.TRAINER_GROUP, [d.entry_id])
     await http.close()
     await redis.aclose()
-    ok = [t for t in got_t if t.status == "ok" and len(t.turns) == TURNS and lat.get(int(t.metrics["i"]))]
-    client = [x for t in ok for x in lat[int(t.metrics["i"])]]
+    timed = {i: calls for i, calls in lat.items() if calls}  # conversations that ended without an error
+    ok = [t for t in got_t if t.status == "ok" and len(t.turns) == TURNS and int(t.metrics["i"]) in timed]
+    client = [x for t in ok for x in timed[int(t.metrics["i"])]]
     upstream = [turn.latency_s for t in ok for turn in t.turns]
-    overhead = [lat[int(t.metrics["i"])][k] - t.turns[k].latency_s for t in ok for k in range(TURNS)]
+    overhead = [timed[int(t.metrics["i"])][k] - t.turns[k].latency_s for t in ok for k in range(TURNS)]
     breaks = sum(t.metrics.get("prefix_breaks", 0) for t in got_t)
     return {
         "errors": n - len(ok) + int(breaks),
@@ -362,7 +381,9 @@ def gateway_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any
 
 
 def summarize(rounds: dict[str, list[dict[str, Any]]], machine: str) -> dict[str, Any]:
-    flat = lambda side, key: [x for r in rounds[side] for x in r.get(key, [])]  # noqa: E731
+    def flat(side: str, key: str) -> list[float]:
+        return [x for r in rounds[side] for x in r.get(key, [])]
+
     proxy, direct = rounds["proxy"], rounds["direct"]
     per_session_kb = [(r["rss_open_kb"] - r["rss_before_kb"]) / SESSIONS for r in proxy if r["rss_open_kb"]]
     return {

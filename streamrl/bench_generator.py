@@ -20,6 +20,7 @@ Called by `streamrl.bench`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import shutil
@@ -53,7 +54,7 @@ REFITS = 5
 # -- setup -------------------------------------------------------------------------------------
 
 
-def config_tree(model_dir: Path, redis_url: str, run_id: str) -> dict:
+def config_tree(model_dir: Path, redis_url: str, run_id: str) -> dict[str, Any]:
     """A run config for one vLLM generator on ``model_dir`` with the demo's engine settings."""
     from streamrl.demo import CONFIG
 
@@ -80,7 +81,7 @@ def perturbed_versions(model_dir: Path, out: Path, n: int) -> list[tuple[Path, d
     import torch
     from safetensors.torch import load_file, save_file
 
-    base: dict = {}
+    base: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         base.update(load_file(f))
     versions = []
@@ -190,8 +191,8 @@ def splice_benchmark(renderer: ChatRenderer) -> dict[str, dict[str, float]]:
         out[name] = {
             "turns": turns,
             "prompt_tokens": len(prompt.prompt_ids),
-            "spliced_us": _median_us(lambda msgs=spliced: renderer.chat_prompt(msgs), repeats),
-            "plain_us": _median_us(lambda msgs=plain: renderer.chat_prompt(msgs), repeats),
+            "spliced_us": _median_us(functools.partial(renderer.chat_prompt, spliced), repeats),
+            "plain_us": _median_us(functools.partial(renderer.chat_prompt, plain), repeats),
         }
     return out
 
@@ -207,6 +208,7 @@ async def refit_rounds(
 
     from shared import keys as K
     from shared.protocol import WeightAck, WeightAnnouncement
+    from shared.redis_replies import as_text, range_entries
     from shared.streams import StreamClient, connect
     from shared.weights_format import checksum_dir, dir_num_bytes
 
@@ -220,8 +222,8 @@ async def refit_rounds(
             ann = WeightAnnouncement(
                 version=version, path=str(path.resolve()), checksum=checksum_dir(path), num_bytes=dir_num_bytes(path)
             )
-            last = await redis.xrevrange(sc.keys.weight_acks, count=1)
-            cursor = last[0][0].decode() if last else "0-0"
+            last = range_entries(await redis.xrevrange(sc.keys.weight_acks, count=1))
+            cursor = as_text(last[0][0]) if last else "0-0"
             t0 = time.perf_counter()
             await sc.publish(sc.keys.weights, ann, maxlen=K.WEIGHTS_MAXLEN)
             ack = None

@@ -17,7 +17,8 @@ CONTENDED_OTHER_CPU = 0.5  # cores used by other processes of the host during a 
 
 
 def _speedup(runs: dict[str, Any], lag: int, kind: str) -> float:
-    return runs[str(lag)][kind]["steps_per_hour"] / runs["0"][kind]["steps_per_hour"]
+    speedup: float = runs[str(lag)][kind]["steps_per_hour"] / runs["0"][kind]["steps_per_hour"]
+    return speedup
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool]]:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import aiohttp
 import msgspec
 
 from services.gym_gateway import envs
-from services.gym_gateway.envs.base import ChatClient, Outcome
+from services.gym_gateway.envs.base import Environment, ModelClient, Outcome
 from services.gym_gateway.proxy import GeneratorPool, SessionProxy
 from services.gym_gateway.worker import GatewayWorker
 from services.trainer.batch import StepBatch
@@ -39,7 +40,7 @@ from shared import keys as K
 from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
 from shared.records import LearnerMetrics
 from shared.registry import HeartbeatTask, publish_heartbeat
-from shared.run_config import RunConfig
+from shared.run_config import EnvSection, RunConfig
 from shared.streams import StreamClient, connect
 from streamrl.bench_schedule import Scenario
 
@@ -98,7 +99,14 @@ class SleepEnv:
         g = self.scenario.group_size
         return self.scenario.durations(prompt, k // g)[k % g]
 
-    async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
+    @classmethod
+    def from_config(cls, env_cfg: EnvSection) -> SleepEnv:
+        raise NotImplementedError("built by the benchmark with its scenario (plugged in by `registered_env`)")
+
+    def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
+        raise ValueError(f"{ENV_NAME} rows are written by the pipeline benchmark ({{'prompt': i}}), not generated")
+
+    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         seconds = self.next_duration(int(instance["prompt"]))
         sleep_from = time.time()
         self.running += 1
@@ -110,7 +118,7 @@ class SleepEnv:
         return Outcome(reward=0.0, metrics={"sim_rollout_s": seconds, "sim_sleep_from": sleep_from})
 
 
-def registered_env(env: SleepEnv):
+def registered_env(env: SleepEnv) -> AbstractContextManager[Environment]:
     """Make ``env`` resolvable by name for the duration of a run."""
     return envs.registered(env)
 
@@ -144,6 +152,8 @@ class SimGenerator:
             while not await self.redis.exists(keys.stop):
                 for d in await self.streams.read_after(keys.weights, cursor, WeightAnnouncement, block_ms=200):
                     cursor = d.entry_id
+                    if d.msg is None:  # an unreadable entry, dead-lettered
+                        continue
                     self.version = d.msg.version
                     await publish_heartbeat(self.redis, keys, self._heartbeat())
                     ack = WeightAck(worker_id=self.worker_id, version=self.version, ok=True, cache_reset=True)
@@ -153,7 +163,7 @@ class SimGenerator:
             await self.redis.aclose()
 
 
-async def serve_gateways(cfg: RunConfig, scenario: Scenario, report: Path) -> None:
+async def serve_gateways(cfg: RunConfig, redis_url: str, scenario: Scenario, report: Path) -> None:
     """GATEWAY_WORKERS gateway workers as `services.gym_gateway.app` builds one (own Redis client,
     session proxy, the config's slots), sharing one process; they end when the run stops."""
     env = SleepEnv(scenario)
@@ -163,7 +173,7 @@ async def serve_gateways(cfg: RunConfig, scenario: Scenario, report: Path) -> No
     clients, workers = [], []
     with registered_env(env):
         for i in range(GATEWAY_WORKERS):
-            redis = connect(cfg.redis.url)
+            redis = connect(redis_url)
             gateway_id = f"gateway-sim-{i}"
             pool = GeneratorPool(redis, keys, refresh_s=0.0)
             proxy = SessionProxy(pool, http, request_timeout_s=gw.request_timeout_s)
@@ -203,14 +213,16 @@ def serve(argv: list[str]) -> None:
     """Entry point of a helper process: ``generator|gateway <config.json> <scenario.json> <report.json>``."""
     role, config, scenario, report = argv
     cfg = msgspec.json.decode(Path(config).read_bytes(), type=RunConfig)
+    redis_url = cfg.redis.url
+    assert redis_url, "the benchmark writes its Redis URL into the config"
     if role == "generator":
-        asyncio.run(SimGenerator(cfg.redis.url, cfg.run.run_id).run())
+        asyncio.run(SimGenerator(redis_url, cfg.run.run_id).run())
     else:
         s = Scenario(**json.loads(Path(scenario).read_text()))
-        asyncio.run(serve_gateways(cfg, s, Path(report)))
+        asyncio.run(serve_gateways(cfg, redis_url, s, Path(report)))
 
 
-def _spawn(role: str, work: Path) -> subprocess.Popen:
+def _spawn(role: str, work: Path) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-c",

@@ -60,7 +60,8 @@ class Scenario:
     def durations(self, prompt: int, attempt: int) -> list[float]:
         """The G rollout times of a prompt's ``attempt``-th group (seeded, the same every run)."""
         z = np.random.default_rng([self.seed, prompt, attempt]).standard_normal(self.group_size)
-        return (self.rollout_median_s * np.exp(self.sigma * z)).tolist()
+        times: list[float] = (self.rollout_median_s * np.exp(self.sigma * z)).tolist()
+        return times
 
     def group_makespan(self, prompt: int, attempt: int) -> float:
         return max(self.durations(prompt, attempt))

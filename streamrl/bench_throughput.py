@@ -227,7 +227,8 @@ def run_raw_block(config: Path, out: Path, log_path: Path, timeout_s: float = 90
         )
     if proc.returncode != 0:
         raise RuntimeError(f"raw engine block exited with {proc.returncode}; see {log_path}")
-    return json.loads(out.read_text())["rounds"]
+    rounds: list[dict[str, Any]] = json.loads(out.read_text())["rounds"]
+    return rounds
 
 
 # -- HTTP side ---------------------------------------------------------------------------------
@@ -264,7 +265,8 @@ async def _http_block(renderer: ChatRenderer, start: Callable[[], GeneratorProce
 
             def server_cpu() -> float:
                 t = server.cpu_times()
-                return t.user + t.system
+                cpu_s: float = t.user + t.system
+                return cpu_s
 
             warm = make_requests(renderer, WARM_REQUESTS, seed=1)
             await closed_loop(warm, max(CONCURRENCY), lambda r: http_one(session, gen.url, r, check_prompt=True))

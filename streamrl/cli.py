@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import typer
 
@@ -87,12 +86,13 @@ def _trainer_url(url: str | None, run_dir: Path | None) -> str:
     for d in [run_dir] if run_dir else [Path("runs/demo"), *sorted(Path("runs").glob("*"))]:
         f = Path(d) / "run.json"
         if f.is_file():
-            return json.loads(f.read_text())["trainer_url"]
+            trainer_url: str = json.loads(f.read_text())["trainer_url"]
+            return trainer_url
     return "http://127.0.0.1:8300"
 
 
 def _call(
-    method: str, path: str, url: str | None, run_dir: Path | None, answer: type[T], body: dict | None = None
+    method: str, path: str, url: str | None, run_dir: Path | None, answer: type[T], body: dict[str, Any] | None = None
 ) -> T:
     """Call a trainer control route; its answer decoded as ``answer`` (a `shared.records` Struct)."""
     import httpx
@@ -352,4 +352,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -15,6 +15,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from shared.jsonl import write_jsonl
 from streamrl.model_builder import build_tiny_model, is_model_dir
@@ -59,7 +60,7 @@ def prepare(out: Path) -> Path:
     return policy
 
 
-def summarize(out: Path) -> dict:
+def summarize(out: Path) -> dict[str, Any]:
     from shared.records import read_records, step_records, validation_records
 
     records = read_records(out / "metrics.jsonl")

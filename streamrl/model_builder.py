@@ -15,6 +15,10 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -75,7 +79,7 @@ def _corpus(seed: int, n_lines: int = 6000) -> list[str]:
     return lines
 
 
-def _train_tokenizer(spec: TinyModelSpec):
+def _train_tokenizer(spec: TinyModelSpec) -> Tokenizer:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

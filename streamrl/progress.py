@@ -7,6 +7,8 @@ one line per finished step.
 
 from __future__ import annotations
 
+from types import TracebackType
+
 import httpx
 import msgspec
 from rich.console import Console
@@ -53,9 +55,11 @@ class Progress:
             self._live.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._live is not None:
-            self._live.__exit__(*exc)
+            self._live.__exit__(exc_type, exc, tb)
 
     def update(self, final: bool = False) -> None:
         if not self.enabled:

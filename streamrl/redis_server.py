@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def valkey_binary() -> str:
@@ -35,7 +36,7 @@ class RedisServer:
 
     def __init__(
         self,
-        data_dir: str | os.PathLike,
+        data_dir: str | os.PathLike[str],
         port: int | None = None,
         binary: str | None = None,
         appendonly: bool = False,
@@ -52,7 +53,7 @@ class RedisServer:
             raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
         self.appendfsync = appendfsync
         self.extra_args = list(extra_args or [])  # e.g. ["--requirepass", ...]: url then carries no password
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:

@@ -13,10 +13,17 @@ Reads only metrics.jsonl (`shared.records.read_records`); called by `streamrl.cl
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from shared.records import StepRecord, ValidationRecord, read_records, step_records, validation_records
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 # The stacked phases of a step's wall time, as read from its record.
 TIMING_PHASES: tuple[tuple[str, Callable[[StepRecord], float]], ...] = (
@@ -40,16 +47,14 @@ def find_metrics(run_dir: Path) -> Path:
     return path
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return importlib.import_module("matplotlib.pyplot")  # after use(): pyplot picks its backend on import
 
 
-def _figure(title: str, ylabel: str):
+def _figure(title: str, ylabel: str) -> tuple[ModuleType, Figure, Axes]:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ax.set_title(title)
@@ -59,7 +64,7 @@ def _figure(title: str, ylabel: str):
     return plt, fig, ax
 
 
-def _save(plt, fig, ax, out: Path) -> Path:
+def _save(plt: ModuleType, fig: Figure, ax: Axes, out: Path) -> Path:
     if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=8)
     fig.tight_layout()

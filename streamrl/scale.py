@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 # Service names as in docker-compose.yml and the Kubernetes Deployments.
@@ -89,9 +90,9 @@ def parse_targets(args: Sequence[str]) -> dict[str, int]:
 def make_backend(
     name: str,
     *,
-    run_dir=None,
+    run_dir: Path | None = None,
     redis_url: str | None = None,
-    compose_file=None,
+    compose_file: Path | str = "docker-compose.yml",
     project_name: str | None = None,
     compose_bin: str | None = None,
     namespace: str | None = None,
@@ -104,6 +105,8 @@ def make_backend(
     if name == "local":
         from streamrl.scale_local import LocalBackend
 
+        if run_dir is None:
+            raise ScaleError("the local backend needs the run's output folder (--run-dir)")
         return LocalBackend(run_dir, redis_url=redis_url)
     if name == "compose":
         from streamrl.scale_compose import ComposeBackend

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -53,7 +54,7 @@ class DockerAPI:
             raise ScaleError(f"DOCKER_HOST {host!r}: only unix:// and tcp:// (without TLS) are supported")
         self.host = host
 
-    def _get(self, path: str, **params) -> object:
+    def _get(self, path: str, **params: str) -> Any:  # the engine's JSON answer
         try:
             r = self.http.get(path, params=params)
         except httpx.HTTPError as exc:
@@ -62,14 +63,14 @@ class DockerAPI:
             raise ScaleError(f"Docker engine: GET {path} answered {r.status_code}: {r.text[:300]}")
         return r.json()
 
-    def service_containers(self, project: str, service: str) -> list[dict]:
+    def service_containers(self, project: str, service: str) -> list[dict[str, Any]]:
         """Inspect records of the project's containers of ``service`` (one-off runs excluded)."""
         filters = {"label": [f"{PROJECT_LABEL}={project}", f"{SERVICE_LABEL}={service}", f"{ONEOFF_LABEL}=False"]}
         listed = self._get("/containers/json", all="1", filters=json.dumps(filters))
         return [self._get(f"/containers/{c['Id']}/json") for c in listed]
 
 
-def _ready(c: dict) -> bool:
+def _ready(c: dict[str, Any]) -> bool:
     state = c.get("State") or {}
     health = state.get("Health")
     return bool(state.get("Running")) and (health is None or health.get("Status") == "healthy")
@@ -114,7 +115,7 @@ class ComposeBackend:
         self.docker = DockerAPI(docker_host)
         self.project = project_name or self._project_name()
 
-    def _run(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    def _run(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
         cmd = [*self.compose, "-f", str(self.file), *args]
         try:
             return subprocess.run(
@@ -131,7 +132,8 @@ class ComposeBackend:
         out = self._run("config", "--format", "json", timeout_s=60)
         if out.returncode != 0:
             raise ScaleError(f"docker compose config failed: {out.stderr.strip()[-500:]}")
-        return json.loads(out.stdout)["name"]
+        name: str = json.loads(out.stdout)["name"]
+        return name
 
     def counts(self) -> dict[str, int]:
         return {s: sum(_ready(c) for c in self.docker.service_containers(self.project, s)) for s in SERVICES}

@@ -18,32 +18,39 @@ tasks), so the wait for terminating pods is the wait for their drain.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from streamrl.scale import SERVICES, ScaleError, ScaleResult
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 COMPONENT_LABEL = "app.kubernetes.io/component"
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 POLL_S = 1.0
 
 
-def _api_client(kubeconfig: str | None, context: str | None):
+def _api_client(kubeconfig: str | None, context: str | None) -> tuple[ApiClient, str | None]:
     """(ApiClient, namespace of the context or pod, or None)."""
     from kubernetes import client, config
 
     if kubeconfig is None and context is None:
         try:
             cfg = client.Configuration()
-            config.load_incluster_config(client_configuration=cfg)
+            # kubernetes ships py.typed but leaves its config loaders unannotated.
+            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
             ns = SA_NAMESPACE_FILE.read_text().strip() if SA_NAMESPACE_FILE.is_file() else None
             return client.ApiClient(cfg), ns
         except config.ConfigException:
             pass  # not inside a pod: the kubeconfig
     try:
-        api = config.new_client_from_config(config_file=kubeconfig, context=context)
-        _, active = config.list_kube_config_contexts(config_file=kubeconfig)
+        # The same unannotated loaders (kubernetes' py.typed does not cover kubernetes.config).
+        api = config.new_client_from_config(config_file=kubeconfig, context=context)  # type: ignore[no-untyped-call]
+        _, active = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
         if context is not None:
-            contexts, _ = config.list_kube_config_contexts(config_file=kubeconfig)
+            contexts, _ = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
             active = next(c for c in contexts if c["name"] == context)
     except (config.ConfigException, OSError, StopIteration) as exc:
         raise ScaleError(f"no Kubernetes access: {exc} (--kubeconfig, --context, or run inside the cluster)") from exc
@@ -61,7 +68,7 @@ class KubernetesBackend:
         context: str | None = None,
         selector: str | None = "app.kubernetes.io/name=streamrl",
         deployments: dict[str, str] | None = None,
-        api_client=None,
+        api_client: ApiClient | None = None,
     ) -> None:
         try:
             from kubernetes import client
@@ -77,7 +84,10 @@ class KubernetesBackend:
         self.selector = selector or ""
         self.deployments = {s: (deployments or {}).get(s) or self._find(s) for s in SERVICES}
 
-    def _call(self, what: str, fn, *args, **kw):
+    def _call(self, what: str, fn: Callable[..., object], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)``, its failures as ScaleError. The answer is read untyped: the client's
+        generated models declare every field Optional, even the metadata and status the API server
+        always fills in on the objects it returns."""
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -98,7 +108,7 @@ class KubernetesBackend:
             self.namespace,
             label_selector=labels,
         ).items
-        names = sorted(d.metadata.name for d in found)
+        names: list[str] = sorted(d.metadata.name for d in found)
         if len(names) != 1:
             flag = "--generator-deployment" if service == "generator" else "--gateway-deployment"
             raise ScaleError(
@@ -110,7 +120,7 @@ class KubernetesBackend:
     def counts(self) -> dict[str, int]:
         return {s: self._read(s).status.ready_replicas or 0 for s in SERVICES}
 
-    def _read(self, service: str):
+    def _read(self, service: str) -> Any:  # a V1Deployment, read untyped as _call says
         name = self.deployments[service]
         return self._call(f"reading Deployment {name}", self.apps.read_namespaced_deployment, name, self.namespace)
 

@@ -20,6 +20,7 @@ import redis
 
 from shared import keys as K
 from shared.protocol import ProtocolError, ScaleRequest, ScaleStatus, decode, encode
+from shared.redis_replies import as_bytes
 from streamrl.scale import ScaleError, ScaleResult
 
 POLL_S = 0.5
@@ -50,7 +51,7 @@ class LocalBackend:
                 f"run {self.run_id!r} has no supervisor answering scale requests (is `streamrl up` running?)"
             )
         try:
-            return decode(raw, ScaleStatus)
+            return decode(as_bytes(raw), ScaleStatus)
         except ProtocolError as exc:
             raise ScaleError(f"unreadable scale status of run {self.run_id!r}: {exc}") from exc
 

@@ -22,13 +22,16 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from shared.auth import client_headers, load_api_token, redact_url
 from shared.queue_stats import RunSnapshot, find_runs, snapshot
 from shared.records import TrainerStatus
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class StatusError(RuntimeError):
@@ -41,7 +44,8 @@ def read_run_file(run_dir: Path | None) -> dict[str, Any]:
     for d in candidates:
         f = Path(d) / "run.json"
         if f.is_file():
-            return json.loads(f.read_text())
+            data: dict[str, Any] = json.loads(f.read_text())
+            return data
     if run_dir:
         raise StatusError(f"no run.json in {run_dir} (is it the output folder of `streamrl up`?)")
     return {}
@@ -104,7 +108,7 @@ def trainer_status(snap: RunSnapshot, url: str | None = None) -> TrainerStatus |
         return None
 
 
-def render_trainer_only(trainer: TrainerStatus, console=None) -> None:
+def render_trainer_only(trainer: TrainerStatus, console: Console | None = None) -> None:
     """Without Redis: the trainer's view (workers from its registry read, no queues)."""
     from rich.console import Console
     from rich.table import Table
@@ -138,7 +142,7 @@ def to_json(snap: RunSnapshot, trainer: TrainerStatus | None) -> str:
     return json.dumps(data, indent=2, default=str)
 
 
-def render(snap: RunSnapshot, trainer: TrainerStatus | None, console=None) -> None:
+def render(snap: RunSnapshot, trainer: TrainerStatus | None, console: Console | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -182,7 +186,7 @@ def render(snap: RunSnapshot, trainer: TrainerStatus | None, console=None) -> No
         _trainer_line(trainer, console)
 
 
-def _trainer_line(trainer: TrainerStatus, console) -> None:
+def _trainer_line(trainer: TrainerStatus, console: Console) -> None:
     reward = f"{trainer.last.batch.reward_mean:.3f}" if trainer.last else "-"
     console.print(
         f"trainer: weight version {trainer.weight_version}  buffer {trainer.buffer_depth}  "
@@ -203,10 +207,10 @@ def run_status(
     run_file = read_run_file(run_dir) if run_dir or not (explicit or trainer_url) else {}
     trainer_url = (trainer_url or run_file.get("trainer_url") or "").rstrip("/")
     if not (explicit or run_file.get("redis_url")) and trainer_url:
-        trainer = fetch_trainer_status(trainer_url, timeout_s=10.0)
+        alone = fetch_trainer_status(trainer_url, timeout_s=10.0)
         if as_json:
-            return json.dumps({"trainer": msgspec.to_builtins(trainer)}, indent=2)
-        render_trainer_only(trainer)
+            return json.dumps({"trainer": msgspec.to_builtins(alone)}, indent=2)
+        render_trainer_only(alone)
         return None
     url = resolve_redis_url(redis_url, run_file)
     snap = asyncio.run(gather(url, run_id or run_file.get("run_id")))

@@ -54,7 +54,7 @@ class Child:
     args: list[str]
     log_path: Path
     port: int
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -74,28 +74,42 @@ class Child:
         )
         fh.close()
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the process is seen to have exited; None before that or before start()."""
+        return None if self.proc is None else self.proc.returncode
+
+    def _running(self) -> subprocess.Popen[bytes] | None:
+        """The process while it runs; None before start() and once it exited."""
+        return self.proc if self.proc is not None and self.proc.poll() is None else None
+
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self._running() is not None
 
     def terminate(self) -> None:
         """SIGTERM without waiting: the service drains and exits on its own."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
+        if (proc := self._running()) is not None:
+            proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: engine subprocesses too
-            self.proc.wait()
+        if (proc := self._running()) is not None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: engine subprocesses too
+            proc.wait()
 
     def stop(self, timeout_s: float) -> None:
-        if not self.alive():
+        proc = self._running()
+        if proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout_s)
+            proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: engine subprocesses too
-            self.proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: engine subprocesses too
+            proc.wait()
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -192,7 +206,7 @@ class Supervisor:
         while pending:
             for c in list(pending):
                 if not c.alive():
-                    raise JobFailed(f"{c.name} exited during start-up (code {c.proc.returncode}):\n{c.tail()}")
+                    raise JobFailed(f"{c.name} exited during start-up (code {c.returncode}):\n{c.tail()}")
                 try:
                     if httpx.get(f"{c.url}/ready", timeout=2.0).status_code == 200:
                         pending.remove(c)
@@ -207,10 +221,7 @@ class Supervisor:
             "run_id": self.cfg.run.run_id,
             "trainer_url": trainer.url,
             "redis_url": redact_url(self.redis_url),  # no password on disk: `streamrl status` then needs REDIS_URL
-            "children": {
-                c.name: {"pid": c.proc.pid if c.proc else None, "url": c.url, "log": str(c.log_path)}
-                for c in self.children
-            },
+            "children": {c.name: {"pid": c.pid, "url": c.url, "log": str(c.log_path)} for c in self.children},
             # `streamrl scale` writes ScaleRequests here and reads ScaleStatus (streamrl.worker_pool).
             "scale": {
                 "request_key": K.RunKeys(self.cfg.run.run_id).scale_request,
@@ -226,16 +237,18 @@ class Supervisor:
                 self._scale_tick(trainer)
                 for pool in self.pools.values():
                     for c in pool.crashed():
-                        raise JobFailed(f"{c.name} died (code {c.proc.returncode}) while the trainer ran:\n{c.tail()}")
+                        raise JobFailed(f"{c.name} died (code {c.returncode}) while the trainer ran:\n{c.tail()}")
                 progress.update()
                 time.sleep(1.0)
             progress.update(final=True)
-        code = trainer.proc.returncode
+        code = trainer.returncode
+        assert code is not None  # alive() polled it until it exited
         if code != 0:
             print(f"trainer exited with code {code}; last log lines:\n{trainer.tail(40)}", file=sys.stderr)
         return code
 
     def _scale_tick(self, trainer: Child) -> None:
+        assert self.channel is not None  # set before _watch starts
         try:
             changed = self.channel.tick()
         except redis.RedisError as exc:  # Redis briefly away: the next turn retries

@@ -19,8 +19,12 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from services.gym_gateway.envs.crossing import ACTIONS, LOOK_TOOL, PROMPT, RULE, CrossingEnv, observation
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +40,10 @@ class WarmStartSpec:
     seed: int = 1234
 
 
-def demonstration(instance: dict, rng: random.Random, p_look: float, p_right: float) -> list[dict]:
+def demonstration(instance: dict[str, Any], rng: random.Random, p_look: float, p_right: float) -> list[dict[str, Any]]:
     """One episode: with probability ``p_look`` the robot looks first; after looking it takes the
     right action with probability ``p_right``; every other action is uniformly random."""
-    msgs: list[dict] = [{"role": "user", "content": PROMPT}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
     action = rng.choice(ACTIONS)
     if rng.random() < p_look:
         call = {"id": "call_0", "type": "function", "function": {"name": "look", "arguments": "{}"}}
@@ -53,9 +57,13 @@ def demonstration(instance: dict, rng: random.Random, p_look: float, p_right: fl
     return msgs
 
 
-def encode_with_mask(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
+def encode_with_mask(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a 0/1 mask of assistant-generated tokens."""
-    render = lambda ms, gen: tok.apply_chat_template(ms, tools=[LOOK_TOOL], tokenize=False, add_generation_prompt=gen)  # noqa: E731
+
+    def render(ms: list[dict[str, Any]], gen: bool) -> str:
+        text: str = tok.apply_chat_template(ms, tools=[LOOK_TOOL], tokenize=False, add_generation_prompt=gen)
+        return text
+
     full = tok(render(messages, False), add_special_tokens=False)["input_ids"]
     mask = [0] * len(full)
     eos = tok.eos_token_id
@@ -71,7 +79,7 @@ def encode_with_mask(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
     return full, mask
 
 
-def warm_start(model_dir: str | Path, out_dir: str | Path, spec: WarmStartSpec | None = None) -> dict:
+def warm_start(model_dir: str | Path, out_dir: str | Path, spec: WarmStartSpec | None = None) -> dict[str, float]:
     """Fine-tune ``model_dir`` into ``out_dir``; returns a summary (loss, time)."""
     import torch
     import torch.nn.functional as F

@@ -29,6 +29,7 @@ import redis
 
 from shared import keys as K
 from shared.protocol import ProtocolError, ScaleRequest, ScaleStatus, decode, encode
+from shared.redis_replies import as_bytes
 from streamrl.scale import SERVICES
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class WorkerPool:
         return [
             m.child
             for m in self.members
-            if m.state == "ready" and not m.child.alive() and m.child.proc.returncode not in (0, -15)
+            if m.state == "ready" and not m.child.alive() and m.child.returncode not in (0, -15)
         ]
 
     def tick(self, now: float) -> bool:
@@ -108,7 +109,7 @@ class WorkerPool:
         child.start()
         m = Member(child, "starting", time.monotonic())
         self.members.append(m)
-        log.info("%s: started %s (pid %d) at %s", self.service, child.name, child.proc.pid, child.url)
+        log.info("%s: started %s (pid %d) at %s", self.service, child.name, child.pid, child.url)
         return m
 
     def _stop(self, m: Member, now: float) -> None:
@@ -122,9 +123,7 @@ class WorkerPool:
         changed = False
         for m in [m for m in self.members if m.state == "starting"]:
             if not m.child.alive():
-                self._fail(
-                    m, f"{m.child.name} exited while starting (code {m.child.proc.returncode}):\n{m.child.tail()}"
-                )
+                self._fail(m, f"{m.child.name} exited while starting (code {m.child.returncode}):\n{m.child.tail()}")
             elif _answers_ready(m.child.url):
                 m.state = "ready"
                 log.info("%s: %s is ready after %.1fs", self.service, m.child.name, now - m.since)
@@ -153,7 +152,7 @@ class WorkerPool:
                 m.child.kill()
             if not m.child.alive():
                 self.members.remove(m)
-                log.info("%s: %s stopped (code %s)", self.service, m.child.name, m.child.proc.returncode)
+                log.info("%s: %s stopped (code %s)", self.service, m.child.name, m.child.returncode)
                 changed = True
         return changed
 
@@ -194,7 +193,7 @@ class ScaleChannel:
         if raw is None:
             return
         try:
-            req = decode(raw, ScaleRequest)
+            req = decode(as_bytes(raw), ScaleRequest)
         except ProtocolError as exc:
             log.error("ignoring an unreadable scale request: %s", exc)
             self.redis.delete(self.keys.scale_request)
@@ -219,7 +218,7 @@ class ScaleChannel:
             c["starting"] == 0 and c["stopping"] == 0 and c["ready"] == p.target
             for c, p in zip(counts.values(), self.pools.values(), strict=True)
         )
-        phase = "failed" if error else "done" if settled else "scaling"
+        phase: Literal["scaling", "done", "failed"] = "failed" if error else "done" if settled else "scaling"
         return ScaleStatus(
             request_id=self.request_id,
             phase=phase,
