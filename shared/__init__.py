@@ -1,6 +1,9 @@
 """streamrl's shared package: the contracts every service imports.
 
-Wire protocol (`protocol`), Redis key names (`keys`), the streams client (`streams`), the worker
-registry (`registry`), OpenAI-compatible HTTP types (`openai_api`), config loading (`config`),
-logging (`logs`), metrics (`metrics`) and HTTP error mapping (`http`). Nothing service-specific.
+Wire protocol (`protocol`), the trainer's records and REST answers (`records`), the generator's
+admin messages (`admin_api`), OpenAI-compatible HTTP types (`openai_api`, `responses_api`), Redis
+key names (`keys`), the streams client (`streams`), the pause protocol (`pause`), the worker
+registry (`registry`), the service lifecycle and probes (`service`), config loading (`config`,
+`run_config`, `config_error`), auth (`auth`), HTTP error mapping (`http`), logging (`logs`) and
+metrics (`metrics`). Nothing service-specific.
 """

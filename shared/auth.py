@@ -8,7 +8,8 @@ Kubernetes or compose secret); setting both is an error. With a token set:
   ``/validations/*``, ``/status``) require ``Authorization: Bearer <token>``; a missing or
   malformed header is a 401 with ``WWW-Authenticate: Bearer``, a wrong token a 403. Tokens are
   compared with `hmac.compare_digest` (constant time).
-* agent routes (generator ``/v1/*`` and ``/tokenize``, the gateway's ``/sessions/*``) stay open
+* agent routes (generator ``/v1/*`` and ``/tokenize``, the gateway's session routes ``/sessions/*``
+  and ``/ng-rollout/*``) stay open
   unless ``auth.protect_agent_routes`` is set; OpenAI clients send their ``api_key`` as that
   bearer token, so agents pass it as their API key.
 * ``/health``, ``/ready`` and ``/metrics`` stay open (probes and Prometheus scrapes).

@@ -3,8 +3,8 @@
 A pause is recorded in the run's pause hash (`shared.keys.RunKeys.pause`) as ``reason -> epoch``.
 Every pause takes a fresh epoch from a Redis counter; a resume names the epoch it ends, and a stale
 resume (an older epoch of the same reason) changes nothing, so a late resume from an earlier
-validation cannot end a newer pause. Reasons are reference-counted by kind: a user pause and a
-refit can be active together, and ending one leaves the other.
+validation cannot end a newer pause. Each reason holds its own pause (the latest one of that
+reason): a user pause and a refit can be active together, and ending one leaves the other.
 
     reason       set by                        closes the launch gate   stops training-task issue
     USER         POST /pause on the trainer    yes                      yes (and steps, at a boundary)

@@ -4,7 +4,7 @@ A run is one YAML file that all services read (as NeMo-RL's single config tree),
 part of the cross-service contract and lives here; each service reads only its own sections
 (`generator`, `gym_gateway`, `trainer`) plus the shared ones. Key names follow NeMo-RL where one
 exists (`grpo.num_prompts_per_step`, `loss_fn.use_importance_sampling_correction`, ...).
-Every field carries a one-line description (shown by ``streamrl config --explain``).
+Every field carries a one-line description (shown by ``streamrl config explain``).
 """
 
 from __future__ import annotations
@@ -411,7 +411,8 @@ class AuthSection(_Section):
     protect_agent_routes: Annotated[
         bool,
         D(
-            "require the API token on the generator's /v1/* and the gateway's /sessions/* too "
+            "require the API token on the generator's /v1/* and the gateway's session routes "
+            "(/sessions/*, /ng-rollout/*) too "
             "(agents send it as api_key)"
         ),
     ] = False
@@ -540,8 +541,6 @@ class RunConfig(_Section):
             raise ConfigError(
                 "policy.train_global_batch_size must divide grpo.num_prompts_per_step x num_generations_per_prompt"
             )
-        if not self.policy.model_name:
-            raise ConfigError("policy.model_name is required")
         if g.val_num_generations_per_prompt < 1:
             raise ConfigError("grpo.val_num_generations_per_prompt must be >= 1")
         if self.trainer.stream_retention_s < 0:
@@ -553,8 +552,11 @@ class RunConfig(_Section):
                 raise ConfigError("grpo.stop_at_validation_metric pass_k needs grpo.val_num_generations_per_prompt > 1")
 
     def check_service(self, service: ServiceName) -> None:
-        """What ``service`` itself reads, on top of `check`: each service requires only that, so a
-        generator or gateway config needs no dataset. Called by `shared.service_cli` at start-up."""
+        """What ``service`` itself reads, on top of `check`: each service requires only that (a
+        generator needs the policy but no dataset, a gym gateway neither). Called by
+        `shared.service_cli` at start-up, and for every service by ``streamrl up`` and ``config check``."""
+        if service != "gym_gateway" and not self.policy.model_name:
+            raise ConfigError("policy.model_name is required")
         if service != "trainer":  # the generator and the gym gateway read no dataset
             return
         g = self.grpo
@@ -565,7 +567,7 @@ class RunConfig(_Section):
 
 
 def explain(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, type, description) for every leaf of the schema, for `streamrl config --explain`."""
+    """(key, type, description) for every leaf of the schema, for ``streamrl config explain``."""
     rows: list[tuple[str, str, str]] = []
     for field in msgspec.structs.fields(cls):
         key = f"{prefix}{field.encode_name}"

@@ -11,8 +11,8 @@ go elsewhere), at most generator.drain_timeout_s; then uvicorn stops and the lif
 engine and deregisters. A second signal stops at once. A failed generator (a dead bring-up or
 weight watcher) has no sessions to keep: it stops without waiting for them.
 
-Exit code: 0 after SIGTERM, 1 when the generator failed (the restart policy acts), 2 on a config
-error.
+Exit code: 1 when the generator failed (the restart policy acts), 2 on a config error; after
+SIGTERM or SIGINT it drains and then ends by that signal (uvicorn re-raises it).
 """
 
 from __future__ import annotations

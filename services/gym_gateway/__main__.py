@@ -9,8 +9,8 @@ SIGTERM (scale-down), or the run's end: the worker drains while the session rout
 running rollouts finish within gym_gateway.drain_timeout_s and releases the rest to the group;
 then uvicorn stops and the lifespan closes the clients. A second signal stops at once.
 
-Exit code: 0 after SIGTERM or the run's end, 1 when the gateway failed (its worker loop died: the
-restart policy acts), 2 on a config error.
+Exit code: 0 at the run's end, 1 when the gateway failed (its worker loop died: the restart policy
+acts), 2 on a config error; after SIGTERM or SIGINT it drains and then ends by that signal.
 """
 
 from __future__ import annotations

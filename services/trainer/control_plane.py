@@ -309,9 +309,9 @@ class ControlPlane:
         log.info("run finished after %d steps%s", self.step, " (early stop)" if self.early_stopped else "")
 
     async def _finish(self) -> None:
+        # Trajectories trained since the last checkpoint stay unacknowledged (a run that ends has
+        # none: its last step forces a checkpoint): a restart delivers them again.
         await self.intake.stop()
-        if self.checkpointer.unacked and self.error is None:
-            await _safe(self.checkpointer.ack_held())
         self.metrics.close()
         if self.cfg.logger.plot:
             path = self.log_dir / "metrics.jsonl"

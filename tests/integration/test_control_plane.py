@@ -10,7 +10,9 @@ What a user of pause, resume and validation relies on, whatever the machine's sp
 * time spent paused does not count against trainer.data_timeout_s;
 * the last boundary holds too: a validation requested there runs before the run ends, and once it
   has ended a request is refused;
-* a run that fails reports why, sets the stop key, and drops queued validations with the reason.
+* a run that fails reports why, sets the stop key, and drops queued validations with the reason;
+* a run stopped between checkpoints leaves the trajectories it trained since the last one
+  unacknowledged, so a restart trains them again.
 """
 
 from __future__ import annotations
@@ -259,5 +261,21 @@ async def test_a_run_without_data_fails_loudly_and_drops_queued_validations(tiny
         assert await control.redis.get(control.keys.stop) == b"failed"
         dropped = control.validation.statuses[queued.validation_id]
         assert dropped.status == "dropped" and dropped.error and dropped.error.startswith("the run failed: RunFailed")
+    finally:
+        await _stop(control, peers, peer_task, run)
+
+
+async def test_a_stopped_run_leaves_what_no_checkpoint_covers_unacknowledged(tiny_model_dir, redis_url, tmp_path):
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-stop", steps=3, lag=0, data_timeout_s=60.0)
+    cfg.checkpointing.save_period = 2  # step 1 is not checkpointed
+    control, peers, peer_task, run = await _start(cfg, redis_url, pause_after=0)
+    try:
+        await _until(lambda: control.state == TrainerState.PAUSED, "the run held after step 0")
+        held = list(control.checkpointer.unacked)
+        assert len(held) == 4 and not any(control.checkpointer.ckpt_dir.glob("step_*"))
+        run.cancel()  # SIGTERM's path: the trainer stops at once
+        await asyncio.gather(run, return_exceptions=True)
+        pending = await control.redis.xpending_range(control.keys.trajectories, K.TRAINER_GROUP, "-", "+", 100)
+        assert sorted(p["message_id"].decode() for p in pending) == sorted(held)  # delivered again on restart
     finally:
         await _stop(control, peers, peer_task, run)

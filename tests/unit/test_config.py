@@ -57,6 +57,10 @@ def test_only_the_trainer_requires_the_datasets():
     cfg = load(RunConfig, None, ["policy.model_name=m", "grpo.val_period=5"], env={})  # neither dataset
     cfg.check_service("generator")
     cfg.check_service("gym_gateway")
+    no_model = load(RunConfig, None, ["grpo.val_period=5"], env={})
+    no_model.check_service("gym_gateway")  # a gateway loads no model
+    with pytest.raises(ConfigError, match=r"^policy.model_name is required$"):
+        no_model.check_service("generator")
     with pytest.raises(ConfigError, match=r"^data.train_path is required"):
         cfg.check_service("trainer")
     with_train = load(RunConfig, None, REQUIRED + ["grpo.val_period=5"], env={})
@@ -147,7 +151,7 @@ def test_broken_config_files_give_one_clear_error_naming_the_key(tmp_path, text,
     f = tmp_path / "broken.yaml"
     f.write_text(text)
     with pytest.raises(ConfigError, match=message) as err:
-        load(RunConfig, f, env={})
+        load(RunConfig, f, env={}).check_service("trainer")  # as `streamrl up` checks a run's config
     assert "\n" not in str(err.value)
 
 

@@ -13,9 +13,10 @@ writes HF safetensors plus the HF config, so generators load Megatron-trained we
 
 Everything else (micro-batching, packing, the loss, sequence-error masking, normalisation after
 masking, metrics) is the torch backend's: this class overrides how the model is built, run and
-saved, and how gradients are gathered (the DDP grad buffers). Single process or one rank per GPU
-under torchrun; tensor, pipeline and expert parallelism and sequence packing are not wired yet
-(`check_supported` refuses them, naming the key).
+saved, and how gradients are gathered (the DDP grad buffers). One process for now (the trainer
+refuses WORLD_SIZE > 1 until its learner spans ranks), with DDP set up the way one rank per GPU
+under torchrun needs it; tensor, pipeline and expert parallelism and sequence packing are not
+wired yet (`check_supported` refuses them, naming the key).
 The conversion and config plumbing are tested on CPU; a forward pass needs CUDA
 (scripts/gpu_check_megatron.sh checks logits against transformers and trains a few steps).
 """
