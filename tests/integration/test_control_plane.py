@@ -255,9 +255,7 @@ async def test_a_run_without_data_fails_loudly_and_drops_queued_validations(tiny
     try:
         # Collecting for step 1: the boundary after step 0 (and its validations) has passed, so a
         # request now waits for a boundary that never comes.
-        await _until(
-            lambda: control.step == 1 and control.state == TrainerState.COLLECTING, "step 1 waiting for data"
-        )
+        await _until(lambda: control.step == 1 and control.state == TrainerState.COLLECTING, "step 1 waiting for data")
         queued = control.validation.request(control.step)
         with pytest.raises(RunFailed, match=r"step 1: no 2 usable groups within 1s \(trainer.data_timeout_s\)"):
             await asyncio.wait_for(run, 60)
