@@ -288,7 +288,8 @@ def render(
 ) -> str:
     head = (
         f"# Benchmarks\n\nWritten by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to "
-        "refresh every table. Every figure stands next to a baseline measured in the same run.\n\n"
+        "refresh every table. A figure that has a baseline of its kind stands next to it, measured in the same "
+        "run; counts without one stand alone.\n\n"
     )
     return (
         head
