@@ -17,8 +17,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from shared import keys as K
 from shared.protocol import SamplingParams, Task
 from shared.streams import REDIS_RECONNECT_BUDGET_S, StreamClient, connect
-from streamrl.redis_server import RedisServer, free_port
+from streamrl.redis_server import RedisServer
 from tests.faults.harness import long_variant
+from tests.ports import refused_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -72,13 +73,14 @@ async def test_a_command_sent_while_redis_is_down_completes_after_the_restart(tm
 
 @long_variant
 async def test_past_the_budget_the_error_reaches_the_caller():
-    redis = connect(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(RedisConnectionError):
-            await redis.ping()
-    finally:
-        await redis.aclose()
+    with refused_port() as port:
+        redis = connect(f"redis://127.0.0.1:{port}/0")  # nothing listens there
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(RedisConnectionError):
+                await redis.ping()
+        finally:
+            await redis.aclose()
     assert REDIS_RECONNECT_BUDGET_S - 3 < time.monotonic() - t0 < REDIS_RECONNECT_BUDGET_S + 10
 
 

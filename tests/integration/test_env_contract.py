@@ -29,8 +29,8 @@ from services.gym_gateway.envs.swe.tools import TOOLS
 from shared.openai_api import ChatMessage, ResponseMessage
 from shared.protocol import SamplingParams, Task, Trajectory
 from shared.run_config import EnvSection
-from streamrl.redis_server import free_port
 from tests.gateway_fixtures import collect
+from tests.ports import refused_port
 from tests.scripted_generator import Policy, call, say
 
 pytestmark = pytest.mark.integration
@@ -225,21 +225,22 @@ async def test_swe_agent_scripted_fix_earns_1_and_no_change_0(scripted_gateway):
 
 
 async def test_drivers_fail_as_infrastructure_naming_what_is_missing(scripted_gateway, tmp_path, monkeypatch):
-    dead = f"http://127.0.0.1:{free_port()}"
-    (tmp_path / "empty").mkdir()
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no container engine to be found
-    env = {
-        "swe": {"runtime": "docker", "git_init_workspace": False},
-        "openhands": {"python": str(tmp_path / "no-venv" / "bin" / "python")},
-        "nemo_gym": {"head_server_url": dead, "connect_timeout_s": 2.0},
-    }
-    rows = {
-        "swe": {"instance_id": "calc-divide-by-zero"},
-        "openhands": {"prompt": "Create answer.txt", "check": "test -f answer.txt"},
-        "nemo_gym": {"responses_create_params": {"input": "hi"}, "agent_ref": {"name": "some_agent"}},
-    }
-    async with scripted_gateway({"wrong": swe(False)}, env=env) as st:
-        trajs = await _run(st, [_task(name, "wrong", i, rows[name]) for i, name in enumerate(DRIVERS)])
+    with refused_port() as port:
+        dead = f"http://127.0.0.1:{port}"
+        (tmp_path / "empty").mkdir()
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no container engine to be found
+        env = {
+            "swe": {"runtime": "docker", "git_init_workspace": False},
+            "openhands": {"python": str(tmp_path / "no-venv" / "bin" / "python")},
+            "nemo_gym": {"head_server_url": dead, "connect_timeout_s": 2.0},
+        }
+        rows = {
+            "swe": {"instance_id": "calc-divide-by-zero"},
+            "openhands": {"prompt": "Create answer.txt", "check": "test -f answer.txt"},
+            "nemo_gym": {"responses_create_params": {"input": "hi"}, "agent_ref": {"name": "some_agent"}},
+        }
+        async with scripted_gateway({"wrong": swe(False)}, env=env) as st:
+            trajs = await _run(st, [_task(name, "wrong", i, rows[name]) for i, name in enumerate(DRIVERS)])
     by_env = {t.env: t for t in trajs.values()}
     reasons = {name: by_env[name].fallback_reason for name in DRIVERS}
     assert all(by_env[name].status == "failed" and by_env[name].failure_kind == "infra" for name in DRIVERS), reasons

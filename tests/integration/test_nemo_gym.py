@@ -33,6 +33,7 @@ from tests.nemo_gym_servers import (
     head_server_app,
     simple_agent_app,
 )
+from tests.ports import HeldPorts, refused_port
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
@@ -95,26 +96,28 @@ async def nemo_gym(serve_app, gateway_stack, model_dir):
     """The gateway stack plus a NeMo-Gym deployment whose policy model server is the gateway:
     agents ``crossing_agent`` (live resources server), ``broken_agent`` (resources server down) and
     ``rogue_agent`` (its model server is not the gateway)."""
-    ports = {k: free_port() for k in ("head", "resources", "dead", "crossing", "broken", "rogue", "canned")}
-    config = {
-        "observability_enabled": True,
-        "head_server": {"host": "127.0.0.1", "port": ports["head"]},
-        "crossing_resources": _server("resources_servers", "crossing", ports["resources"]),
-        "dead_resources": _server("resources_servers", "crossing", ports["dead"]),
-        "other_model": _server("responses_api_models", "openai_model", ports["canned"]),
-        "crossing_agent": _agent(ports["crossing"], "crossing_resources"),
-        "broken_agent": _agent(ports["broken"], "dead_resources"),
-        "rogue_agent": _agent(ports["rogue"], "crossing_resources", model="other_model"),
-    }
-    head_url = f"http://127.0.0.1:{ports['head']}"
-    generation = {
-        "backend": "transformers",
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "max_new_tokens": 32,
-        "val_temperature": 0.0,
-    }
     async with contextlib.AsyncExitStack() as stack:
+        held = HeldPorts(("head", "resources", "crossing", "broken", "rogue", "canned"))
+        stack.callback(held.close)
+        ports = {**held.ports, "dead": stack.enter_context(refused_port())}
+        config = {
+            "observability_enabled": True,
+            "head_server": {"host": "127.0.0.1", "port": ports["head"]},
+            "crossing_resources": _server("resources_servers", "crossing", ports["resources"]),
+            "dead_resources": _server("resources_servers", "crossing", ports["dead"]),
+            "other_model": _server("responses_api_models", "openai_model", ports["canned"]),
+            "crossing_agent": _agent(ports["crossing"], "crossing_resources"),
+            "broken_agent": _agent(ports["broken"], "dead_resources"),
+            "rogue_agent": _agent(ports["rogue"], "crossing_resources", model="other_model"),
+        }
+        head_url = f"http://127.0.0.1:{ports['head']}"
+        generation = {
+            "backend": "transformers",
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "max_new_tokens": 32,
+            "val_temperature": 0.0,
+        }
         gw = await stack.enter_async_context(
             gateway_stack(
                 model_dir=model_dir,
@@ -126,7 +129,7 @@ async def nemo_gym(serve_app, gateway_stack, model_dir):
         apps = {"head": head_server_app(config), "resources": crossing_resources_app(), "canned": canned_model_app()}
         apps.update({k: simple_agent_app(f"{k}_agent", config) for k in ("crossing", "broken", "rogue")})
         for key, app in apps.items():
-            await stack.enter_async_context(serve_app(app, ports[key]))
+            await stack.enter_async_context(serve_app(app, held.release(key)))
         yield gw, apps
 
 
@@ -183,10 +186,11 @@ async def test_infrastructure_failures_are_named(serve_app, gateway_stack, look_
 
 
 async def test_an_unreachable_agent_is_an_infrastructure_failure(gateway_stack):
-    dead = f"http://127.0.0.1:{free_port()}"
-    async with gateway_stack(env={"nemo_gym": {"agent_servers": {"crossing_agent": dead}}}) as gw:
-        await gw.streams.publish(gw.streams.keys.tasks, _task(gw, _row("crossing_agent")))
-        [traj] = await collect(gw.streams, 1)
+    with refused_port() as port:
+        dead = f"http://127.0.0.1:{port}"
+        async with gateway_stack(env={"nemo_gym": {"agent_servers": {"crossing_agent": dead}}}) as gw:
+            await gw.streams.publish(gw.streams.keys.tasks, _task(gw, _row("crossing_agent")))
+            [traj] = await collect(gw.streams, 1)
     assert traj.status == "failed" and traj.fallback_reason.startswith("nemo_gym_agent")
     assert dead in traj.fallback_reason
 
