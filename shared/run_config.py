@@ -127,6 +127,18 @@ class MegatronSection(_Section):
     ] = msgspec.field(default_factory=dict)
 
 
+class DTensorSection(_Section):
+    """How the torch backend shards the policy across the trainer's ranks (NeMo-RL's ``dtensor_cfg``
+    names): FSDP2 ``fully_shard`` per decoder layer over a device mesh of every rank."""
+
+    cpu_offload: Annotated[
+        bool, D("keep sharded parameters, gradients and optimizer state in host memory (GPUs; FSDP2 CPU offload)")
+    ] = False
+    activation_checkpointing: Annotated[
+        bool, D("recompute each decoder layer's activations in the backward pass instead of keeping them")
+    ] = False
+
+
 class PolicySection(_Section):
     model_name: Annotated[str, D("HF model folder (or hub id where reachable) of the policy")] = ""
     tokenizer_name: Annotated[str | None, D("tokenizer folder; null: model_name")] = None
@@ -134,7 +146,14 @@ class PolicySection(_Section):
     train_global_batch_size: Annotated[int | None, D("rows per optimizer step; null: the whole step's batch")] = None
     train_micro_batch_size: Annotated[int, D("rows per forward/backward pass")] = 8
     max_grad_norm: Annotated[float, D("gradient clipping norm")] = 1.0
-    precision: Annotated[Literal["float32", "bfloat16"], D("training precision")] = "float32"
+    precision: Annotated[
+        Literal["float32", "bfloat16"],
+        D(
+            "compute precision; master weights, gradient reduction and optimizer state stay float32, and weights "
+            "are published to generators in this precision"
+        ),
+    ] = "float32"
+    dtensor_cfg: DTensorSection = msgspec.field(default_factory=DTensorSection)
     optimizer: OptimizerSection = msgspec.field(default_factory=OptimizerSection)
     sequence_packing: SequencePackingSection = msgspec.field(default_factory=SequencePackingSection)
     megatron_cfg: MegatronSection = msgspec.field(default_factory=MegatronSection)
@@ -389,9 +408,18 @@ def backfills_failures(env: EnvSection) -> bool:
 
 class CheckpointSection(_Section):
     enabled: Annotated[bool, D("save checkpoints")] = True
-    checkpoint_dir: Annotated[str | None, D("folder; null: <output_dir>/checkpoints")] = None
+    checkpoint_dir: Annotated[
+        str | None, D("folder; null: <output_dir>/checkpoints (on many nodes: a filesystem every node shares)")
+    ] = None
     save_period: Annotated[int, D("save every N steps (and at the last step)")] = 10
     keep_last: Annotated[int, D("checkpoints kept on disk")] = 2
+    async_save: Annotated[
+        bool,
+        D(
+            "write the learner's shards in the background: training goes on once they are staged in memory, and "
+            "the step's trajectories are acknowledged only when the write is complete"
+        ),
+    ] = False
 
 
 class LoggerSection(_Section):
@@ -457,7 +485,18 @@ class TrainerSection(_Section):
     refit_timeout_s: Annotated[float, D("deadline for all generators to confirm a weight version")] = 300.0
     startup_timeout_s: Annotated[float, D("deadline for the first generator to register")] = 600.0
     data_timeout_s: Annotated[float, D("longest wait for a step's data before failing loudly")] = 3600.0
-    torch_threads: Annotated[int | None, D("torch intra-op threads; null: torch's default")] = None
+    torch_threads: Annotated[int | None, D("torch intra-op threads (per rank); null: torch's default")] = None
+    nproc_per_node: Annotated[
+        int,
+        D(
+            "trainer ranks on this node: streamrl up starts them with torchrun; rank 0 runs the control plane, "
+            "every rank a shard of the learner"
+        ),
+    ] = 1
+    collective_timeout_s: Annotated[
+        float,
+        D("longest wait of any collective between trainer ranks; a rank that died or hangs fails the trainer after it"),
+    ] = 600.0
     validation_drain_timeout_s: Annotated[
         float | None,
         D("deadline for in-flight training rollouts to finish before a validation; null: the rollout timeout"),

@@ -77,6 +77,9 @@ class SimBackend:
     def save_checkpoint(self, path: Path) -> None:
         raise NotImplementedError("the benchmark's runs keep no checkpoints")
 
+    def wait_for_save(self) -> None:
+        return None
+
     def load_checkpoint(self, path: Path) -> None:
         raise NotImplementedError("the benchmark's runs keep no checkpoints")
 

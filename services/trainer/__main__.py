@@ -3,15 +3,25 @@
 Parses the command line and loads the config before importing torch or transformers, so
 ``--help`` and config errors are instant. Exits 0 when the run finishes, 1 when it fails (or the
 policy cannot load); SIGTERM or SIGINT stops the run (a restart resumes from the newest
-checkpoint) and the process ends by that signal. Under torchrun it refuses a world size above 1:
-the trainer is one rank for now (a multi-rank trainer runs the control plane on rank 0 only).
+checkpoint) and the process ends by that signal.
+
+Under torchrun (``WORLD_SIZE`` > 1) every rank joins the trainer's process group; rank 0 serves
+the REST API and runs the control plane with a `RankedLearner`, every other rank builds its shard
+of the learner and follows rank 0's commands (`services.trainer.rank_learner`) until the run ends.
+A follower whose command fails exits 1 (torchrun then stops the others).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.trainer.learner import Learner
+    from shared.run_config import RunConfig
+
+log = logging.getLogger("services.trainer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,15 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_service_config("trainer", args)
     if cfg is None:
         return 2
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        # Every rank would run its own scheduler and buffer: refuse rather than train N copies.
-        logging.getLogger("services.trainer").error(
-            "WORLD_SIZE is %d, but the trainer runs as a single rank for now "
-            "(launch it with torchrun --nnodes 1 --nproc-per-node 1)",
-            world_size,
-        )
-        return 2
+    from services.trainer.ranks import launched_world_size
+
+    if launched_world_size() > 1:
+        if cfg.trainer.backend != "torch":
+            log.error("trainer.backend %r runs on one rank; many need trainer.backend: torch", cfg.trainer.backend)
+            return 2
+        return _ranked(cfg, args.port, args.worker_id)
+    return _serve(cfg, args.port, args.worker_id)
+
+
+def _serve(cfg: RunConfig, port: int | None, worker_id: str | None, learner: Learner | None = None) -> int:
     import uvicorn
 
     from services.trainer.app import build_app, stop_run
@@ -37,12 +49,35 @@ def main(argv: list[str] | None = None) -> int:
     from shared.service import advertised_url, bind, run_server
 
     t = cfg.trainer
-    sock = bind(t.host, t.port if args.port is None else args.port)
-    port = sock.getsockname()[1]
-    worker_id = args.worker_id or default_worker_id("trainer")
-    app = build_app(cfg, worker_id=worker_id, url=advertised_url(t.host, port))
+    sock = bind(t.host, t.port if port is None else port)
+    bound = sock.getsockname()[1]
+    app = build_app(
+        cfg, worker_id=worker_id or default_worker_id("trainer"), url=advertised_url(t.host, bound), learner=learner
+    )
     config = uvicorn.Config(app, log_level="warning", lifespan="on")
     return run_server(app, config, drain=lambda: stop_run(app), drain_timeout_s=60.0, sockets=[sock])
+
+
+def _ranked(cfg: RunConfig, port: int | None, worker_id: str | None) -> int:
+    """One rank of a trainer of many: rank 0 serves, the others follow."""
+    from services.trainer.backends.torch_backend import TorchBackend
+    from services.trainer.rank_learner import RankedLearner, follow
+    from services.trainer.ranks import join, leave
+
+    timeout_s = cfg.trainer.collective_timeout_s
+    ranks = join(timeout_s)
+    try:
+        if ranks.is_root:
+            learner = RankedLearner(lambda: TorchBackend.from_config(cfg, ranks), ranks, collective_timeout_s=timeout_s)
+            return _serve(cfg, port, worker_id, learner)
+        try:
+            follow(TorchBackend.from_config(cfg, ranks))
+        except Exception:
+            log.exception("trainer rank %d of %d failed", ranks.rank, ranks.world_size)
+            return 1
+        return 0
+    finally:
+        leave()
 
 
 if __name__ == "__main__":

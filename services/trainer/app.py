@@ -3,7 +3,8 @@
     build_app(cfg):  learner (the backend from the `services.trainer.backends` registry) ->
                      control plane -> Prometheus metrics -> app with the routes and the probes
     lifespan:        loop-lag probe -> supervised task "run": control.open() (loads the policy,
-                     restores the newest checkpoint) then control.run()
+                     restores the newest checkpoint) then control.run(); supervised task "learner":
+                     the learner's watch (a lost trainer rank fails the service)
                      ... the run ends: the service stops with exit code 0; it fails: exit code 1
     shutdown:        the run task is stopped (SIGTERM: `stop_run` cancels it first; the process
                      then ends by the signal), heartbeat and Redis closed
@@ -23,7 +24,7 @@ from fastapi import FastAPI
 
 from services.trainer.backends import build_backend
 from services.trainer.control_plane import ControlPlane, TrainerHooks
-from services.trainer.learner import LocalLearner
+from services.trainer.learner import Learner, LocalLearner
 from services.trainer.observe import TrainerMetrics
 from services.trainer.routes import router
 from shared.auth import AuthPolicy
@@ -41,13 +42,15 @@ def build_app(
     worker_id: str,
     url: str,
     control: ControlPlane | None = None,
+    learner: Learner | None = None,
     run: bool = True,
     auth: AuthPolicy | None = None,
 ) -> FastAPI:
-    """The trainer app for ``cfg``; ``auth`` defaults to the token in the environment."""
+    """The trainer app for ``cfg``; ``auth`` defaults to the token in the environment. The learner
+    defaults to the backend in this process (rank 0 of many passes its `RankedLearner`)."""
     metrics = TrainerMetrics()
     if control is None:
-        learner = LocalLearner(lambda: build_backend(cfg))
+        learner = learner or LocalLearner(lambda: build_backend(cfg))
         control = ControlPlane(cfg, learner, worker_id=worker_id, url=url, hooks=TrainerHooks())
     control.hooks.record_sinks.append(metrics.observe_record)
     metrics.count_dead_letters(lambda: control.streams)
@@ -87,6 +90,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     s.metrics.start_loop_lag_probe()
     if s.run_loop:
         s.lifecycle.supervise("run", _open_and_run(s.control), ends_service=True)
+        s.lifecycle.supervise("learner", s.control.learner.watch())
     try:
         yield
     finally:

@@ -11,12 +11,16 @@ the previous checkpoint intact; the newest complete one is restored at start-up:
 `Checkpointer` saves at ``checkpointing.save_period`` (and at the last step), and holds back the
 acknowledgement of the trajectories a step trained until a checkpoint that includes the step is
 on disk: a crash before it re-delivers them, and the restored ledger refuses any already trained.
+With ``checkpointing.async_save`` the learner's shards are written in the background while the
+next step trains; ``meta.json``, the rename and the acknowledgements follow once they are on disk,
+and the next checkpoint first waits for that (the last step's checkpoint is always waited for).
 After each step it also trims the tasks and trajectories streams by acknowledged id (never an
 unacknowledged entry; ``trainer.stream_retention_s`` of acknowledged history stays).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import time
@@ -54,12 +58,27 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 async def save_checkpoint(
     ckpt_dir: Path, learner: Learner, control: ControlState, meta: CheckpointMeta, keep_last: int
 ) -> Path:
-    final = ckpt_dir / f"step_{meta.step:06d}"
+    tmp = await stage_checkpoint(ckpt_dir, learner, control, meta)
+    return await complete_checkpoint(ckpt_dir, learner, tmp, meta, keep_last)
+
+
+async def stage_checkpoint(ckpt_dir: Path, learner: Learner, control: ControlState, meta: CheckpointMeta) -> Path:
+    """Start a checkpoint in a temporary folder: the learner's part (perhaps still being written in
+    the background) and the control plane's."""
     tmp = ckpt_dir / f".step_{meta.step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "learner").mkdir(parents=True)
     await learner.save(tmp / "learner")
     (tmp / "control.json").write_bytes(msgspec.json.encode(control))
+    return tmp
+
+
+async def complete_checkpoint(
+    ckpt_dir: Path, learner: Learner, tmp: Path, meta: CheckpointMeta, keep_last: int
+) -> Path:
+    """Once the learner's part is on disk: mark the folder complete, give it its name, prune."""
+    await learner.wait_saved()
+    final = ckpt_dir / f"step_{meta.step:06d}"
     (tmp / "meta.json").write_bytes(msgspec.json.encode(meta))  # last: it marks the folder complete
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -95,6 +114,7 @@ class Checkpointer:
         self.max_num_steps = max_num_steps
         self.stream_retention_s = stream_retention_s
         self.unacked: list[str] = []  # entries of trained trajectories waiting for a durable checkpoint
+        self._writing: asyncio.Task[None] | None = None  # a checkpoint completing in the background
 
     def hold(self, entry_ids: list[str]) -> None:
         """Acknowledge these entries once a checkpoint covers the step that trained them."""
@@ -109,14 +129,29 @@ class Checkpointer:
         True if a checkpoint was saved."""
         saved = False
         if self.cfg.enabled and (force or self.due(meta.step)):
-            await save_checkpoint(self.ckpt_dir, self.learner, control, meta, self.cfg.keep_last)
+            await self.settle()
+            held, self.unacked = self.unacked, []
+            tmp = await stage_checkpoint(self.ckpt_dir, self.learner, control, meta)
+            self._writing = asyncio.create_task(self._complete(tmp, meta, held), name=f"checkpoint {meta.step}")
+            if force or not self.cfg.async_save or meta.step >= self.max_num_steps:
+                await self.settle()
             saved = True
-        if saved or not self.cfg.enabled:
+        elif not self.cfg.enabled:
             await self.ack_held()
         keys = self.streams.keys
         for stream in (keys.tasks, keys.trajectories):  # bounded: acknowledged entries go
             await self.streams.trim_acked(stream, retention_s=self.stream_retention_s)
         return saved
+
+    async def settle(self) -> None:
+        """Wait for the checkpoint completing in the background, if any (raises its failure)."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            await writing
+
+    async def _complete(self, tmp: Path, meta: CheckpointMeta, held: list[str]) -> None:
+        await complete_checkpoint(self.ckpt_dir, self.learner, tmp, meta, self.cfg.keep_last)
+        await self.streams.ack(self.streams.keys.trajectories, K.TRAINER_GROUP, held)
 
     async def ack_held(self) -> None:
         await self.streams.ack(self.streams.keys.trajectories, K.TRAINER_GROUP, self.unacked)

@@ -170,6 +170,7 @@ class ControlPlane:
         self.heartbeat.start()
 
     async def aclose(self) -> None:
+        await _safe(self.learner.close())
         await self.heartbeat.aclose(self.worker_id)
         await self.redis.aclose()
 

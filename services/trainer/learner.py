@@ -8,10 +8,12 @@ and the export of the weights. Between them, this narrow interface:
     control plane --StepBatch--------------> Learner.train ----> LearnerMetrics
                   --export_weights(folder)--> a safetensors folder generators load (called by the refit)
                   --save(folder) / load(folder)--> the learner's part of a step's checkpoint
+                  --wait_saved()-------------> returns once that part is on disk (asynchronous saves)
 
 `LocalLearner` runs the backend in this process, in a worker thread, so the control plane's event
-loop keeps serving REST and streams while a step trains. A learner spanning many ranks keeps this
-interface: rank 0 hands each step's batch to the others and returns their reduced metrics.
+loop keeps serving REST and streams while a step trains. `services.trainer.rank_learner.RankedLearner`
+keeps this interface over many ranks: rank 0 hands each step's batch to the others and returns
+their reduced metrics.
 """
 
 from __future__ import annotations
@@ -46,8 +48,21 @@ class Learner(Protocol):
         """Write the learner's part of a checkpoint into the existing folder ``path``."""
         ...
 
+    async def wait_saved(self) -> None:
+        """Return once the last `save` is on disk (at once when saves are synchronous)."""
+        ...
+
     async def load(self, path: Path) -> None:
         """Restore what `save` wrote."""
+        ...
+
+    async def watch(self) -> None:
+        """Run for as long as the learner lives (the service supervises it); raise when the learner
+        is lost (a rank died or stopped answering)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the learner (other ranks stop)."""
         ...
 
 
@@ -77,5 +92,14 @@ class LocalLearner:
     async def save(self, path: Path) -> None:
         await asyncio.to_thread(self.backend.save_checkpoint, path)
 
+    async def wait_saved(self) -> None:
+        await asyncio.to_thread(self.backend.wait_for_save)
+
     async def load(self, path: Path) -> None:
         await asyncio.to_thread(self.backend.load_checkpoint, path)
+
+    async def watch(self) -> None:
+        await asyncio.Event().wait()  # nothing to lose: the backend runs in this process
+
+    async def close(self) -> None:
+        return None

@@ -133,6 +133,15 @@ class PausingLearner:
     async def load(self, path):
         await self.inner.load(path)
 
+    async def wait_saved(self):
+        await self.inner.wait_saved()
+
+    async def watch(self):
+        await self.inner.watch()
+
+    async def close(self):
+        await self.inner.close()
+
 
 async def _until(check, what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s

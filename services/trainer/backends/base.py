@@ -41,6 +41,10 @@ class TrainingBackend(Protocol):
         """Write model, optimizer, schedule and RNG state into the existing folder ``path``."""
         ...
 
+    def wait_for_save(self) -> None:
+        """Block until the last `save_checkpoint` is on disk (it may write in the background)."""
+        ...
+
     def load_checkpoint(self, path: Path) -> None:
         """Restore what `save_checkpoint` wrote into ``path``."""
         ...

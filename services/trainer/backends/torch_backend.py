@@ -1,9 +1,23 @@
-"""The torch training backend: a transformers causal LM trained with the clipped GRPO loss.
+"""The torch training backend: a transformers causal LM trained with the clipped GRPO loss, on one
+rank or sharded over many with FSDP2.
 
 Loads the policy with ``AutoModelForCausalLM.from_pretrained`` (the same code loads the tiny demo
-model and a real checkpoint), computes per-token logprobs under the sampling temperature (matching
-the generator's processed logprobs), and runs ``len(rows) / train_global_batch_size`` optimizer
-updates per step, each accumulated over micro-batches. With one update per step the pre-update
+model and a real checkpoint) with float32 master weights, computes per-token logprobs under the
+sampling temperature (matching the generator's processed logprobs), and runs
+``len(rows) / train_global_batch_size`` optimizer updates per step, each accumulated over
+micro-batches. ``policy.precision: bfloat16`` computes in bfloat16 (autocast on one rank, FSDP2's
+mixed-precision policy on many) while gradients are reduced, and the optimizer steps, in float32.
+
+Many ranks (`services.trainer.ranks`): each decoder layer, then the root, is ``fully_shard``-ed
+over a one-dimensional device mesh of every rank (``policy.dtensor_cfg``: activation
+checkpointing, CPU offload). Rank 0 splits each update's rows across the ranks, balanced by tokens
+(`plan_step`); every rank runs its share in micro-batches, padding with a masked filler pass when
+it has fewer than another rank so that every rank joins the same collectives. Gradients are summed
+across ranks, then divided by the update's global valid-token count, so the update equals the
+one-rank update on the same rows; the loss, the norm that gradients are clipped by and every
+logged figure are global too. Checkpoints are torch Distributed Checkpoint folders (every rank
+writes its shard, and any world size reads them back); published weights are gathered one tensor at
+a time (`services.trainer.weight_export`). With one update per step the pre-update
 ("old") logprobs equal the current ones in value, so they are taken from the same forward pass
 instead of a second one.
 
@@ -19,11 +33,12 @@ Called by the trainer loop (in a worker thread, so the event loop keeps serving 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -34,6 +49,8 @@ import torch.nn.functional as F
 from services.trainer import mismatch, packing
 from services.trainer.batch import Row, StepBatch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
+from services.trainer.ranks import SINGLE, Ranks
+from services.trainer.weight_export import ShardWriter, full_tensors
 from shared.records import LearnerMetrics
 from shared.run_config import LossSection, OptimizerSection, PolicySection, RunConfig
 
@@ -80,6 +97,55 @@ def _load_model(path: str, dtype: torch.dtype) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
+@dataclass
+class RankShare:
+    """One rank's part of a step: its rows of each optimizer update (the same number of updates on
+    every rank), and a row it can run masked when it has fewer micro-batches than another rank."""
+
+    updates: list[list[Row]]
+    filler: Row
+
+    @property
+    def rows(self) -> list[Row]:
+        return [r for u in self.updates for r in u]
+
+
+def plan_step(batch: StepBatch, world_size: int, train_global_batch_size: int | None) -> list[RankShare]:
+    """Split a step's trainable rows into optimizer updates (``train_global_batch_size`` rows of the
+    whole batch each), and each update's rows across ``world_size`` ranks, balanced by tokens
+    (longest first, each to the rank with the fewest tokens so far). Every rank's rows keep the
+    one-rank order (shortest first), which keeps padding small. Empty when nothing is trainable."""
+    rows = sorted(batch.trainable, key=lambda r: len(r.input_ids))
+    if not rows:
+        return []
+    global_bs = train_global_batch_size or len(batch.rows)
+    num_updates = max(1, math.ceil(len(batch.rows) / global_bs))
+    per_update = math.ceil(len(rows) / num_updates)
+    order = {r.task_id: i for i, r in enumerate(rows)}
+    filler = replace(rows[0], sample_mask=0.0, segments=[])
+    shares = [RankShare(updates=[], filler=filler) for _ in range(world_size)]
+    for u in range(num_updates):
+        parts: list[list[Row]] = [[] for _ in range(world_size)]
+        tokens = [0] * world_size
+        for r in sorted(rows[u * per_update : (u + 1) * per_update], key=lambda r: -len(r.input_ids)):
+            k = tokens.index(min(tokens))
+            parts[k].append(r)
+            tokens[k] += len(r.input_ids)
+        for share, part in zip(shares, parts, strict=True):
+            share.updates.append(sorted(part, key=lambda r: order[r.task_id]))
+    return shares
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks FSDP shards one by one: the module list holding
+    ``config.num_hidden_layers`` entries (``model.layers`` in Qwen, Llama, Mistral...)."""
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n:
+            return list(m)
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__} to shard")
+
+
 class TorchBackend:
     def __init__(
         self,
@@ -90,15 +156,19 @@ class TorchBackend:
         threads: int | None = None,
         total_updates: int = 0,
         seq_logprob_error_threshold: float | None = None,
+        ranks: Ranks = SINGLE,
+        async_save: bool = False,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.policy = policy
         self.loss_cfg = loss
+        self.ranks = ranks
+        self.async_save = async_save
         self.seq_error_threshold = seq_logprob_error_threshold
-        self.dtype = torch.float32 if policy.precision == "float32" else torch.bfloat16
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = torch.float32 if policy.precision == "float32" else torch.bfloat16  # compute and publish
+        self.device = ranks.device
         self.model = self._build_model()
         self.model.train()
         self.pad_id = self._pad_token_id()
@@ -114,19 +184,21 @@ class TorchBackend:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.updates = 0
+        self._pending_save: Any = None  # the future of an asynchronous checkpoint write
         log.info(
-            "%s backend: %s, %.2fM params, %s on %s",
+            "%s backend: %s, %.2fM params, %s compute on %s%s",
             self.name,
             policy.model_name,
-            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            sum(p.numel() for p in self.model.parameters()) / 1e6 * ranks.world_size,
             self.dtype,
             self.device,
+            f", FSDP2 over {ranks.world_size} ranks" if ranks.sharded else "",
         )
 
     name = "torch"
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> Self:
+    def from_config(cls, cfg: RunConfig, ranks: Ranks = SINGLE) -> Self:
         rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
         updates_per_step = rows // (cfg.policy.train_global_batch_size or rows)
         return cls(
@@ -136,13 +208,47 @@ class TorchBackend:
             threads=cfg.trainer.torch_threads,
             total_updates=cfg.grpo.max_num_steps * updates_per_step,
             seq_logprob_error_threshold=cfg.grpo.seq_logprob_error_threshold,
+            ranks=ranks,
+            async_save=cfg.checkpointing.async_save,
         )
 
     # ---- what other backends override ----------------------------------------------------------
 
     def _build_model(self) -> torch.nn.Module:
-        """The policy as a trainable module on ``self.device``."""
-        return _load_model(self.policy.model_name, self.dtype).to(self.device)
+        """The policy as a trainable module on ``self.device`` (float32 master weights), sharded
+        over the ranks when there are several."""
+        model = _load_model(self.policy.model_name, torch.float32)
+        if self.policy.dtensor_cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not self.ranks.sharded:
+            return model.to(self.device)
+        return self._shard(model.to(self.device))
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        mesh = self.ranks.mesh()
+        kwargs: dict[str, Any] = {
+            "mesh": mesh,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32),
+            "offload_policy": CPUOffloadPolicy() if self.policy.dtensor_cfg.cpu_offload else OffloadPolicy(),
+        }
+        for layer in _decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bfloat16 compute over float32 weights on one rank (FSDP2 casts on its own)."""
+        if self.dtype == torch.float32 or self.ranks.sharded:
+            return contextlib.nullcontext()
+        autocast: contextlib.AbstractContextManager[Any] = torch.autocast(self.device.type, dtype=self.dtype)
+        return autocast
 
     def _pad_token_id(self) -> int:
         return int(self.model.config.pad_token_id or 0)
@@ -155,9 +261,10 @@ class TorchBackend:
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, T, V] logits. Packed inputs come with position ids and no attention mask."""
-        if position_ids is not None:
-            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+        with self._autocast():
+            if position_ids is not None:
+                return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -224,33 +331,47 @@ class TorchBackend:
     # ---- training -----------------------------------------------------------------------------
 
     def train_step(self, batch: StepBatch) -> LearnerMetrics:
+        """One step on one rank (the whole batch is this rank's share)."""
+        shares = plan_step(batch, 1, self.policy.train_global_batch_size)
+        return self.train_share(shares[0] if shares else None)
+
+    def train_share(self, share: RankShare | None) -> LearnerMetrics:
+        """This rank's part of a step (every rank calls it together); the step's global metrics.
+        ``None``: the step has no trainable row (every rank gets None)."""
         t0 = time.perf_counter()
-        rows = sorted(batch.trainable, key=lambda r: len(r.input_ids))
-        if not rows:
+        if share is None:
             return LearnerMetrics(
                 loss=0.0, grad_norm=0.0, num_updates=0, train_tokens=0, lr=self._lr(), train_time_s=0.0
             )
-        global_bs = self.policy.train_global_batch_size or len(batch.rows)
-        num_updates = max(1, math.ceil(len(batch.rows) / global_bs))
-        rows_per_update = math.ceil(len(rows) / num_updates)
-        prev = self._prev_logprobs(rows, self.policy.train_micro_batch_size) if num_updates > 1 else None
+        num_updates = len(share.updates)
+        micro = self.policy.train_micro_batch_size
+        prev = self._prev_logprobs(share.rows, micro, share.filler) if num_updates > 1 else None
         acc = _StepTotals()
-        for u in range(num_updates):
-            upd = rows[u * rows_per_update : (u + 1) * rows_per_update]
-            if upd:
-                self._update(upd, prev, acc)
-        if mismatch.debug_enabled():
+        for upd in share.updates:
+            self._update(upd, prev, acc, share.filler)
+        acc = self._global_totals(acc)
+        if mismatch.debug_enabled() and self.ranks.is_root:
             line = mismatch.debug_line(acc.records, self.seq_error_threshold)
             if line is not None:
                 log.warning("%s", line)
         return self._step_metrics(acc, num_updates, time.perf_counter() - t0)
 
-    def _update(self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: _StepTotals) -> None:
-        """One optimizer update over ``rows``, accumulated over micro-batches; the gradients are
-        normalised once the update's valid-token (or sequence) count is known."""
+    def _in_step(self, mbs: list[list[Row]]) -> list[list[Row] | None]:
+        """This rank's micro-batches, padded with ``None`` (a masked filler pass) up to the most any
+        rank runs, so that every rank joins the same collectives."""
+        most = int(self.ranks.all_max([float(len(mbs))])[0])
+        return [*mbs, *[None] * (most - len(mbs))]
+
+    def _update(self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: _StepTotals, filler: Row) -> None:
+        """One optimizer update over ``rows`` (this rank's share of it), accumulated over
+        micro-batches; the gradients, summed over ranks, are normalised once the update's global
+        valid-token (or sequence) count is known."""
         self._zero_grads()
         loss_sum = valid_tokens = valid_sequences = 0.0
-        for mb_rows in self._micro_batches(rows, self.policy.train_micro_batch_size):
+        for mb_rows in self._in_step(self._micro_batches(rows, self.policy.train_micro_batch_size)):
+            if mb_rows is None:
+                self._filler_loss(filler).backward()
+                continue
             acc.shapes.append([len(r.input_ids) for r in mb_rows])
             loss, row_tokens = self._micro_batch_loss(mb_rows, prev, acc)
             loss.backward()
@@ -258,23 +379,37 @@ class TorchBackend:
             valid_tokens += float(row_tokens.sum())
             valid_sequences += float((row_tokens > 0).sum())
         self._grads_ready()
+        loss_sum, valid_tokens, valid_sequences = self.ranks.all_sum([loss_sum, valid_tokens, valid_sequences])
         denom = valid_tokens if self.loss_cfg.token_level_loss else valid_sequences
         if denom == 0:
-            log.warning("update %d has no valid token after masking; skipped", self.updates)
+            if self.ranks.is_root:
+                log.warning("update %d has no valid token after masking; skipped", self.updates)
             acc.losses.append(0.0)
             acc.grad_norms.append(0.0)
             return
+        # FSDP2 averages gradients over the ranks; the update wants their sum over its global count.
+        scale = denom / self.ranks.world_size
         for p in self.model.parameters():
             if p.grad is not None:
-                p.grad.div_(denom)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {self.updates}")
+                p.grad.div_(scale)
+        grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at update {self.updates}")
         self.optimizer.step()
         self.scheduler.step()
         self.updates += 1
         acc.losses.append(loss_sum / denom)
-        acc.grad_norms.append(float(grad_norm))
+        acc.grad_norms.append(grad_norm)
+
+    def _filler_loss(self, filler: Row) -> torch.Tensor:
+        """A pass that adds nothing to any gradient or figure, run by a rank with fewer
+        micro-batches than another so that its collectives line up with theirs."""
+        mb = self._inputs([filler])
+        curr = self._token_logprobs(self.model, mb)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                self._token_logprobs(self.ref_model, mb)
+        return curr.sum() * 0.0
 
     def _micro_batch_loss(
         self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: _StepTotals
@@ -302,6 +437,18 @@ class TorchBackend:
         for k, v in m.items():
             acc.sums[k] = max(acc.sums.get(k, 0.0), v) if k.startswith("max_") else acc.sums.get(k, 0.0) + v
         return loss, (mb["token_mask"] * sample_mask[:, None]).sum(dim=1)
+
+    def _global_totals(self, acc: _StepTotals) -> _StepTotals:
+        """The step's totals over every rank (losses and norms are global already)."""
+        if not self.ranks.sharded:
+            return acc
+        out = _StepTotals(losses=acc.losses, grad_norms=acc.grad_norms)
+        for sums, records, shapes in self.ranks.gather((acc.sums, acc.records, acc.shapes)):
+            for k, v in sums.items():
+                out.sums[k] = max(out.sums.get(k, 0.0), v) if k.startswith("max_") else out.sums.get(k, 0.0) + v
+            out.records += records
+            out.shapes += shapes
+        return out
 
     def _step_metrics(self, acc: _StepTotals, num_updates: int, train_time_s: float) -> LearnerMetrics:
         sums = acc.sums
@@ -351,10 +498,13 @@ class TorchBackend:
             records.append(mismatch.SeqRecord(float(n[i]), float(err[i]), float(mb["rewards"][i]), masked))
         return new
 
-    def _prev_logprobs(self, rows: list[Row], micro: int) -> dict[str, torch.Tensor]:
+    def _prev_logprobs(self, rows: list[Row], micro: int, filler: Row) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for mb_rows in self._micro_batches(rows, micro):
+            for mb_rows in self._in_step(self._micro_batches(rows, micro)):
+                if mb_rows is None:
+                    self._token_logprobs(self.model, self._inputs([filler]))
+                    continue
                 lp = self._token_logprobs(self.model, self._inputs(mb_rows))
                 for r, row_lp in zip(mb_rows, lp, strict=True):
                     out[r.task_id] = row_lp[: len(r.input_ids)].clone()
@@ -369,24 +519,75 @@ class TorchBackend:
     # ---- weights and state --------------------------------------------------------------------
 
     def save_weights(self, out_dir: Path) -> None:
-        self.model.save_pretrained(out_dir, safe_serialization=True)
+        """Publish the policy in the compute precision, gathered one tensor at a time (every rank
+        calls it; rank 0 writes)."""
+        writer = ShardWriter(out_dir) if self.ranks.is_root else None
+        for name, tensor in full_tensors(self.model, self.dtype, skip=self._tied_keys()):
+            if writer is not None:
+                writer.add(name, tensor)
+        if writer is not None:
+            writer.close()
+            config = self.model.config
+            config.save_pretrained(out_dir)
+            gen_config = getattr(self.model, "generation_config", None)
+            if gen_config is not None:
+                gen_config.save_pretrained(out_dir)
+
+    def _tied_keys(self) -> frozenset[str]:
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        return frozenset({"lm_head.weight"}) if tied else frozenset()
 
     def save_checkpoint(self, path: Path) -> None:
-        torch.save(self._state_dict(), path / "learner.pt")
+        """Model and optimizer as a Distributed Checkpoint (every rank writes its shard; any world
+        size reads it back), the schedule and RNG from rank 0. With ``async_save`` this returns
+        once the shards are staged in memory; `wait_for_save` returns once they are on disk."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait_for_save()
+        state = self._dcp_state()
+        if self.ranks.is_root:
+            torch.save(self._trainer_state(), path / "trainer_state.pt")
+        where = str(path / "shards")
+        if self.async_save:
+            group = self.ranks.checkpoint_group
+            self._pending_save = dcp.async_save(state, checkpoint_id=where, process_group=group, no_dist=group is None)
+        else:
+            dcp.save(state, checkpoint_id=where, no_dist=not self.ranks.sharded)
+
+    def wait_for_save(self) -> None:
+        """Block until the last asynchronous checkpoint write is on disk (raises its error)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            getattr(pending, "upload_completion", pending).result()
 
     def load_checkpoint(self, path: Path) -> None:
-        state = torch.load(path / "learner.pt", map_location="cpu", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.updates = int(state["updates"])
-        torch.set_rng_state(state["torch_rng"])
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    def _state_dict(self) -> dict[str, Any]:
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(path / "shards"), no_dist=not self.ranks.sharded)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        extra = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.updates = int(extra["updates"])
+        torch.set_rng_state(extra["torch_rng"])
+
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def _trainer_state(self) -> dict[str, Any]:
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "updates": self.updates,
             "torch_rng": torch.get_rng_state(),
         }
+
+
+def _as_float(norm: torch.Tensor) -> float:
+    """A gradient norm as a float (a DTensor's is gathered first)."""
+    from torch.distributed.tensor import DTensor
+
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

@@ -1,0 +1,109 @@
+"""The trainer's ranks: this process's place among them, and the collectives the learner uses.
+
+A trainer started by ``torchrun`` (``WORLD_SIZE`` > 1) joins one process group: NCCL on GPUs,
+gloo on CPU, each with ``trainer.collective_timeout_s`` as the bound of every collective, so a
+rank that died or hangs fails the others instead of stalling them. Rank 0 runs the control plane
+and a learner; every other rank runs a learner only (`services.trainer.rank_worker`).
+
+`Ranks` is what a backend needs to know of the others: its rank and the world size, a device mesh
+to shard over, and the reductions that make every logged figure global (sums, maxima, gathered
+objects). `SINGLE` is the one-process trainer, whose reductions return their input.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+
+def launched_world_size() -> int:
+    """The world size torchrun (or a cluster launcher) set for this process; 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world_size: int
+    device: torch.device
+    # gloo group of every rank for background checkpoint writes, apart from the training collectives
+    checkpoint_group: Any = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+    def mesh(self) -> DeviceMesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        if not self.sharded:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return [float(v) for v in t.tolist()]
+
+    def all_max(self, values: list[float]) -> list[float]:
+        if not self.sharded:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [float(v) for v in t.tolist()]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.sharded:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+SINGLE = Ranks(rank=0, world_size=1, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def join(collective_timeout_s: float) -> Ranks:
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...)."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    ranks = Ranks(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        device=device,
+        checkpoint_group=dist.new_group(backend="gloo", timeout=timeout),
+    )
+    log.info("trainer rank %d of %d on %s (%s)", ranks.rank, ranks.world_size, device, backend)
+    return ranks
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Train a fixed batch on the trainer's learner at any world size, as the trainer does.
+
+    torchrun --nproc-per-node N tests/ranked_step.py MODEL OUT [--steps K] [--save] [--load CKPT]
+    python tests/ranked_step.py MODEL OUT ...          (one rank)
+
+Rank 0 drives a `RankedLearner` (one rank: a `LocalLearner`), every other rank `follow`s, exactly
+as ``python -m services.trainer`` under torchrun wires them, minus the control plane. Rank 0
+writes OUT/metrics.json (each step's LearnerMetrics), OUT/weights (the published weights, float32),
+and with --save OUT/ckpt (a learner checkpoint after the last step). --load restores a learner
+checkpoint (written at any world size) before training. --kill-rank R --kill-step S: rank R
+kills itself (SIGKILL) inside step S's first forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.trainer.backends.torch_backend import TorchBackend  # noqa: E402
+from services.trainer.batch import Row, StepBatch  # noqa: E402
+from services.trainer.learner import Learner, LocalLearner  # noqa: E402
+from services.trainer.rank_learner import RankedLearner, follow  # noqa: E402
+from services.trainer.ranks import SINGLE, join, launched_world_size, leave  # noqa: E402
+from shared.config import load  # noqa: E402
+from shared.run_config import RunConfig  # noqa: E402
+
+
+def config(model: str, extra: list[str]) -> RunConfig:
+    return load(
+        RunConfig,
+        None,
+        [
+            f"policy.model_name={model}",
+            "data.train_path=t.jsonl",
+            "policy.optimizer.lr=1e-5",
+            "policy.train_micro_batch_size=2",
+            "grpo.num_prompts_per_step=3",
+            "grpo.num_generations_per_prompt=4",
+            "trainer.torch_threads=1",
+            "trainer.collective_timeout_s=60",
+            *extra,
+        ],
+        env={},
+    )
+
+
+def batch(step: int) -> StepBatch:
+    """12 rows of lengths 9..30, half of their tokens generated, advantages of both signs."""
+    rng = np.random.default_rng(100 + step)
+    rows = []
+    for i in range(12):
+        n = int(rng.integers(9, 31))
+        ids = rng.integers(10, 800, size=n).astype(np.int64)
+        tmask = np.zeros(n, np.float32)
+        tmask[n // 2 :] = 1.0
+        glp = (-rng.uniform(0.5, 6.0, size=n) * tmask).astype(np.float32)
+        adv = float(rng.normal())
+        rows.append(Row(f"s{step}-t{i}", f"g{i // 4}", ids, tmask, glp, reward=adv, advantage=adv))
+    return StepBatch(rows=rows)
+
+
+async def drive(learner: Learner, args: argparse.Namespace, out: Path) -> None:
+    await learner.start()
+    if args.load:
+        await learner.load(Path(args.load))
+    metrics = [await learner.train(batch(s)) for s in range(args.first_step, args.first_step + args.steps)]
+    (out / "metrics.json").write_bytes(msgspec.json.encode(metrics))
+    await asyncio.to_thread(learner.export_weights, out / "weights")
+    if args.save:
+        (out / "ckpt").mkdir(exist_ok=True)
+        await learner.save(out / "ckpt")
+        await learner.wait_saved()
+    await learner.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--first-step", type=int, default=0)
+    p.add_argument("--save", action="store_true")
+    p.add_argument("--load")
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--set", action="append", default=[], help="config override key=value")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = config(args.model, args.set)
+    ranks = join(cfg.trainer.collective_timeout_s) if launched_world_size() > 1 else SINGLE
+
+    def build() -> TorchBackend:
+        backend = TorchBackend.from_config(cfg, ranks)
+        if ranks.rank == args.kill_rank:
+            _kill_in_step(backend, args.kill_step - args.first_step)
+        return backend
+
+    try:
+        if not ranks.sharded:
+            asyncio.run(drive(LocalLearner(build), args, out))
+        elif ranks.is_root:
+            learner = RankedLearner(build, ranks, collective_timeout_s=cfg.trainer.collective_timeout_s)
+            asyncio.run(drive(learner, args, out))
+        else:
+            follow(build())
+    finally:
+        leave()
+    return 0
+
+
+def _kill_in_step(backend: TorchBackend, step: int) -> None:
+    """SIGKILL this process in the first forward pass of its ``step``-th train_share."""
+    calls = {"n": 0}
+    inner = backend.train_share
+
+    def train_share(share):  # type: ignore[no-untyped-def]
+        if calls["n"] == step:
+            forward = backend._forward_logits
+
+            def dying(*a, **kw):  # type: ignore[no-untyped-def]
+                os.kill(os.getpid(), signal.SIGKILL)
+                return forward(*a, **kw)
+
+            backend._forward_logits = dying  # type: ignore[method-assign]
+        calls["n"] += 1
+        return inner(share)
+
+    backend.train_share = train_share  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
