@@ -584,6 +584,12 @@ class RunConfig(_Section):
             raise ConfigError("grpo.val_num_generations_per_prompt must be >= 1")
         if self.trainer.stream_retention_s < 0:
             raise ConfigError("trainer.stream_retention_s must be >= 0")
+        if self.trainer.nproc_per_node < 1:
+            raise ConfigError("trainer.nproc_per_node must be >= 1")
+        if self.trainer.nproc_per_node > 1 and self.trainer.backend != "torch":
+            raise ConfigError("trainer.nproc_per_node > 1 needs trainer.backend: torch (megatron runs on one rank)")
+        if self.trainer.collective_timeout_s <= 0:
+            raise ConfigError("trainer.collective_timeout_s must be > 0")
         if g.stop_at_validation_metric is not None:
             if g.stop_at_validation_threshold is None:
                 raise ConfigError("grpo.stop_at_validation_threshold is required with grpo.stop_at_validation_metric")

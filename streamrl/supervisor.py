@@ -118,6 +118,15 @@ class Child:
             return ""
 
 
+def trainer_launcher(nproc_per_node: int) -> list[str]:
+    """The interpreter arguments that start the trainer: its module, or torchrun starting
+    ``nproc_per_node`` ranks of it on this node (rank 0 serves the REST API on the trainer's port)."""
+    module = ["-m", "services.trainer"]
+    if nproc_per_node == 1:
+        return module
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}", *module]
+
+
 def _port(configured: int, offset: int) -> int:
     return free_port() if configured == 0 else configured + offset
 
@@ -157,8 +166,9 @@ class Supervisor:
         workers = [c for pool in self.pools.values() for c in pool.children()]
         return workers + ([self.trainer] if self.trainer else [])
 
-    def _child(self, name: str, module: str, port: int, extra: list[str]) -> Child:
-        args = ["-m", module, "--config", self.config_path, "--port", str(port), *extra, *self.overrides]
+    def _child(self, name: str, module: str, port: int, extra: list[str], launcher: list[str] | None = None) -> Child:
+        launch = launcher if launcher is not None else ["-m", module]
+        args = [*launch, "--config", self.config_path, "--port", str(port), *extra, *self.overrides]
         return Child(name, args, self.logs / f"{name}.log", port, env={"REDIS_URL": self.redis_url})
 
     def _generator(self, index: int) -> Child:
@@ -178,7 +188,13 @@ class Supervisor:
             self._wait_ready(self.pools["generator"].start_initial(cfg.generator.num_workers), timeout_s=600)
             self.pools["generator"].mark_ready()
             gateways = self.pools["gym-gateway"].start_initial(cfg.gym_gateway.num_workers)
-            self.trainer = trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
+            self.trainer = trainer = self._child(
+                "trainer",
+                "services.trainer",
+                _port(cfg.trainer.port, 0),
+                [],
+                trainer_launcher(cfg.trainer.nproc_per_node),
+            )
             trainer.start()
             self._wait_ready(gateways, timeout_s=120)  # while the trainer loads its policy
             self.pools["gym-gateway"].mark_ready()

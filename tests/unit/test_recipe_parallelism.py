@@ -1,5 +1,6 @@
 """Parallel layouts the reference recipe asks for either reach the engine (vLLM expert parallel)
-or are refused by name (Megatron TP/PP/EP and packing, a multi-rank trainer), never ignored."""
+or are refused by name (Megatron TP/PP/EP and packing, the Megatron backend on many trainer
+ranks), never ignored."""
 
 import os
 import subprocess
@@ -52,7 +53,7 @@ def test_vllm_engine_args_carry_expert_parallel():
     assert plain.enable_expert_parallel is False
 
 
-def test_trainer_refuses_more_than_one_rank():
+def test_trainer_refuses_many_ranks_for_a_backend_that_runs_on_one():
     env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0", "STREAMRL_API_TOKEN": "t0ken"}
     out = subprocess.run(
         [sys.executable, "-m", "services.trainer", "--config", str(RECIPE)],
@@ -63,4 +64,4 @@ def test_trainer_refuses_more_than_one_rank():
         timeout=120,
     )
     assert out.returncode == 2
-    assert "WORLD_SIZE is 4" in out.stderr
+    assert "trainer.backend 'megatron' runs on one rank; many need trainer.backend: torch" in out.stderr

@@ -189,7 +189,7 @@ class TorchBackend:
             "%s backend: %s, %.2fM params, %s compute on %s%s",
             self.name,
             policy.model_name,
-            sum(p.numel() for p in self.model.parameters()) / 1e6 * ranks.world_size,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,  # a DTensor counts its global shape
             self.dtype,
             self.device,
             f", FSDP2 over {ranks.world_size} ranks" if ranks.sharded else "",
