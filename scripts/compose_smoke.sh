@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Runs docker-compose.yml's smoke job for real, where a container engine (dockerd) runs:
-#   1. picks the base image: $STREAMRL_BASE_IMAGE, else python:3.11-slim if it is present or can be
-#      pulled, else builds streamrl-base:bookworm offline (debootstrap of Debian bookworm with
-#      python3 and the host's CA bundle, imported with `docker import`; needs root and debootstrap);
+#   1. picks the base image with scripts/base_image.sh: $STREAMRL_BASE_IMAGE, else python:3.11-slim
+#      if it is present or can be pulled, else streamrl-base:bookworm, built offline when missing
+#      (debootstrap of Debian bookworm, `docker import`; needs root) and kept by the engine;
 #   2. puts the torch 2.13.0 CPU wheel from $PIP_FIND_LINKS (if it holds one) into deploy/docker/wheels/
 #      (PyPI's torch is the multi-GB CUDA build);
-#   3. builds streamrl:local once, then `compose up --exit-code-from trainer` on a fresh volume, with
-#      a random API token;
-#   4. checks what compose's exit code alone does not prove: the image built, `prepare` and `trainer`
-#      containers exited 0, and the run's metrics.jsonl holds every training step;
-#   5. removes the containers and the volume (KEEP=1 keeps them).
+#   3. runs the README's command on a fresh volume, with a random API token:
+#        docker compose up --build --attach trainer --exit-code-from trainer
+#   4. checks what compose's exit code alone does not prove: the image was built, every container of
+#      the project (prepare, redis, generator, gym-gateway, trainer) exited 0 and none runs, and the
+#      run's metrics.jsonl holds every training step;
+#   5. removes the containers and the volume (KEEP=1 keeps them, stopped).
 # Usage: bash scripts/compose_smoke.sh        (COMPOSE="docker compose" by default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,27 +27,7 @@ fi
 dc() { $COMPOSE -p "$PROJECT" -f docker-compose.yml "$@"; }
 docker info >/dev/null 2>&1 || { echo "no container engine answers (docker info failed)" >&2; exit 1; }
 
-build_offline_base() {
-  local tag=$1 root
-  command -v debootstrap >/dev/null || { echo "debootstrap is needed to build $tag offline" >&2; exit 1; }
-  root=$(mktemp -d)
-  echo "building $tag from a Debian bookworm rootfs in $root"
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$root/rootfs" >/dev/null
-  # pip inside the build reaches PyPI through whatever TLS setup this host has.
-  cp /etc/ssl/certs/ca-certificates.crt "$root/rootfs/etc/ssl/certs/ca-certificates.crt"
-  tar -C "$root/rootfs" -c . | docker import - "$tag" >/dev/null
-  rm -rf "$root"
-}
-
-BASE=${STREAMRL_BASE_IMAGE:-}
-if [ -z "$BASE" ]; then
-  if docker image inspect python:3.11-slim >/dev/null 2>&1 || docker pull -q python:3.11-slim >/dev/null 2>&1; then
-    BASE=python:3.11-slim
-  else
-    BASE=streamrl-base:bookworm
-    docker image inspect "$BASE" >/dev/null 2>&1 || build_offline_base "$BASE"
-  fi
-fi
+BASE=$(bash scripts/base_image.sh)
 export STREAMRL_BASE_IMAGE=$BASE
 echo "base image: $BASE"
 
@@ -59,21 +40,23 @@ cleanup() { [ "${KEEP:-0}" = 1 ] || dc down -v --remove-orphans >/dev/null 2>&1 
 trap cleanup EXIT
 dc down -v --remove-orphans >/dev/null 2>&1 || true
 
-# One build for every service (compose would build the shared image once per service). The tag is
-# removed first, so its presence afterwards proves this build produced it (layers stay cached).
+# The tag is removed first, so its presence afterwards proves this build produced it (layers stay
+# cached). Without the buildx plugin the engine's classic builder does the build.
 docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
 docker image rm streamrl:local >/dev/null 2>&1 || true
-docker build -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE" -t streamrl:local .
-docker image inspect streamrl:local >/dev/null || { echo "FAIL: the image streamrl:local was not built" >&2; exit 1; }
 rc=0
-dc up --no-build --exit-code-from trainer || rc=$?
+dc up --build --attach trainer --exit-code-from trainer || rc=$?
+docker image inspect streamrl:local >/dev/null 2>&1 || { echo "FAIL: the image streamrl:local was not built" >&2; exit 1; }
 
 fail=0
-for svc in prepare trainer; do
-  cid=$(dc ps -a -q "$svc")
-  code=$(docker inspect -f '{{.State.ExitCode}}' "$cid" 2>/dev/null || echo missing)
-  echo "$svc exit code: $code"
-  [ "$code" = 0 ] || fail=1
+for cid in $(dc ps -a -q); do
+  state=$(docker inspect -f '{{.Name}} {{.State.Status}} {{.State.ExitCode}}' "$cid")
+  echo "container: $state"
+  read -r _ status code <<<"$state"
+  [ "$status" = exited ] && [ "$code" = 0 ] || fail=1
+done
+for svc in prepare redis generator gym-gateway trainer; do
+  [ -n "$(dc ps -a -q "$svc")" ] || { echo "no container of $svc" >&2; fail=1; }
 done
 steps=$(dc run --rm --no-deps -T --entrypoint python trainer -c '
 import json
