@@ -1,0 +1,181 @@
+"""The learner on two ranks (torchrun, gloo on CPU) against one rank, through tests/ranked_step.py:
+rank 0 drives a RankedLearner, rank 1 follows, as ``python -m services.trainer`` wires them.
+
+* Equivalence: two steps at world size 2 give the losses and gradient norms of world size 1
+  (rel 1e-5) and parameters within 1e-5. The runs are compared side by side on this machine, with a
+  learning rate (1e-4) at which a wrong gradient moves parameters far more than that, while float
+  summation order alone moves them about 1e-7.
+* Resharding: a checkpoint written at one world size resumes at the other (and an asynchronous
+  one too) and trains the next step as the uninterrupted one-rank run does.
+* Failures: a rank killed mid-step fails its partner within ``trainer.collective_timeout_s``,
+  naming what was lost, whichever side died (the ranks are started by hand, so that no launcher
+  tears the survivor down for them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from streamrl.redis_server import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "ranked_step.py"
+LR = ["--set", "policy.optimizer.lr=1e-4"]
+TIMEOUT_S = 20
+
+
+def _run(cmd: list[str], out: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    (out.parent / f"{out.name}.log").write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def one_rank(model: Path, out: Path, *args: str) -> Path:
+    _run([sys.executable, str(SCRIPT), str(model), str(out), *args], out)
+    return out
+
+
+def two_ranks(model: Path, out: Path, *args: str) -> Path:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    _run([*launcher, str(SCRIPT), str(model), str(out), *args], out)
+    return out
+
+
+def weights(run: Path) -> dict:
+    return load_file(run / "weights" / "model.safetensors")
+
+
+def metrics(run: Path) -> list[dict]:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def max_param_diff(a: Path, b: Path) -> float:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+
+
+def assert_same_steps(a: Path, b: Path) -> None:
+    for x, y in zip(metrics(a), metrics(b), strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5, abs=1e-8)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+        assert (y["train_tokens"], y["num_updates"]) == (x["train_tokens"], x["num_updates"])
+    assert max_param_diff(a, b) < 1e-5
+
+
+VARIANTS = {
+    "one update per step": [],
+    "two updates, packed micro-batches": [
+        "--set",
+        "policy.train_global_batch_size=6",
+        "--set",
+        "policy.sequence_packing.enabled=true",
+        "--set",
+        "policy.sequence_packing.train_mb_tokens=64",
+    ],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_ranks_train_the_same_steps_as_one(tiny_model_dir, tmp_path, variant):
+    args = [*LR, "--steps", "2", *VARIANTS[variant]]
+    single = one_rank(tiny_model_dir, tmp_path / "ws1", *args)
+    double = two_ranks(tiny_model_dir, tmp_path / "ws2", *args)
+    assert_same_steps(single, double)
+    start = load_file(tiny_model_dir / "model.safetensors")
+    moved = max(float((weights(single)[k] - start[k].float()).abs().max()) for k in start)
+    assert moved > 5e-5  # the comparison above is far finer than what the steps changed
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory) -> Path:
+    return one_rank(tiny_model_dir, tmp_path_factory.mktemp("uninterrupted") / "run", *LR, "--steps", "2")
+
+
+@pytest.mark.parametrize(
+    ("saved_at", "resumed_at", "extra"),
+    [(2, 1, []), (1, 2, []), (2, 1, ["--set", "checkpointing.async_save=true"])],
+    ids=["2 to 1", "1 to 2", "2 to 1, saved asynchronously"],
+)
+def test_a_checkpoint_resumes_at_another_world_size(
+    tiny_model_dir, tmp_path, uninterrupted, saved_at, resumed_at, extra
+):
+    launch = {1: one_rank, 2: two_ranks}
+    first = launch[saved_at](tiny_model_dir, tmp_path / "first", *LR, "--steps", "1", "--save", *extra)
+    assert sorted(p.name for p in (first / "ckpt").iterdir()) == ["shards", "trainer_state.pt"]
+    assert len(list((first / "ckpt" / "shards").glob("*.distcp"))) == saved_at  # a shard per rank
+    second = launch[resumed_at](
+        tiny_model_dir, tmp_path / "second", *LR, "--load", str(first / "ckpt"), "--first-step", "1"
+    )
+    # Step 1 after the resume is step 1 of the uninterrupted run: same loss and norm, same parameters.
+    [resumed] = metrics(second)
+    expected = metrics(uninterrupted)[1]
+    assert resumed["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-8)
+    assert resumed["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    assert resumed["lr"] == expected["lr"]
+    assert max_param_diff(second, uninterrupted) < 1e-5
+
+
+def _by_hand(model: Path, out: Path, killed: int) -> list[subprocess.Popen[str]]:
+    """Two ranks started without a launcher; rank ``killed`` kills itself in step 1's first pass."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        cmd = [
+            sys.executable,
+            str(SCRIPT),
+            str(model),
+            str(out),
+            "--steps",
+            "3",
+            "--kill-rank",
+            str(killed),
+            "--kill-step",
+            "1",
+            "--set",
+            f"trainer.collective_timeout_s={TIMEOUT_S}",
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    return procs
+
+
+@pytest.mark.parametrize("killed", [1, 0], ids=["a follower dies", "rank 0 dies"])
+def test_a_killed_rank_fails_its_partner_within_the_collective_timeout(tiny_model_dir, tmp_path, killed):
+    procs = _by_hand(tiny_model_dir, tmp_path / "run", killed)
+    try:
+        assert procs[killed].wait(120) == -signal.SIGKILL
+        t_dead = time.monotonic()
+        survivor = procs[1 - killed]
+        code = survivor.wait(TIMEOUT_S + 30)
+        waited = time.monotonic() - t_dead
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    output = survivor.stdout.read() if survivor.stdout else ""
+    assert code != 0, output[-3000:]
+    assert waited < TIMEOUT_S + 30
+    if killed == 1:
+        assert "trainer ranks lost during train" in output, output[-3000:]
