@@ -36,7 +36,7 @@ from services.trainer.buffer import ReplayBuffer, SampleResult
 from services.trainer.checkpoint import Checkpointer, ControlState, checkpoint_meta
 from services.trainer.collection import Collector
 from services.trainer.intake import TrajectoryIntake
-from services.trainer.learner import Learner
+from services.trainer.learner import Learner, LearnerLost
 from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve
 from services.trainer.refit import RefitReport, WeightPublisher
 from services.trainer.scheduler import Scheduler
@@ -201,7 +201,10 @@ class ControlPlane:
             raise
         except Exception as exc:
             self.fail(f"{type(exc).__name__}: {exc}")
-            await _safe(self.redis.set(self.keys.stop, b"failed"))
+            if isinstance(exc, LearnerLost):  # the trainer's own processes: a restart goes on with the run
+                log.error("the run stays open for its workers: restart the trainer to resume from its checkpoint")
+            else:
+                await _safe(self.redis.set(self.keys.stop, b"failed"))
             raise
         finally:
             await self._finish()

@@ -31,6 +31,12 @@ from shared.records import LearnerMetrics
 log = logging.getLogger(__name__)
 
 
+class LearnerLost(RuntimeError):
+    """The learner's processes were lost (a rank died or stopped answering). The trainer fails
+    (exit code 1), but the run stays open for its workers: a restart resumes from the newest
+    checkpoint, as after a crash of the trainer itself."""
+
+
 class Learner(Protocol):
     async def start(self) -> None:
         """Build the backend and load the policy."""

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from services.trainer.batch import StepBatch
+from services.trainer.learner import LearnerLost
 from services.trainer.ranks import Ranks
 from shared.records import LearnerMetrics
 
@@ -76,7 +77,7 @@ def _scatter(shares: list[RankShare | None] | None) -> RankShare | None:
     return share
 
 
-class RankLost(RuntimeError):
+class RankLost(LearnerLost):
     """The trainer's other ranks stopped answering (one died, hangs, or its command failed)."""
 
 

@@ -94,7 +94,8 @@ def write_config(folder: Path, *, model_dir: Path, redis_url: str, run_id: str, 
 
 @dataclass
 class Service:
-    """A service process (``python -m <module>``) in its own process group, signalled by pid."""
+    """A service process (``python -m <module>``, or ``launcher`` starting it, e.g. torchrun) in its
+    own process group, signalled by pid."""
 
     module: str
     config: Path
@@ -102,13 +103,13 @@ class Service:
     log: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    launcher: list[str] = field(default_factory=list)
 
     def start(self) -> Service:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                self.module,
+                *(self.launcher or ["-m", self.module]),
                 "--config",
                 str(self.config),
                 "--port",
@@ -216,8 +217,9 @@ class FaultRun:
         self.published = StreamTail(self.redis_url, self.keys.trajectories, Trajectory)
         self.published.start()
 
-    def start(self, module: str, worker_id: str) -> Service:
-        svc = Service(module, self.config, worker_id, self.folder / f"{worker_id}.log").start()
+    def start(self, module: str, worker_id: str, launcher: list[str] | None = None) -> Service:
+        svc = Service(module, self.config, worker_id, self.folder / f"{worker_id}.log", launcher=launcher or [])
+        svc.start()
         self.services[worker_id] = svc
         return svc
 
@@ -307,6 +309,21 @@ def ledger(records: list[dict]) -> dict[int, list[str]]:
         if r.get("kind") == "train":
             out[r["step"]] = r["consumed_ids"]
     return out
+
+
+def assert_resumed_without_loss(before: list[dict], after: list[dict], checkpoint: int) -> None:
+    """Steps the checkpoint covered were recorded once and kept; every trajectory trained after it
+    by the killed trainer was trained again after the restart or evicted by id, none skipped."""
+    first, final = ledger(before), ledger(after)
+    for step in range(checkpoint):  # durable: recorded once, unchanged
+        assert sum(r.get("kind") == "train" and r["step"] == step for r in after) == 1
+        assert final[step] == first[step]
+    lost = {i for step, ids in first.items() if step >= checkpoint for i in ids}
+    assert lost, "the kill should have landed after at least one step past the checkpoint"
+    resumed_records = after[len(before) :]
+    retrained = {i for ids in final.values() for i in ids}
+    evicted = {i for r in resumed_records if r.get("kind") == "train" for i in r.get("evicted_ids", [])}
+    assert lost <= retrained | evicted, sorted(lost - retrained - evicted)
 
 
 def assert_every_step_trained_once(records: list[dict], steps: int, rows_per_step: int) -> None:

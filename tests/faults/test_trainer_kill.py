@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.faults.harness import FaultRun, assert_every_step_trained_once, ledger, write_config
+from tests.faults.harness import FaultRun, assert_every_step_trained_once, assert_resumed_without_loss, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -80,16 +80,7 @@ def test_the_resumed_run_trains_every_step_once(resumed_run):
 
 def test_checkpointed_steps_are_kept_and_later_ones_are_retrained_or_evicted_by_id(resumed_run):
     _, before, after, checkpoint, _ = resumed_run
-    first, final = ledger(before), ledger(after)
-    for step in range(checkpoint):  # durable: recorded once, unchanged
-        assert sum(r.get("kind") == "train" and r["step"] == step for r in after) == 1
-        assert final[step] == first[step]
-    lost = {i for step, ids in first.items() if step >= checkpoint for i in ids}
-    assert lost, "the kill should have landed after at least one step past the checkpoint"
-    resumed_records = after[len(before) :]
-    retrained = {i for ids in final.values() for i in ids}
-    evicted = {i for r in resumed_records if r.get("kind") == "train" for i in r.get("evicted_ids", [])}
-    assert lost <= retrained | evicted, sorted(lost - retrained - evicted)
+    assert_resumed_without_loss(before, after, checkpoint)
 
 
 def test_a_restart_after_the_final_checkpoint_exits_without_training_again(resumed_run):
