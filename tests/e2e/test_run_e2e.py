@@ -1,5 +1,6 @@
 """End to end: all services as processes (embedded run via `streamrl up`), the real vLLM engine on
-the tiny model, a few asynchronous GRPO steps against an external Valkey the test can inspect.
+the tiny model, the trainer on two ranks (torchrun, FSDP2 over gloo), a few asynchronous GRPO
+steps against an external Valkey the test can inspect.
 
 Asserts what a user of the run would check: it finishes, every step trained exactly
 num_prompts_per_step x num_generations_per_prompt trajectories, no trajectory id was consumed
@@ -74,6 +75,8 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
         "grpo.val_start_at=3",
         "grpo.val_num_generations_per_prompt=2",
         "grpo.max_val_samples=4",
+        "trainer.nproc_per_node=2",
+        "trainer.torch_threads=1",
     ]
     log = open(out / "up.log", "w")
     proc = subprocess.Popen(
@@ -140,7 +143,11 @@ def test_run_finishes_and_trains_every_step(finished_run):
     assert all(len(s.consumed_ids) == PROMPTS * GENS for s in steps)
     assert all(s.batch.num_prefix_breaks == 0 for s in steps)
     assert (out / "reward_curve.png").is_file()
-    assert (out / "checkpoints" / f"step_{STEPS:06d}" / "meta.json").is_file()
+    final = out / "checkpoints" / f"step_{STEPS:06d}"
+    assert (final / "meta.json").is_file()
+    assert len(list((final / "learner" / "shards").glob("*.distcp"))) == 2  # a shard from each rank
+    log = (out / "logs" / "trainer.log").read_text()
+    assert "trainer rank 1 of 2" in log and "rank 1: stopped by rank 0" in log
 
 
 def test_cli_status_pause_and_resume_drive_the_live_run(finished_run):
