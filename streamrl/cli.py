@@ -64,6 +64,9 @@ def up(
 
 @app.command()
 def demo(
+    overrides: list[str] = typer.Argument(
+        None, help="config overrides key=value for the run, e.g. trainer.nproc_per_node=2"
+    ),
     out: Path = typer.Option(Path("runs/demo"), help="output folder"),
     steps: int = typer.Option(None, help="override grpo.max_num_steps"),
     no_progress: bool = typer.Option(False, help="no live display"),
@@ -75,7 +78,7 @@ def demo(
     if prepare_only:
         prepare(out)
         raise typer.Exit(0)
-    raise typer.Exit(run_demo(out, steps=steps, progress=not no_progress))
+    raise typer.Exit(run_demo(out, steps=steps, progress=not no_progress, overrides=overrides or []))
 
 
 def _trainer_url(url: str | None, run_dir: Path | None) -> str:

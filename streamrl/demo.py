@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,23 +84,24 @@ def summarize(out: Path) -> dict[str, Any]:
     }
 
 
-def run_demo(out: Path, *, steps: int | None = None, progress: bool = True) -> int:
+def run_demo(out: Path, *, steps: int | None = None, progress: bool = True, overrides: Sequence[str] = ()) -> int:
     from streamrl.supervisor import Supervisor
 
     logging.basicConfig(level=logging.WARNING)
     t0 = time.perf_counter()
     out = Path(out)
     policy = prepare(out)
-    overrides = [
+    run_overrides = [
         f"run.output_dir={out}",
         f"data.train_path={out / 'data' / 'train.jsonl'}",
         f"data.val_path={out / 'data' / 'val.jsonl'}",
         f"policy.model_name={policy}",
     ]
     if steps is not None:
-        overrides.append(f"grpo.max_num_steps={steps}")
-    print(f"[4/4] async GRPO: streamrl up {CONFIG.relative_to(ROOT)} {' '.join(overrides)}", flush=True)
-    code = Supervisor(str(CONFIG), overrides, progress=progress).run()
+        run_overrides.append(f"grpo.max_num_steps={steps}")
+    run_overrides += overrides
+    print(f"[4/4] async GRPO: streamrl up {CONFIG.relative_to(ROOT)} {' '.join(run_overrides)}", flush=True)
+    code = Supervisor(str(CONFIG), run_overrides, progress=progress).run()
     s = summarize(out)
     s["total_time_s"] = time.perf_counter() - t0
     (out / "summary.json").write_text(json.dumps(s, indent=2))
