@@ -40,10 +40,11 @@ cleanup() { [ "${KEEP:-0}" = 1 ] || dc down -v --remove-orphans >/dev/null 2>&1 
 trap cleanup EXIT
 dc down -v --remove-orphans >/dev/null 2>&1 || true
 
-# The tag is removed first, so its presence afterwards proves this build produced it (layers stay
-# cached). Without the buildx plugin the engine's classic builder does the build.
+# The tag is removed first, so its presence afterwards proves this build produced it. --no-prune
+# keeps its parent layers, which are the classic builder's cache (a plain rm deletes them, and
+# every run would rebuild the dependencies). Without the buildx plugin the classic builder builds.
 docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
-docker image rm streamrl:local >/dev/null 2>&1 || true
+docker image rm --no-prune streamrl:local >/dev/null 2>&1 || true
 rc=0
 dc up --build --attach trainer --exit-code-from trainer || rc=$?
 docker image inspect streamrl:local >/dev/null 2>&1 || { echo "FAIL: the image streamrl:local was not built" >&2; exit 1; }
