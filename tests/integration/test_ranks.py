@@ -85,6 +85,7 @@ VARIANTS = {
         "--set",
         "policy.sequence_packing.train_mb_tokens=64",
     ],
+    "activation checkpointing": ["--set", "policy.dtensor_cfg.activation_checkpointing=true"],
 }
 
 

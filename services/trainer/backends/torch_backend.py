@@ -232,11 +232,14 @@ class TorchBackend:
             fully_shard,
         )
 
-        mesh = self.ranks.mesh()
+        offload = self.policy.dtensor_cfg.cpu_offload
+        if offload and self.device.type == "cpu":
+            log.warning("policy.dtensor_cfg.cpu_offload has nothing to do on CPU ranks: the shards live in host memory")
+            offload = False
         kwargs: dict[str, Any] = {
-            "mesh": mesh,
+            "mesh": self.ranks.mesh(),
             "mp_policy": MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32),
-            "offload_policy": CPUOffloadPolicy() if self.policy.dtensor_cfg.cpu_offload else OffloadPolicy(),
+            "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
         }
         for layer in _decoder_layers(model):
             fully_shard(layer, **kwargs)
