@@ -2,9 +2,10 @@
 
     issue(step):            top up every target of the window [step, step + L] to N groups, in
                             flight or staged (nothing while a pause stops task issue)
-    wait_for_batch(step):   sample N usable groups; stale ones are evicted (acked, their prompts
-                            given back to the scheduler, their ids kept for the step record), and
-                            the window is topped up when evictions left the step short
+    wait_for_batch(step):   sample N usable groups; stale ones are evicted (their prompts given
+                            back to the scheduler, their ids kept for the step record, their
+                            entries acked with the step's once a checkpoint covers it), and the
+                            window is topped up when evictions left the step short
     lookahead_barrier(s0):  at start-up and resume, wait for complete batches of targets s0 and
                             s0 + 1 (when the lag allows it)
     hold_while_paused():    a user pause holds the run at a step boundary
@@ -24,7 +25,6 @@ from collections.abc import Callable
 from services.trainer.buffer import Group, ReplayBuffer, SampleResult
 from services.trainer.intake import RunFailed, TrajectoryIntake
 from services.trainer.scheduler import Scheduler
-from shared import keys as K
 from shared.pause import PauseControl, PauseReason
 from shared.protocol import Task
 from shared.run_config import RunConfig
@@ -60,6 +60,7 @@ class Collector:
         intake: TrajectoryIntake,
         pause: PauseControl,
         *,
+        hold_acks: Callable[[list[str]], None],
         tasks_issued: Callable[[list[Task]], None] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -68,6 +69,7 @@ class Collector:
         self.buffer = buffer
         self.intake = intake
         self.pause = pause
+        self.hold_acks = hold_acks  # acknowledge these entries once a checkpoint covers this step
         self.tasks_issued = tasks_issued  # a hook called after every publish of training tasks
         self.evicted_ids: list[str] = []  # task ids evicted during the last wait_for_batch
 
@@ -123,8 +125,9 @@ class Collector:
             await self.intake.wait(WAIT_S)
 
     async def _evicted(self, groups: list[Group]) -> None:
-        keys = self.streams.keys
-        await self.streams.ack(keys.trajectories, K.TRAINER_GROUP, [e for g in groups for e in g.entry_ids])
+        # Acknowledged with the step's trained entries, once a checkpoint covers the step (whose
+        # record lists these ids): a crash before it delivers them again, to be judged anew.
+        self.hold_acks([e for g in groups for e in g.entry_ids])
         for g in groups:  # never trained on: the prompt is used again
             self.scheduler.source.give_back(g.prompt_index)
             self.evicted_ids += [t.task_id for t in g.rows.values()]

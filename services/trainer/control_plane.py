@@ -99,6 +99,14 @@ class ControlPlane:
             deliver_validation=runner.deliver if runner else _no_validation,
             observe=self.hooks.trajectory_read,
         )
+        self.checkpointer = Checkpointer(
+            cfg.checkpointing,
+            Path(cfg.checkpointing.checkpoint_dir or out / "checkpoints"),
+            self.streams,
+            learner,
+            max_num_steps=g.max_num_steps,
+            stream_retention_s=cfg.trainer.stream_retention_s,
+        )
         self.collector = Collector(
             cfg,
             self.streams,
@@ -106,6 +114,7 @@ class ControlPlane:
             self.buffer,
             self.intake,
             self.pause,
+            hold_acks=self.checkpointer.hold,
             tasks_issued=self.hooks.tasks_issued,
         )
         self.log_dir = Path(cfg.logger.log_dir or out)
@@ -129,14 +138,6 @@ class ControlPlane:
             out / "weights",
             timeout_s=cfg.trainer.refit_timeout_s,
             in_flight_updates=g.async_grpo.in_flight_weight_updates,
-        )
-        self.checkpointer = Checkpointer(
-            cfg.checkpointing,
-            Path(cfg.checkpointing.checkpoint_dir or out / "checkpoints"),
-            self.streams,
-            learner,
-            max_num_steps=g.max_num_steps,
-            stream_retention_s=cfg.trainer.stream_retention_s,
         )
         self.heartbeat = HeartbeatTask(self.redis, self.keys, self._heartbeat)
         self.state = TrainerState.STARTING

@@ -9,10 +9,11 @@
         otherwise                                    -> staged in the buffer; a completed group
                                                         is reported to the scheduler and wakes the loop
 
-Entries the buffer keeps are acked by the control plane once the step that trained them is
-durable (or when they are evicted). The control plane's waits go through `wait`, which raises
-once the intake failed: a decode storm, Redis gone or a fail-fast rollout failure ends the run
-loudly instead of leaving it waiting for data that will never come.
+Entries the buffer keeps are acked by the control plane once a checkpoint covers the step that
+trained or evicted them (a restart delivers them again, to be judged against the resumed step).
+The control plane's waits go through `wait`, which raises once the intake failed: a decode storm,
+Redis gone or a fail-fast rollout failure ends the run loudly instead of leaving it waiting for
+data that will never come.
 """
 
 from __future__ import annotations
