@@ -11,12 +11,15 @@
 4. The gym gateway (`streamrl.bench_gateway`): 256 concurrent multi-turn sessions through the
    session proxy against the same conversations sent straight to the generator: errors, latency,
    proxy overhead per call, memory per session.
-5. Pipeline efficiency (`streamrl.bench_pipeline`): the real trainer, buffer, streams and gateways
+5. The trainer (`streamrl.bench_trainer`): the torch backend's tokens/s against a bare torch loop
+   of the same model, batch, loss and optimizer; two ranks against one; training state per rank
+   at two ranks against one; asynchronous against synchronous sharded checkpoint saves.
+6. Pipeline efficiency (`streamrl.bench_pipeline`): the real trainer, buffer, streams and gateways
    with simulated rollout and training times, at lag 0/1/2, against an ideal zero-overhead
    schedule of the same durations; and sequence-packing efficiency against padding.
 Every figure is reported against a baseline measured in the same run on the same machine (so
 noise from other load cancels out), as a ratio, or with its baseline named in its table.
-``--only generator|gateway|pipeline`` runs one section and rewrites only it in BENCHMARKS.md.
+``--only generator|gateway|trainer|pipeline`` runs one section and rewrites only it in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ from shared.protocol import Trajectory, encode, make_turn
 from shared.redis_replies import read_entries
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
-from streamrl import bench_gateway, bench_pipeline, bench_pipeline_report
+from streamrl import bench_gateway, bench_pipeline, bench_pipeline_report, bench_trainer
 from streamrl.bench_generator import HEADING as GENERATOR_HEADING
 from streamrl.bench_generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
 
-SECTIONS = ("generator", "gateway", "pipeline")
+SECTIONS = ("generator", "gateway", "trainer", "pipeline")
 
 
 def _trajectory(i: int, rng: np.random.Generator, prompt_len: int = 600, gen_len: int = 300) -> Trajectory:
@@ -284,6 +287,7 @@ def render(
     machine: str,
     generator: dict[str, Any],
     gateway: dict[str, Any],
+    trainer: dict[str, Any],
     pipeline: dict[str, Any],
 ) -> str:
     head = (
@@ -300,6 +304,8 @@ def render(
         + render_section(generator)
         + "\n"
         + bench_gateway.render_section(gateway)
+        + "\n"
+        + bench_trainer.render_section(trainer)
         + "\n"
         + bench_pipeline_report.render_pipeline(pipeline)
     )
@@ -322,14 +328,22 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
         )
     finally:
         server.stop()
+    trainer = bench_trainer.trainer_benchmark(tmp / "trainer", machine) if only in (None, "trainer") else None
     pipeline = bench_pipeline.run_pipeline_benchmark(tmp / "pipeline") if only in (None, "pipeline") else None
     results_path = tmp / "bench.json"
     if only is None:
         # only=None ran every section
         assert demo is not None and streams is not None and generator is not None and gateway is not None
-        assert pipeline is not None
-        text = render(demo, streams, machine, generator, gateway, pipeline)
-        results = {"demo": demo, "streams": streams, "generator": generator, "gateway": gateway, "pipeline": pipeline}
+        assert trainer is not None and pipeline is not None
+        text = render(demo, streams, machine, generator, gateway, trainer, pipeline)
+        results = {
+            "demo": demo,
+            "streams": streams,
+            "generator": generator,
+            "gateway": gateway,
+            "trainer": trainer,
+            "pipeline": pipeline,
+        }
     else:
         text = out.read_text() if out.is_file() else "# Benchmarks\n"
         if generator is not None:
@@ -338,11 +352,24 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
             text = replace_section(
                 text, bench_gateway.render_section(gateway), bench_gateway.HEADING, after=GENERATOR_HEADING
             )
+        if trainer is not None:
+            text = replace_section(
+                text, bench_trainer.render_section(trainer), bench_trainer.HEADING, after=bench_gateway.HEADING
+            )
         if pipeline is not None:
             text = replace_section(text, bench_pipeline_report.render_pipeline(pipeline), bench_pipeline_report.HEADING)
         results = json.loads(results_path.read_text()) if results_path.is_file() else {}
         results.update(
-            {k: v for k, v in (("generator", generator), ("gateway", gateway), ("pipeline", pipeline)) if v is not None}
+            {
+                k: v
+                for k, v in (
+                    ("generator", generator),
+                    ("gateway", gateway),
+                    ("trainer", trainer),
+                    ("pipeline", pipeline),
+                )
+                if v is not None
+            }
         )
     out.write_text(text)
     results_path.write_text(json.dumps(results, indent=2))

@@ -1,0 +1,254 @@
+"""The trainer section of ``streamrl bench``: what the torch backend costs over plain torch, and
+what a second rank buys, on CPU.
+
+Two Qwen3-architecture models are built at random in the section's folder (nothing is
+downloaded): a small one for throughput, and one of tens of millions of parameters, large enough
+that parameters, gradients and optimizer state dominate, for memory and checkpoints. Each part
+runs in worker processes (`streamrl.bench_trainer_worker`); every ratio compares two sides
+measured in the same process, alternated step by step (A B, B A, ...) after a warm-up step each,
+so that load from other processes hits both:
+
+1. Throughput at one rank: `TorchBackend.train_step` against a bare loop (the same model, batch,
+   clipped importance-corrected GRPO token loss and AdamW, written plainly in torch).
+2. Two ranks (torchrun, gloo, one thread each): the learner over both ranks as the trainer runs
+   it against a one-rank learner with one thread.
+3. Memory: bytes of each rank's parameters, gradients and optimizer state (local shards) after
+   one step at two ranks, against one rank.
+4. Checkpoints at two ranks: how long `save_checkpoint` blocks, synchronous against asynchronous
+   (``checkpointing.async_save``), and how long until the asynchronous one is on disk.
+
+`render_section` writes the BENCHMARKS.md section. Called by `streamrl.bench`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from streamrl.model_builder import TinyModelSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADING = "## Trainer"
+THROUGHPUT_TARGET = 0.9  # backend tokens/s over the bare loop's
+MEMORY_TARGET = 0.55  # training state per rank at 2 ranks over 1 rank
+WORLD_SIZE = 2
+ROUNDS = 10  # alternated steps per side, throughput and scaling
+SAVES = 3  # synchronous and asynchronous saves each, after one warm-up of each
+# Throughput: 16 rows (4 groups of 4) of 32-128 tokens; memory and checkpoints: 4 short rows.
+THROUGHPUT_ROWS = ["--rows", "16", "--min-len", "32", "--max-len", "128"]
+STATE_ROWS = ["--rows", "4", "--min-len", "32", "--max-len", "64"]
+SMALL = TinyModelSpec(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
+LARGE = TinyModelSpec(
+    vocab_size=32768,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
+
+
+def build_model(out: Path, spec: TinyModelSpec) -> int:
+    """A randomly initialised Qwen3 causal LM of ``spec``'s shape saved to ``out`` (weights and
+    config, no tokenizer: the trainer reads token ids); its parameter count."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(spec.seed)
+    cfg = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=1,
+        dtype="float32",
+    )
+    model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(out, safe_serialization=True)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_worker(mode: str, model: Path, out: Path, args: list[str], world_size: int = 1) -> dict[str, Any]:
+    """``streamrl.bench_trainer_worker`` alone or under torchrun; its JSON result."""
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"] if world_size > 1 else []
+    )
+    cmd = [sys.executable, *launcher, "-m", "streamrl.bench_trainer_worker", mode, str(model), str(out), *args]
+    log = out.with_suffix(".log")
+    with open(log, "wb") as f:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"trainer bench worker {mode!r} exited with {code}; see {log}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def paired(rounds: list[dict[str, float]], side: str, base: str, tokens: int) -> dict[str, float]:
+    """Tokens/s of each side (tokens over its median step time) and side/base as the median of the
+    rounds' ratios of throughput, with their range."""
+    ratios = [r[f"{base}_s"] / r[f"{side}_s"] for r in rounds]
+    return {
+        "tok_s": tokens / statistics.median(r[f"{side}_s"] for r in rounds),
+        "base_tok_s": tokens / statistics.median(r[f"{base}_s"] for r in rounds),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+
+
+def memory(state: dict[str, Any]) -> dict[str, Any]:
+    """Bytes of training state at one rank and per rank at many (the largest rank's), by kind."""
+    kinds = ("params", "grads", "optimizer")
+    single = {k: state["single"][k] for k in kinds}
+    per_rank = {k: max(r[k] for r in state["ranks"]) for k in kinds}
+    return {
+        "single": {**single, "total": sum(single.values())},
+        "per_rank": {**per_rank, "total": max(sum(r[k] for k in kinds) for r in state["ranks"])},
+    }
+
+
+def checkpoints(saves: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the timed (not warm-up) saves, synchronous and asynchronous."""
+    out: dict[str, Any] = {}
+    for name, is_async in (("sync", False), ("async", True)):
+        timed = [s for s in saves if s["async"] == is_async and not s["warm_up"]]
+        out[name] = {k: statistics.median(s[k] for s in timed) for k in ("blocking_s", "on_disk_s", "num_bytes")}
+        out[name]["n"] = len(timed)
+    return out
+
+
+def trainer_benchmark(work: Path, machine: str) -> dict[str, Any]:
+    """The four parts (see the module docstring); a JSON-able dict for `render_section`."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t0 = time.perf_counter()
+    small, large = work / "small-qwen3", work / "large-qwen3"
+    small_params, large_params = build_model(small, SMALL), build_model(large, LARGE)
+    rounds = ["--rounds", str(ROUNDS)]
+    compare = run_worker("compare", small, work / "compare.json", [*rounds, "--threads", "1", *THROUGHPUT_ROWS])
+    scale = run_worker("scale", small, work / "scale.json", [*rounds, *THROUGHPUT_ROWS], WORLD_SIZE)
+    state = run_worker("state", large, work / "state.json", ["--saves", str(SAVES), *STATE_ROWS], WORLD_SIZE)
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine,
+        "cores": os.cpu_count() or 1,
+        "world_size": WORLD_SIZE,
+        "small_params": small_params,
+        "large_params": large_params,
+        "tokens": compare["tokens"],
+        "rounds": ROUNDS,
+        "throughput": paired(compare["rounds"], "backend", "bare", compare["tokens"]),
+        "first_loss": {"backend": compare["backend_loss"], "bare": compare["bare_loss"]},
+        "scaling": paired(scale["rounds"], "ranked", "single", scale["tokens"]),
+        "memory": memory(state),
+        "checkpoint": checkpoints(state["saves"]),
+        "load_avg": {
+            name: _range([r["load_avg"] for r in w["rounds"]])
+            for name, w in (("throughput", compare), ("scaling", scale))
+        },
+        "section_s": time.perf_counter() - t0,
+        "raw": {"compare": compare, "scale": scale, "state": state},
+    }
+
+
+def _range(values: list[float]) -> list[float]:
+    return [min(values), max(values)]
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def render_section(t: dict[str, Any]) -> str:
+    """The BENCHMARKS.md section for the results of `trainer_benchmark`."""
+    tp, sc, mem, ck = t["throughput"], t["scaling"], t["memory"], t["checkpoint"]
+    ws, load = t["world_size"], t["load_avg"]
+    mem_ratio = mem["per_rank"]["total"] / mem["single"]["total"]
+    best = min(ws, t["cores"])  # ranks beyond the cores share them
+    lines = [
+        f"{HEADING} (`streamrl bench --only trainer`: torch backend on CPU, Qwen3 models built at random; "
+        f"{t['date']}, {t['machine']})",
+        "",
+        f"Throughput on a {t['small_params'] / 1e6:.1f}M-parameter Qwen3, one step = one AdamW update over 16 rows "
+        f"(4 groups of 4, 32-128 tokens, {t['tokens']:,} tokens, half of each row generated) in micro-batches of "
+        "4 rows padded to their longest, float32, one torch thread per process (with two, a step stalls whenever "
+        "another process holds one of the cores). Each comparison runs both sides in one process (rank 0's), one "
+        f"warm-up step each, then {t['rounds']} steps each alternated step by step (A B, B A, ...); tokens/s "
+        "divide the step's tokens by the median step time, the ratio is the median of the steps' ratios (range "
+        "in brackets). The bare loop is the same model, batch, micro-batches, clipped importance-corrected GRPO "
+        "token loss, gradient clipping and AdamW written plainly in torch; its first step's loss is "
+        f"{t['first_loss']['bare']:.6f} against the backend's {t['first_loss']['backend']:.6f}. At {ws} ranks the "
+        "learner runs as the trainer runs it under torchrun (`RankedLearner` on rank 0, `follow` on rank 1, FSDP2 "
+        "over gloo, `trainer.torch_threads=1` per rank); its baseline is a one-rank learner (`LocalLearner`) in "
+        f"rank 0 while rank 1 waits idle. Scaling here is bounded by the host's {t['cores']} cores: {ws} ranks can "
+        f"at best reach {best:.0f}x one rank's tokens/s, and less while other processes take a core. The 1-minute load "
+        f"average ranged {load['throughput'][0]:.1f}-{load['throughput'][1]:.1f} over the first comparison's steps "
+        f"and {load['scaling'][0]:.1f}-{load['scaling'][1]:.1f} over the second's (one-rank figures of the two rows "
+        "differ with it).",
+        "",
+        "| comparison | tokens/s | baseline tokens/s | ratio (range) | target |",
+        "|---|---|---|---|---|",
+        f"| `TorchBackend.train_step` against the bare torch loop, 1 rank | {tp['tok_s']:.0f} | "
+        f"{tp['base_tok_s']:.0f} | {tp['ratio']:.2f} ({tp['ratio_min']:.2f}-{tp['ratio_max']:.2f}) | "
+        f">= {THROUGHPUT_TARGET}: {_met(tp['ratio'] >= THROUGHPUT_TARGET)} |",
+        f"| {ws} ranks against 1 rank | {sc['tok_s']:.0f} | {sc['base_tok_s']:.0f} | "
+        f"{sc['ratio']:.2f} ({sc['ratio_min']:.2f}-{sc['ratio_max']:.2f}) | none (at most {best:.1f} on "
+        f"{t['cores']} cores) |",
+        "",
+        f"Training state on a {t['large_params'] / 1e6:.1f}M-parameter Qwen3 after one step: bytes of the "
+        "parameters, gradients and AdamW state each rank holds (a DTensor's local shard), float32.",
+        "",
+        f"| training state | 1 rank (MiB) | per rank at {ws} ranks (MiB) | per rank / 1 rank |",
+        "|---|---|---|---|",
+    ]
+    for kind, label in (
+        ("params", "parameters"),
+        ("grads", "gradients"),
+        ("optimizer", "AdamW state"),
+        ("total", "total"),
+    ):
+        one, each = mem["single"][kind], mem["per_rank"][kind]
+        lines.append(f"| {label} | {one / 2**20:.1f} | {each / 2**20:.1f} | {each / one:.2f} |")
+    sync, asyn = ck["sync"], ck["async"]
+    lines += [
+        "",
+        f"Target per rank / 1 rank <= {MEMORY_TARGET}: {_met(mem_ratio <= MEMORY_TARGET)}.",
+        "",
+        f"| `save_checkpoint` at {ws} ranks, same model and state ({sync['num_bytes'] / 2**20:.0f} MiB of shards; "
+        f"median of {sync['n']} each, alternated, after one warm-up of each; the slowest rank) | returns after (s) | "
+        "on disk after (s) |",
+        "|---|---|---|",
+        f"| synchronous (`checkpointing.async_save: false`) | {sync['blocking_s']:.2f} | {sync['on_disk_s']:.2f} |",
+        f"| asynchronous (`checkpointing.async_save: true`; on disk: `wait_for_save` called at once) | "
+        f"{asyn['blocking_s']:.2f} | {asyn['on_disk_s']:.2f} |",
+        f"| asynchronous / synchronous | {asyn['blocking_s'] / sync['blocking_s']:.2f} | "
+        f"{asyn['on_disk_s'] / sync['on_disk_s']:.2f} |",
+        "",
+        f"The section took {t['section_s'] / 60:.1f} min, model builds and process starts included.",
+        "",
+    ]
+    return "\n".join(lines)
