@@ -318,7 +318,7 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}"
     tmp = Path("runs/bench")
     demo = demo_benchmark(tmp / "demo") if only is None else None
-    server = RedisServer(tmp / "redis")
+    server = RedisServer(tmp / "redis", tied_to_parent=True)
     server.start()
     try:
         streams = stream_benchmark(server.url) if only is None else None

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from streamrl.child_guard import guarded
+
 if TYPE_CHECKING:
     import aiohttp
     import msgspec
@@ -337,18 +339,20 @@ def gateway_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any
     gw_port = free_port()
     gw_log = open(work / "gateway.log", "wb")
     gateway = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "streamrl.bench_gateway",
-            "serve-gateway",
-            "--config",
-            str(config),
-            "--port",
-            str(gw_port),
-            "--worker-id",
-            "gw-bench",
-        ],
+        guarded(
+            [
+                sys.executable,
+                "-m",
+                "streamrl.bench_gateway",
+                "serve-gateway",
+                "--config",
+                str(config),
+                "--port",
+                str(gw_port),
+                "--worker-id",
+                "gw-bench",
+            ]
+        ),
         cwd=ROOT,
         stdout=gw_log,
         stderr=subprocess.STDOUT,

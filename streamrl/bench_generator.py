@@ -38,6 +38,7 @@ import yaml
 
 from streamrl.bench_throughput import BLOCKS, MAX_TOKENS, ROUNDS_PER_BLOCK, make_requests, throughput
 from streamrl.bench_throughput import words as words_of
+from streamrl.child_guard import guarded
 
 if TYPE_CHECKING:
     import aiohttp
@@ -115,7 +116,9 @@ class GeneratorProcess:
             "gen-bench",
         ]
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                guarded(cmd), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )  # stops with the benchmark, however the benchmark ends
 
     async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float = 300.0) -> None:
         import aiohttp

@@ -43,6 +43,7 @@ from shared.registry import HeartbeatTask, publish_heartbeat
 from shared.run_config import EnvSection, RunConfig
 from shared.streams import StreamClient, connect
 from streamrl.bench_schedule import Scenario
+from streamrl.child_guard import guarded
 
 ENV_NAME = "bench_sleep"
 GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
@@ -236,4 +237,4 @@ def _spawn(role: str, work: Path) -> subprocess.Popen[bytes]:
         str(work / f"{role}.report.json"),
     ]
     with open(work / f"{role}.log", "wb") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(guarded(cmd), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -42,6 +42,7 @@ class RedisServer:
         appendonly: bool = False,
         appendfsync: str = "everysec",
         extra_args: list[str] | None = None,
+        tied_to_parent: bool = False,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()  # the server chdirs into it: relative paths would break
         self.port = port or free_port()
@@ -54,6 +55,8 @@ class RedisServer:
         self.appendfsync = appendfsync
         self.extra_args = list(extra_args or [])  # e.g. ["--requirepass", ...]: url then carries no password
         self.proc: subprocess.Popen[bytes] | None = None
+        # SIGTERM to the server when this process dies (a job's supervisor: no orphaned server)
+        self.tied_to_parent = tied_to_parent
 
     @property
     def url(self) -> str:
@@ -81,6 +84,10 @@ class RedisServer:
             str(self.data_dir / "server.log"),
             *self.extra_args,
         ]
+        if self.tied_to_parent:
+            from streamrl.child_guard import guarded
+
+            args = guarded(args)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

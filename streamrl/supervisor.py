@@ -6,9 +6,12 @@
 
 Each child gets the same config file and overrides (so they agree on the run), its own port and
 a stable worker id, and logs to ``<output_dir>/logs/<name>.log``. If any child dies while the
-trainer runs, the job stops loudly with that child's log tail. Ctrl-C stops the trainer first (it
-drains), then the workers, then Redis. ``run.json`` in the output folder records the URLs and pids
-for ``streamrl status``/``pause``/``resume``/``validate``/``scale`` (rewritten when workers change).
+trainer runs, the job stops loudly with that child's log tail. Ctrl-C (or SIGTERM, SIGHUP: a
+closed terminal) stops the trainer first (it drains), then the workers, then Redis; a second one
+kills them at once. Every child gets SIGTERM from the kernel if the supervisor dies, however it
+dies (`streamrl.child_guard`), so none trains on as an orphan. ``run.json`` in the output folder
+records the URLs and pids for ``streamrl status``/``pause``/``resume``/``validate``/``scale``
+(rewritten when workers change).
 
 Generators and gateway workers live in one `WorkerPool` per service; ``streamrl scale`` changes
 their size while the job runs, through the `ScaleChannel` the supervisor reads every second
@@ -34,6 +37,7 @@ from shared import keys as K
 from shared.auth import redact_url
 from shared.config import load
 from shared.run_config import SERVICES, RunConfig
+from streamrl.child_guard import guarded
 from streamrl.progress import Progress
 from streamrl.redis_server import RedisServer, free_port
 from streamrl.worker_pool import ScaleChannel, WorkerPool
@@ -65,7 +69,7 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, *self.args],
+            guarded([sys.executable, *self.args]),  # SIGTERM if the supervisor dies, however it dies
             cwd=ROOT,
             stdout=fh,
             stderr=subprocess.STDOUT,
@@ -118,13 +122,8 @@ class Child:
             return ""
 
 
-def trainer_launcher(nproc_per_node: int) -> list[str]:
-    """The interpreter arguments that start the trainer: its module, or torchrun starting
-    ``nproc_per_node`` ranks of it on this node (rank 0 serves the REST API on the trainer's port)."""
-    module = ["-m", "services.trainer"]
-    if nproc_per_node == 1:
-        return module
-    return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}", *module]
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _port(configured: int, offset: int) -> int:
@@ -166,9 +165,8 @@ class Supervisor:
         workers = [c for pool in self.pools.values() for c in pool.children()]
         return workers + ([self.trainer] if self.trainer else [])
 
-    def _child(self, name: str, module: str, port: int, extra: list[str], launcher: list[str] | None = None) -> Child:
-        launch = launcher if launcher is not None else ["-m", module]
-        args = [*launch, "--config", self.config_path, "--port", str(port), *extra, *self.overrides]
+    def _child(self, name: str, module: str, port: int, extra: list[str]) -> Child:
+        args = ["-m", module, "--config", self.config_path, "--port", str(port), *extra, *self.overrides]
         return Child(name, args, self.logs / f"{name}.log", port, env={"REDIS_URL": self.redis_url})
 
     def _generator(self, index: int) -> Child:
@@ -183,18 +181,15 @@ class Supervisor:
     def run(self) -> int:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the job as Ctrl-C does
+            signal.signal(sig, _interrupt)
         try:
             self._start_redis()
             self._wait_ready(self.pools["generator"].start_initial(cfg.generator.num_workers), timeout_s=600)
             self.pools["generator"].mark_ready()
             gateways = self.pools["gym-gateway"].start_initial(cfg.gym_gateway.num_workers)
-            self.trainer = trainer = self._child(
-                "trainer",
-                "services.trainer",
-                _port(cfg.trainer.port, 0),
-                [],
-                trainer_launcher(cfg.trainer.nproc_per_node),
-            )
+            # trainer.nproc_per_node > 1: the trainer starts its ranks under torchrun itself
+            self.trainer = trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
             trainer.start()
             self._wait_ready(gateways, timeout_s=120)  # while the trainer loads its policy
             self.pools["gym-gateway"].mark_ready()
@@ -212,7 +207,7 @@ class Supervisor:
         if url:
             self.redis_url = url
             return
-        self.redis = RedisServer(self.out / "redis")
+        self.redis = RedisServer(self.out / "redis", tied_to_parent=True)
         self.redis.start()
         self.redis_url = self.redis.url
 
@@ -274,9 +269,16 @@ class Supervisor:
             self._write_run_file(trainer)
 
     def shutdown(self) -> None:
+        """Stop the trainer (it drains), then the workers, then Redis; a second Ctrl-C (or SIGTERM,
+        SIGHUP) meanwhile kills every child at once."""
         others = [c for c in self.children if c is not self.trainer]
-        for c in ([self.trainer] if self.trainer else []) + list(reversed(others)):
-            c.stop(timeout_s=40.0)
+        try:
+            for c in ([self.trainer] if self.trainer else []) + list(reversed(others)):
+                c.stop(timeout_s=40.0)
+        except KeyboardInterrupt:
+            print("\nstopping at once: killing every child", file=sys.stderr)
+            for c in self.children:
+                c.kill()
         if self.channel is not None:
             self.channel.redis.close()
         if self.redis is not None:

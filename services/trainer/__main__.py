@@ -5,7 +5,9 @@ Parses the command line and loads the config before importing torch or transform
 policy cannot load); SIGTERM or SIGINT stops the run (a restart resumes from the newest
 checkpoint) and the process ends by that signal.
 
-Under torchrun (``WORLD_SIZE`` > 1) every rank joins the trainer's process group; rank 0 serves
+With ``trainer.nproc_per_node`` > 1 and no launcher around it, the process replaces itself with
+``torchrun --standalone --nproc-per-node N -m services.trainer`` and the same arguments. Under
+torchrun (``WORLD_SIZE`` > 1) every rank joins the trainer's process group; rank 0 serves
 the REST API and runs the control plane with a `RankedLearner`, every other rank builds its shard
 of the learner and follows rank 0's commands (`services.trainer.rank_learner`) until the run ends.
 A follower whose command fails exits 1 (torchrun then stops the others).
@@ -14,6 +16,7 @@ A follower whose command fails exits 1 (torchrun then stops the others).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -33,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from services.trainer.ranks import launched_world_size
 
+    nproc = cfg.trainer.nproc_per_node
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:  # not started by a launcher: become one
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        command = [*launcher, "-m", "services.trainer", *(sys.argv[1:] if argv is None else argv)]
+        log.info("trainer.nproc_per_node is %d: %s", nproc, " ".join(command[1:]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, command)
     if launched_world_size() > 1:
         if cfg.trainer.backend != "torch":
             log.error("trainer.backend %r runs on one rank; many need trainer.backend: torch", cfg.trainer.backend)

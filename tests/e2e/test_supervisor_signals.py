@@ -1,0 +1,127 @@
+"""A `streamrl up` job lives and dies with its supervisor: killed with SIGKILL, closed terminal
+(SIGHUP), or Ctrl-C twice, it leaves no child running (generator, gateway worker, trainer,
+embedded Valkey), each of which runs in a session of its own.
+
+The job is the demo config on the tiny model with the transformers engine and far more steps than
+the test waits for; the supervisor is signalled once every service is up (run.json names them and
+the trainer answers), wherever the run has got to by then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.faults.harness import write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited (its parent has not reaped it yet)
+
+
+def _job_pids(out: Path) -> list[int]:
+    """The children run.json names, and the embedded Valkey (its process title names its port)."""
+    run = json.loads((out / "run.json").read_text())
+    pids = [c["pid"] for c in run["children"].values()]
+    port = run["redis_url"].rsplit(":", 1)[1].split("/")[0]
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "valkey-server" in cmd and f":{port}" in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+def _start(tmp: Path, tiny_model_dir: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    config = write_config(
+        tmp,
+        model_dir=tiny_model_dir,
+        redis_url="",
+        run_id=f"sig-{os.getpid()}-{tmp.name}",
+        overrides={"redis.url": None, "grpo.max_num_steps": 1000, "gym_gateway.drain_timeout_s": 5.0},
+    )
+    out = Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
+    log = open(tmp / "up.log", "wb")
+    sup = subprocess.Popen(
+        [sys.executable, "-m", "streamrl.cli", "up", str(config), "--no-progress"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # signals from the test only, as from a terminal
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert sup.poll() is None, (tmp / "up.log").read_text()[-3000:]
+        try:
+            url = json.loads((out / "run.json").read_text())["trainer_url"]
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return sup, out
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.5)
+    pytest.fail("the job did not come up:\n" + (tmp / "up.log").read_text()[-3000:])
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def _cleanup(pids: list[int]) -> None:
+    for p in pids:
+        for kill in (os.killpg, os.kill):  # its session (engine subprocesses), then the process itself
+            try:
+                kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGHUP"])
+def test_children_stop_when_the_supervisor_goes(tmp_path, tiny_model_dir, how):
+    sup, out = _start(tmp_path, tiny_model_dir)
+    pids = _job_pids(out)
+    try:
+        assert len(pids) == 4, pids  # generator, gateway worker, trainer, Valkey
+        os.kill(sup.pid, getattr(signal, how))
+        sup.wait(120)
+        left = _wait_gone(pids, 120)  # each drains on its SIGTERM, bounded by its drain limit
+        assert left == [], f"still running after the supervisor got {how}: {left}"
+    finally:
+        _cleanup(pids)
+    if how == "SIGHUP":
+        assert sup.returncode == 130 and "stopping the job" in (tmp_path / "up.log").read_text()
+
+
+def test_a_second_ctrl_c_stops_the_job_at_once(tmp_path, tiny_model_dir):
+    sup, out = _start(tmp_path, tiny_model_dir)
+    pids = _job_pids(out)
+    try:
+        os.kill(sup.pid, signal.SIGINT)
+        time.sleep(0.5)  # the first one is being handled: the trainer drains first
+        os.kill(sup.pid, signal.SIGINT)
+        sup.wait(60)
+        assert _wait_gone(pids, 30) == []
+    finally:
+        _cleanup(pids)
+    assert "stopping at once" in (tmp_path / "up.log").read_text()
