@@ -37,6 +37,29 @@ class RunSection(_Section):
 
 class RedisSection(_Section):
     url: Annotated[str | None, D("Redis 7+/Valkey URL (env REDIS_URL); null: `streamrl up` embeds Valkey")] = None
+    embedded_appendfsync: Annotated[
+        Literal["always", "everysec"],
+        D(
+            "the embedded Valkey keeps an append-only file and is restarted on it if it dies; always: nothing "
+            "acknowledged is lost on a kill -9 (slower writes), everysec: up to a second of writes may be"
+        ),
+    ] = "everysec"
+
+
+class SupervisorSection(_Section):
+    """How `streamrl up` heals a job on one machine."""
+
+    max_restarts: Annotated[
+        int,
+        D(
+            "restarts of one service (a generator or gateway worker, the trainer, the embedded Valkey) within "
+            "restart_window_s before the job fails; 0: the first crash fails it"
+        ),
+    ] = 3
+    restart_window_s: Annotated[float, D("window in which max_restarts counts")] = 600.0
+    restart_backoff_s: Annotated[
+        float, D("delay before the first restart in the window, doubled for each further one (at most 60 s)")
+    ] = 1.0
 
 
 class DataSection(_Section):
@@ -524,6 +547,7 @@ class TrainerSection(_Section):
 class RunConfig(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     redis: RedisSection = msgspec.field(default_factory=RedisSection)
+    supervisor: SupervisorSection = msgspec.field(default_factory=SupervisorSection)
     data: DataSection = msgspec.field(default_factory=DataSection)
     policy: PolicySection = msgspec.field(default_factory=PolicySection)
     grpo: GrpoSection = msgspec.field(default_factory=GrpoSection)
@@ -584,6 +608,8 @@ class RunConfig(_Section):
             raise ConfigError("grpo.val_num_generations_per_prompt must be >= 1")
         if self.trainer.stream_retention_s < 0:
             raise ConfigError("trainer.stream_retention_s must be >= 0")
+        if self.supervisor.max_restarts < 0 or self.supervisor.restart_backoff_s < 0:
+            raise ConfigError("supervisor.max_restarts and supervisor.restart_backoff_s must be >= 0")
         if self.trainer.nproc_per_node < 1:
             raise ConfigError("trainer.nproc_per_node must be >= 1")
         if self.trainer.nproc_per_node > 1 and self.trainer.backend != "torch":

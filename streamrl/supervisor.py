@@ -5,8 +5,12 @@
     (by pid)
 
 Each child gets the same config file and overrides (so they agree on the run), its own port and
-a stable worker id, and logs to ``<output_dir>/logs/<name>.log``. If any child dies while the
-trainer runs, the job stops loudly with that child's log tail. Ctrl-C (or SIGTERM, SIGHUP: a
+a stable worker id, and logs to ``<output_dir>/logs/<name>.log``. A child that dies while the
+trainer runs is restarted with the same name, port and worker id (`streamrl.restarts`: at most
+``supervisor.max_restarts`` per service within ``supervisor.restart_window_s``, after a doubling
+backoff); so is the trainer (it resumes from its newest checkpoint; not when it marked the run
+failed) and the embedded Valkey (on its append-only file). A service that keeps dying fails the
+job loudly with its log tail; a child that dies during start-up fails it at once. Ctrl-C (or SIGTERM, SIGHUP: a
 closed terminal) stops the trainer first (it drains), then the workers, then Redis; a second one
 kills them at once. Every child gets SIGTERM from the kernel if the supervisor dies, however it
 dies (`streamrl.child_guard`), so none trains on as an orphan. ``run.json`` in the output folder
@@ -40,6 +44,7 @@ from shared.run_config import SERVICES, RunConfig
 from streamrl.child_guard import guarded
 from streamrl.progress import Progress
 from streamrl.redis_server import RedisServer, free_port
+from streamrl.restarts import RestartBudget
 from streamrl.worker_pool import ScaleChannel, WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,6 +163,8 @@ class Supervisor:
             ),
         }
         self.channel: ScaleChannel | None = None
+        self.budgets: dict[str, RestartBudget] = {}  # per service: how many restarts are left
+        self.restarts: dict[str, int] = {}  # per service: restarts so far (reported at the end)
 
     @property
     def children(self) -> list[Child]:
@@ -207,7 +214,12 @@ class Supervisor:
         if url:
             self.redis_url = url
             return
-        self.redis = RedisServer(self.out / "redis", tied_to_parent=True)
+        self.redis = RedisServer(
+            self.out / "redis",
+            appendonly=True,  # a Valkey that died restarts on its append-only file: no entry lost
+            appendfsync=self.cfg.redis.embedded_appendfsync,
+            tied_to_parent=True,
+        )
         self.redis.start()
         self.redis_url = self.redis.url
 
@@ -233,6 +245,7 @@ class Supervisor:
             "trainer_url": trainer.url,
             "redis_url": redact_url(self.redis_url),  # no password on disk: `streamrl status` then needs REDIS_URL
             "children": {c.name: {"pid": c.pid, "url": c.url, "log": str(c.log_path)} for c in self.children},
+            "restarts": dict(self.restarts),  # per service, by the supervisor (supervisor.max_restarts)
             # `streamrl scale` writes ScaleRequests here and reads ScaleStatus (streamrl.worker_pool).
             "scale": {
                 "request_key": K.RunKeys(self.cfg.run.run_id).scale_request,
@@ -242,21 +255,81 @@ class Supervisor:
         (self.out / "run.json").write_text(json.dumps(info, indent=2))
 
     def _watch(self, trainer: Child) -> int:
+        """Until the trainer exits for good: scale ticks, the progress display, and restarts of
+        whatever died (`_heal`). A trainer that exits 0 ends the job; one that exits otherwise is
+        restarted (it resumes from its newest checkpoint) unless the run failed (its stop key says
+        so: restarting would fail again) or its restart budget is spent."""
         progress = Progress(trainer.url, self.cfg, enabled=self.show_progress)
         with progress:
-            while trainer.alive():
-                self._scale_tick(trainer)
-                for pool in self.pools.values():
-                    for c in pool.crashed():
-                        raise JobFailed(f"{c.name} died (code {c.returncode}) while the trainer ran:\n{c.tail()}")
-                progress.update()
-                time.sleep(1.0)
+            while True:
+                while trainer.alive():
+                    self._heal()
+                    self._scale_tick(trainer)
+                    progress.update()
+                    time.sleep(1.0)
+                code = trainer.returncode
+                assert code is not None  # alive() polled it until it exited
+                if code == 0 or self._run_failed():
+                    break
+                delay = self._grant("trainer", f"trainer died (code {code})", trainer)
+                print(
+                    f"trainer died (code {code}); restarting it in {delay:.0f}s (it resumes from its newest "
+                    "checkpoint)",
+                    file=sys.stderr,
+                )
+                self._sleep_healing(delay, trainer)
+                trainer.start()
+                self._write_run_file(trainer)
             progress.update(final=True)
-        code = trainer.returncode
-        assert code is not None  # alive() polled it until it exited
+        if self.restarts:
+            print("restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(self.restarts.items())), file=sys.stderr)
         if code != 0:
             print(f"trainer exited with code {code}; last log lines:\n{trainer.tail(40)}", file=sys.stderr)
         return code
+
+    def _heal(self) -> None:
+        """Restart the embedded Valkey (on its append-only file) and any worker that died, each
+        within its service's restart budget."""
+        now = time.monotonic()
+        if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
+            code = self.redis.proc.returncode
+            delay = self._grant("redis", f"the embedded Valkey died (code {code})", None)
+            print(f"embedded Valkey died (code {code}); restarting it in {delay:.0f}s on its AOF", file=sys.stderr)
+            time.sleep(delay)
+            self.redis.start()
+        for name, pool in self.pools.items():
+            for m in pool.crashed():
+                code = m.child.returncode
+                delay = self._grant(name, f"{m.child.name} died (code {code})", m.child)
+                print(f"{m.child.name} died (code {code}); restarting it in {delay:.0f}s", file=sys.stderr)
+                pool.restart_later(m, now + delay)
+
+    def _grant(self, service: str, what: str, child: Child | None) -> float:
+        budget = self.budgets.setdefault(service, RestartBudget.from_config(self.cfg.supervisor))
+        delay = budget.grant(time.monotonic())
+        if delay is None:
+            tail = f":\n{child.tail()}" if child is not None else ""
+            raise JobFailed(f"{what} after {budget.spent()}: giving up{tail}")
+        self.restarts[service] = self.restarts.get(service, 0) + 1
+        if self.trainer is not None:
+            self._write_run_file(self.trainer)  # the counts, for `streamrl status`
+        return delay
+
+    def _sleep_healing(self, seconds: float, trainer: Child) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self._heal()
+            self._scale_tick(trainer)
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _run_failed(self) -> bool:
+        """The trainer marked the run failed (not a crash): its stop key says "failed"."""
+        try:
+            with redis.Redis.from_url(self.redis_url, socket_timeout=5) as r:
+                stop: bytes | None = r.get(K.RunKeys(self.cfg.run.run_id).stop)
+                return stop == b"failed"
+        except redis.RedisError:
+            return False
 
     def _scale_tick(self, trainer: Child) -> None:
         assert self.channel is not None  # set before _watch starts

@@ -4,6 +4,7 @@ One `WorkerPool` per service; the supervisor calls `tick` every loop turn::
 
     member:  STARTING --GET /ready 200--> READY --scale down--> STOPPING --exits--> gone
                  |  (dies or not ready in time: the scale request fails)      --stop_timeout_s--> SIGKILL
+             READY --dies--> (the supervisor's restart budget allows) STARTING again after a backoff
     tick:    poll STARTING and STOPPING members, then move toward the target: start new members
              (next index, a new port) or stop the newest ones first (SIGTERM: they drain)
 
@@ -44,6 +45,8 @@ class Member:
     state: Literal["starting", "ready", "stopping"]
     since: float
     stop_deadline: float = 0.0
+    restart_at: float | None = None  # died: started again (same name, port, worker id) at this time
+    restarted: bool = False  # started again after a crash: dying while starting is a crash too
 
 
 class WorkerPool:
@@ -77,18 +80,34 @@ class WorkerPool:
             if m.state == "starting":
                 m.state = "ready"
 
-    def crashed(self) -> list[Child]:
-        """Ready members that died on their own (the job must stop); exit code 0 or SIGTERM is a
-        worker leaving because the run ended."""
+    def crashed(self) -> list[Member]:
+        """Members that died on their own: ready ones, and restarted ones that died again while
+        starting. Exit code 0 or SIGTERM is a worker leaving because the run ended."""
         return [
-            m.child
+            m
             for m in self.members
-            if m.state == "ready" and not m.child.alive() and m.child.returncode not in (0, -15)
+            if m.restart_at is None
+            and (m.state == "ready" or (m.state == "starting" and m.restarted))
+            and not m.child.alive()
+            and m.child.returncode not in (0, -15)
         ]
+
+    def restart_later(self, m: Member, at: float) -> None:
+        """Start the dead member ``m`` again at ``at`` (same name, port and worker id: a gateway
+        worker then re-reads its own pending tasks)."""
+        m.state, m.restart_at, m.restarted = "starting", at, True
+
+    def _poll_restarts(self, now: float) -> bool:
+        due = [m for m in self.members if m.restart_at is not None and m.restart_at <= now]
+        for m in due:
+            m.restart_at, m.since = None, now
+            m.child.start()
+            log.warning("%s: restarted %s (pid %d)", self.service, m.child.name, m.child.pid)
+        return bool(due)
 
     def tick(self, now: float) -> bool:
         """Poll members and move toward the target; True when membership changed."""
-        changed = self._poll_starting(now) | self._poll_stopping(now)
+        changed = self._poll_restarts(now) | self._poll_starting(now) | self._poll_stopping(now)
         live = [m for m in self.members if m.state != "stopping"]
         if len(live) < self.target and self.error is None:
             for _ in range(self.target - len(live)):
@@ -122,6 +141,8 @@ class WorkerPool:
     def _poll_starting(self, now: float) -> bool:
         changed = False
         for m in [m for m in self.members if m.state == "starting"]:
+            if m.restart_at is not None or (m.restarted and not m.child.alive()):
+                continue  # waiting for its restart, or died again: the supervisor decides (crashed)
             if not m.child.alive():
                 self._fail(m, f"{m.child.name} exited while starting (code {m.child.returncode}):\n{m.child.tail()}")
             elif _answers_ready(m.child.url):

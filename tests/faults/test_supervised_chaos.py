@@ -1,0 +1,186 @@
+"""A `streamrl up` job heals itself: a generator, a gateway worker, the trainer and the embedded
+Valkey are each killed (SIGKILL) once, in a seeded random order at seeded random steps of the
+run, and nobody restarts anything but the supervisor. The job must end with exit code 0, and the
+ledger, read from metrics.jsonl and from the streams (the Valkey's append-only file is opened again
+after the job), must show what the README promises: every step trained once with its full batch,
+no trajectory trained twice, and every published training trajectory trained, evicted by id, or
+still pending; none lost.
+
+The seed is printed; set STREAMRL_CHAOS_SEED to replay one. Kill points are steps, not times, and
+each kill waits until the previous victim is back, so the test does not depend on how fast the
+machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared import keys as K
+from shared.protocol import Trajectory, decode
+from streamrl.redis_server import RedisServer
+from tests.faults.harness import assert_every_step_trained_once, ledger, write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, PROMPTS, GENS = 10, 2, 2
+VICTIMS = ["generator-0", "gateway-0", "trainer", "valkey"]
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def _steps_done(out: Path) -> int:
+    return len({r["step"] for r in _records(out) if r.get("kind") == "train"})
+
+
+def _valkey_pid(port: str) -> int | None:
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "valkey-server" in cmd and f":{port}" in cmd:
+                return int(proc.name)
+    return None
+
+
+def _pid(out: Path, victim: str) -> int | None:
+    run = json.loads((out / "run.json").read_text())
+    if victim == "valkey":
+        return _valkey_pid(run["redis_url"].rsplit(":", 1)[1].split("/")[0])
+    return run["children"][victim]["pid"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def healed_job(tmp_path_factory, tiny_model_dir):
+    seed = int(os.environ.get("STREAMRL_CHAOS_SEED", "20261201"))
+    print(f"chaos seed {seed} (STREAMRL_CHAOS_SEED replays it)")
+    rng = random.Random(seed)
+    order = rng.sample(VICTIMS, len(VICTIMS))
+    at_steps = sorted(rng.sample(range(1, STEPS - 1), len(VICTIMS)))
+    tmp = tmp_path_factory.mktemp("healed")
+    config = write_config(
+        tmp,
+        model_dir=tiny_model_dir,
+        redis_url="",
+        run_id=f"healed-{os.getpid()}",
+        overrides={
+            "redis.url": None,
+            "redis.embedded_appendfsync": "always",
+            "grpo.max_num_steps": STEPS,
+            "grpo.num_prompts_per_step": PROMPTS,
+            "grpo.num_generations_per_prompt": GENS,
+            "checkpointing.save_period": 2,
+            "gym_gateway.reclaim_idle_s": 3.0,
+            "env.failure_policy": "retry",
+            "supervisor.restart_backoff_s": 0.5,
+        },
+    )
+    out = Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
+    log = open(tmp / "up.log", "wb")
+    sup = subprocess.Popen(
+        [sys.executable, "-m", "streamrl.cli", "up", str(config), "--no-progress"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    kills = []
+    try:
+        for victim, step in zip(order, at_steps, strict=True):
+            deadline = time.monotonic() + 600
+            while _steps_done(out) < step:
+                assert sup.poll() is None, (tmp / "up.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, f"step {step} not reached"
+                time.sleep(0.1)
+            pid = _pid(out, victim)
+            assert pid is not None and _alive(pid), (victim, pid)
+            os.kill(pid, signal.SIGKILL)
+            kills.append((victim, step))
+            # The next kill waits until this victim is back (a new pid that is alive).
+            while time.monotonic() < deadline:
+                new = _pid(out, victim)
+                if new is not None and new != pid and _alive(new):
+                    break
+                assert sup.poll() is None, (tmp / "up.log").read_text()[-4000:]
+                time.sleep(0.2)
+        code = sup.wait(900)
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGTERM)
+            sup.wait(120)
+    up_log = (tmp / "up.log").read_text()
+    # Open the job's Valkey again on its append-only file to read the streams it left.
+    run = json.loads((out / "run.json").read_text())
+    server = RedisServer(out / "redis", appendonly=True, appendfsync="always")
+    server.start()
+    try:
+        import redis
+
+        keys = K.RunKeys(run["run_id"])
+        with redis.Redis.from_url(server.url) as r:
+            published = [decode(f[K.ENTRY_FIELD], Trajectory) for _, f in r.xrange(keys.trajectories)]
+            pending_entries = [
+                p["message_id"] for p in r.xpending_range(keys.trajectories, K.TRAINER_GROUP, "-", "+", 10_000)
+            ]
+            pending = {
+                decode(r.xrange(keys.trajectories, e, e)[0][1][K.ENTRY_FIELD], Trajectory).task_id
+                for e in pending_entries
+            }
+    finally:
+        server.stop()
+    return {
+        "seed": seed,
+        "code": code,
+        "kills": kills,
+        "log": up_log,
+        "run": run,
+        "records": _records(out),
+        "published": [t for t in published if t.kind == "train"],
+        "pending": pending,
+    }
+
+
+def test_the_supervisor_heals_every_kill_and_the_job_finishes(healed_job):
+    j = healed_job
+    assert j["code"] == 0, f"seed {j['seed']}, kills {j['kills']}:\n{j['log'][-4000:]}"
+    assert [v for v, _ in j["kills"]] and len(j["kills"]) == len(VICTIMS)
+    assert set(j["run"]["restarts"]) == {"generator", "gym-gateway", "trainer", "redis"}, j["run"]["restarts"]
+
+
+def test_every_step_trained_once_and_nothing_lost(healed_job):
+    j = healed_job
+    assert_every_step_trained_once(j["records"], STEPS, PROMPTS * GENS)
+    trained = {i for ids in ledger(j["records"]).values() for i in ids}
+    evicted = {i for r in j["records"] if r.get("kind") == "train" for i in r.get("evicted_ids", [])}
+    lost = {t.task_id for t in j["published"]} - trained - evicted - j["pending"]
+    assert not lost, f"seed {j['seed']}: {sorted(lost)}"
