@@ -5,7 +5,8 @@
     wait_for_batch(step):   sample N usable groups; stale ones are evicted (their prompts given
                             back to the scheduler, their ids kept for the step record, their
                             entries acked with the step's once a checkpoint covers it), and the
-                            window is topped up when evictions left the step short
+                            window is topped up while the step is short (after evictions, or an
+                            issue a pause held back)
     lookahead_barrier(s0):  at start-up and resume, wait for complete batches of targets s0 and
                             s0 + 1 (when the lag allows it)
     hold_while_paused():    a user pause holds the run at a step boundary
@@ -115,11 +116,11 @@ class Collector:
                 await self._evicted(sample.evicted)
             if sample.groups:
                 return sample
-            if sample.evicted:
-                # Still short after evictions: top the window up. (Never after a successful sample:
-                # the groups just taken no longer count for this step, and re-issuing them would
-                # produce a full batch that arrives too late for any step.)
-                await self.issue(step)
+            # Short: top the window up (after evictions, or after a pause held back an issue; a
+            # no-op when every group is staged or in flight, or while a pause stops task issue).
+            # Never after a successful sample: the groups just taken no longer count for this
+            # step, and re-issuing them would produce a full batch that arrives too late for any step.
+            await self.issue(step)
             if await deadline.passed():
                 raise RunFailed(f"step {step}: no {n} usable groups within {self._timeout_hint()}")
             await self.intake.wait(WAIT_S)
@@ -141,6 +142,7 @@ class Collector:
         deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause)
         while not all(self.buffer.count_usable(t) >= n for t in targets):
             self.intake.raise_if_failed()
+            await self.issue(s0)  # what a pause held back goes out once it ends (a no-op otherwise)
             if await deadline.passed():
                 raise RunFailed(f"start-up: no complete batches for targets {targets} within {self._timeout_hint()}")
             await self.intake.wait(WAIT_S)

@@ -203,6 +203,36 @@ async def test_a_pause_before_the_first_task_holds_the_run_and_paused_time_is_no
         await _stop(control, peers, peer_task, run)
 
 
+async def test_a_pause_that_lands_after_the_hold_holds_back_the_issue_until_the_resume(
+    tiny_model_dir, redis_url, tmp_path
+):
+    """A user pause can land after the boundary's hold and before the issue (e.g. during the
+    start-up validation): the issue is held back, and once the pause ends the tasks go out."""
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-late", steps=1, lag=1, data_timeout_s=60.0)
+    control = control_plane(cfg)
+    issue, paused = control.collector.issue, {}
+
+    async def pause_first(step: int) -> None:
+        if not paused:
+            paused["epoch"] = await control.pause.pause(PauseReason.USER)
+        await issue(step)
+
+    control.collector.issue = pause_first
+    peers = Peers(redis_url, control.keys)
+    peer_task = asyncio.create_task(peers.run())
+    await control.open()
+    run = asyncio.create_task(control.run())
+    try:
+        await _until(lambda: "epoch" in paused, "the pause before the first issue")
+        await asyncio.sleep(1.0)
+        assert await control.redis.xlen(control.keys.tasks) == 0  # held back
+        assert await control.pause.resume(PauseReason.USER, paused["epoch"])
+        await asyncio.wait_for(run, 120)
+        assert control.state == TrainerState.FINISHED and control.step == 1
+    finally:
+        await _stop(control, peers, peer_task, run)
+
+
 async def test_a_pause_at_a_boundary_holds_the_next_issue_and_a_lag_0_run_continues_after_resume(
     tiny_model_dir, redis_url, tmp_path
 ):
