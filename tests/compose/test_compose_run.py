@@ -5,8 +5,12 @@ starts one):
   (base image made offline where no registry answers) and runs
   ``docker compose up --build --attach trainer --exit-code-from trainer`` on a fresh volume; the
   script checks that every container exited 0 and that the metrics hold every step;
-* while that run trains, ``streamrl scale --backend compose`` takes the gym gateway 1 -> 2 -> 1
-  against the engine, and the run still ends with its full batch of steps;
+* the trainer runs as two ranks in its container (``STREAMRL_TRAINER_NPROC=2``: torchrun, FSDP2
+  over gloo);
+* while that run trains, ``streamrl pause`` holds it at a step boundary (so that it cannot end
+  before the scaling is done, however fast the machine), ``streamrl scale --backend compose``
+  takes the gym gateway 1 -> 2 -> 1 against the engine, ``streamrl resume`` lets it go on, and
+  the run still ends with its full batch of steps;
 * afterwards nothing of the project runs, a generator whose vLLM engine cannot start (a 1 MiB
   /dev/shm) exits 1 instead of lingering, and ``compose down -v`` leaves nothing behind;
 * the SWE driver's container runtime (``env.swe.runtime: docker``) runs its real-container test on
@@ -19,6 +23,7 @@ STREAMRL_REQUIRE_ENGINE set, as .ci/run does) they fail instead. Skip them local
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -82,6 +87,17 @@ def _tail(path: Path, n: int = 6000) -> str:
     return path.read_text(errors="replace")[-n:]
 
 
+TRAINER_URL = "http://127.0.0.1:8300"  # the trainer's published port
+
+
+def _cli(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 def _scale(env: dict[str, str], target: str) -> str:
     cmd = [sys.executable, "-m", "streamrl.cli", "scale", "--backend", "compose", "--project-name", PROJECT]
     out = subprocess.run([*cmd, "--timeout", "300", target], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -106,7 +122,9 @@ def _generator_with_a_dead_engine(env: dict[str, str]) -> subprocess.CompletedPr
 @pytest.mark.timeout(RUN_TIMEOUT_S + 900)
 def test_the_readme_compose_run_passes_while_the_gateway_scales(docker_host, tmp_path):
     api = DockerAPI(docker_host)
-    env = _env(docker_host, PROJECT=PROJECT, KEEP="1", STREAMRL_API_TOKEN=secrets.token_hex(16))
+    env = _env(
+        docker_host, PROJECT=PROJECT, KEEP="1", STREAMRL_API_TOKEN=secrets.token_hex(16), STREAMRL_TRAINER_NPROC="2"
+    )
     log = tmp_path / "compose_smoke.log"
     with open(log, "wb") as out:
         smoke = subprocess.Popen(
@@ -115,15 +133,21 @@ def test_the_readme_compose_run_passes_while_the_gateway_scales(docker_host, tmp
         )  # fmt: skip
     try:
         _wait_healthy(api, "trainer", smoke, log)
+        paused = json.loads(_cli(env, "pause", "--url", TRAINER_URL))  # held at its next step boundary
         up = _scale(env, "gym-gateway=2")
         assert "gym-gateway: 1 -> 2" in up and smoke.poll() is None, up
         down = _scale(env, "gym-gateway=1")
         assert "gym-gateway: 2 -> 1" in down, down
+        _cli(env, "resume", "--epoch", str(paused["epoch"]), "--url", TRAINER_URL)
         code = smoke.wait(RUN_TIMEOUT_S)
         assert code == 0 and "compose smoke run passed" in _tail(log), _tail(log)
         left = _containers(api)
         assert not [c["Name"] for c in left if c["State"]["Running"]], "containers still running"
         assert len([c for c in left if c["Config"]["Labels"]["com.docker.compose.service"] == "gym-gateway"]) == 1
+        [trainer] = _containers(api, "trainer")
+        shown = subprocess.run(["docker", "logs", trainer["Id"]], env=env, capture_output=True, text=True)
+        logs = shown.stdout + shown.stderr
+        assert "trainer rank 1 of 2" in logs and "rank 1: stopped by rank 0" in logs, logs[-3000:]
 
         dead = _generator_with_a_dead_engine(env)
         assert dead.returncode == 1, (dead.stdout + dead.stderr)[-4000:]

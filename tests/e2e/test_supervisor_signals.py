@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,35 +20,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.faults.harness import write_config
+from tests.faults.harness import alive, start_job, valkey_pid, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has exited (its parent has not reaped it yet)
-
-
 def _job_pids(out: Path) -> list[int]:
-    """The children run.json names, and the embedded Valkey (its process title names its port)."""
+    """The children run.json names, and the embedded Valkey."""
     run = json.loads((out / "run.json").read_text())
-    pids = [c["pid"] for c in run["children"].values()]
-    port = run["redis_url"].rsplit(":", 1)[1].split("/")[0]
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "valkey-server" in cmd and f":{port}" in cmd:
-                pids.append(int(proc.name))
-    return pids
+    valkey = valkey_pid(run["redis_url"])
+    assert valkey is not None, "the embedded Valkey is not running"
+    return [c["pid"] for c in run["children"].values()] + [valkey]
 
 
 def _start(tmp: Path, tiny_model_dir: Path) -> tuple[subprocess.Popen[bytes], Path]:
@@ -61,14 +44,7 @@ def _start(tmp: Path, tiny_model_dir: Path) -> tuple[subprocess.Popen[bytes], Pa
         overrides={"redis.url": None, "grpo.max_num_steps": 1000, "gym_gateway.drain_timeout_s": 5.0},
     )
     out = Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
-    log = open(tmp / "up.log", "wb")
-    sup = subprocess.Popen(
-        [sys.executable, "-m", "streamrl.cli", "up", str(config), "--no-progress"],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # signals from the test only, as from a terminal
-    )
+    sup = start_job(config, tmp / "up.log")
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         assert sup.poll() is None, (tmp / "up.log").read_text()[-3000:]
@@ -83,9 +59,9 @@ def _start(tmp: Path, tiny_model_dir: Path) -> tuple[subprocess.Popen[bytes], Pa
 
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.2)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def _cleanup(pids: list[int]) -> None:

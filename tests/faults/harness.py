@@ -333,3 +333,40 @@ def assert_every_step_trained_once(records: list[dict], steps: int, rows_per_ste
     assert {s: len(ids) for s, ids in book.items() if len(ids) != rows_per_step} == {}
     ids = [i for step_ids in book.values() for i in step_ids]
     assert len(ids) == len(set(ids)), "a trajectory id was trained twice"
+
+
+# ---- a whole `streamrl up` job ------------------------------------------------------------------
+
+
+def start_job(config: Path, log: Path) -> subprocess.Popen:
+    """``streamrl up CONFIG`` in a session of its own (signals come from the test only)."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "streamrl.cli", "up", str(config), "--no-progress"],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has exited; its parent has not reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def valkey_pid(redis_url: str) -> int | None:
+    """The Valkey serving ``redis_url`` on this machine (its process title names its port)."""
+    port = redis_url.rsplit(":", 1)[1].split("/")[0]
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "valkey-server" in cmd and f":{port}" in cmd:
+                return int(proc.name)
+    return None

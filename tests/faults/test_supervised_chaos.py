@@ -17,8 +17,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import yaml
 from shared import keys as K
 from shared.protocol import Trajectory, decode
 from streamrl.redis_server import RedisServer
-from tests.faults.harness import assert_every_step_trained_once, ledger, write_config
+from tests.faults.harness import alive, assert_every_step_trained_once, ledger, start_job, valkey_pid, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -54,30 +52,11 @@ def _steps_done(out: Path) -> int:
     return len({r["step"] for r in _records(out) if r.get("kind") == "train"})
 
 
-def _valkey_pid(port: str) -> int | None:
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if "valkey-server" in cmd and f":{port}" in cmd:
-                return int(proc.name)
-    return None
-
-
 def _pid(out: Path, victim: str) -> int | None:
     run = json.loads((out / "run.json").read_text())
     if victim == "valkey":
-        return _valkey_pid(run["redis_url"].rsplit(":", 1)[1].split("/")[0])
+        return valkey_pid(run["redis_url"])
     return run["children"][victim]["pid"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +85,7 @@ def healed_job(tmp_path_factory, tiny_model_dir):
         },
     )
     out = Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
-    log = open(tmp / "up.log", "wb")
-    sup = subprocess.Popen(
-        [sys.executable, "-m", "streamrl.cli", "up", str(config), "--no-progress"],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    sup = start_job(config, tmp / "up.log")
     kills = []
     try:
         for victim, step in zip(order, at_steps, strict=True):
@@ -123,13 +95,13 @@ def healed_job(tmp_path_factory, tiny_model_dir):
                 assert time.monotonic() < deadline, f"step {step} not reached"
                 time.sleep(0.1)
             pid = _pid(out, victim)
-            assert pid is not None and _alive(pid), (victim, pid)
+            assert pid is not None and alive(pid), (victim, pid)
             os.kill(pid, signal.SIGKILL)
             kills.append((victim, step))
             # The next kill waits until this victim is back (a new pid that is alive).
             while time.monotonic() < deadline:
                 new = _pid(out, victim)
-                if new is not None and new != pid and _alive(new):
+                if new is not None and new != pid and alive(new):
                     break
                 assert sup.poll() is None, (tmp / "up.log").read_text()[-4000:]
                 time.sleep(0.2)
