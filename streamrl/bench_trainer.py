@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamrl.model_builder import TinyModelSpec
+from streamrl.model_builder import TinyModelSpec, qwen3_config
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Trainer"
@@ -68,26 +68,10 @@ def build_model(out: Path, spec: TinyModelSpec) -> int:
     """A randomly initialised Qwen3 causal LM of ``spec``'s shape saved to ``out`` (weights and
     config, no tokenizer: the trainer reads token ids); its parameter count."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(spec.seed)
-    cfg = Qwen3Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=1,
-        dtype="float32",
-    )
-    model = Qwen3ForCausalLM(cfg)
+    model = Qwen3ForCausalLM(qwen3_config(spec, spec.vocab_size, pad_id=0, bos_id=0, eos_id=1))
     model.save_pretrained(out, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+    from transformers import Qwen3Config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -104,7 +105,7 @@ def _train_tokenizer(spec: TinyModelSpec) -> Tokenizer:
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write tokenizer + chat template + randomly initialised Qwen3 model to ``out_dir``."""
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
@@ -125,23 +126,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     torch.manual_seed(spec.seed)
     pad_id = hf_tok.convert_tokens_to_ids("<|endoftext|>")
     eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = Qwen3Config(
-        vocab_size=len(hf_tok),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        tie_word_embeddings=False,
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        dtype="float32",
-    )
-    model = Qwen3ForCausalLM(cfg)
+    model = Qwen3ForCausalLM(qwen3_config(spec, len(hf_tok), pad_id=pad_id, bos_id=pad_id, eos_id=eos_id))
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out, safe_serialization=True)
@@ -152,3 +137,25 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
 def is_model_dir(path: str | Path) -> bool:
     p = Path(path)
     return (p / "config.json").is_file() and any(p.glob("*.safetensors")) and (p / "tokenizer.json").is_file()
+
+
+def qwen3_config(spec: TinyModelSpec, vocab_size: int, *, pad_id: int, bos_id: int, eos_id: int) -> Qwen3Config:
+    """The Qwen3 config of ``spec``'s shape: untied embeddings, float32."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=False,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        dtype="float32",
+    )
