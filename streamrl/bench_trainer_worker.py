@@ -36,11 +36,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.trainer.backends.torch_backend import TorchBackend, plan_step
+from services.trainer.backends.torch_backend import TorchBackend
 from services.trainer.batch import Row, StepBatch
 from services.trainer.learner import Learner, LocalLearner
 from services.trainer.rank_learner import RankedLearner, follow
 from services.trainer.ranks import SINGLE, Ranks, join, launched_world_size, leave
+from services.trainer.step_plan import plan_step
 from shared.config import load
 from shared.run_config import RunConfig
 

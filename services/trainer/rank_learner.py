@@ -40,7 +40,8 @@ from services.trainer.ranks import Ranks
 from shared.records import LearnerMetrics
 
 if TYPE_CHECKING:
-    from services.trainer.backends.torch_backend import RankShare, TorchBackend
+    from services.trainer.backends.torch_backend import TorchBackend
+    from services.trainer.step_plan import RankShare
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class RankedLearner:
 
     async def train(self, batch: StepBatch) -> LearnerMetrics:
         def run() -> LearnerMetrics:
-            from services.trainer.backends.torch_backend import plan_step
+            from services.trainer.step_plan import plan_step
 
             shares = plan_step(batch, self.ranks.world_size, self.backend.policy.train_global_batch_size)
             mine = _scatter(list(shares) if shares else [None] * self.ranks.world_size)

@@ -98,7 +98,7 @@ def test_token_level_normalisation_is_global_across_micro_batches():
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    from services.trainer.backends.torch_backend import lr_schedule
+    from services.trainer.step_plan import lr_schedule
     from shared.run_config import OptimizerSection
 
     f = lr_schedule(OptimizerSection(scheduler="cosine", warmup_steps=2, min_lr_ratio=0.1), total_updates=12)

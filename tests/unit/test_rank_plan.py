@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.backends.torch_backend import plan_step
 from services.trainer.batch import Row, StepBatch
+from services.trainer.step_plan import plan_step
 from services.trainer.weight_export import ShardWriter
 
 pytestmark = pytest.mark.unit

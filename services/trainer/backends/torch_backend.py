@@ -37,8 +37,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -50,30 +49,16 @@ from services.trainer import mismatch, packing
 from services.trainer.batch import Row, StepBatch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from services.trainer.ranks import SINGLE, Ranks
+from services.trainer.sharding import shard_model
+from services.trainer.step_plan import RankShare, lr_schedule, plan_step
 from services.trainer.weight_export import ShardWriter, full_tensors
 from shared.records import LearnerMetrics
-from shared.run_config import LossSection, OptimizerSection, PolicySection, RunConfig
+from shared.run_config import LossSection, PolicySection, RunConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
-
-
-def lr_schedule(opt: OptimizerSection, total_updates: int) -> Callable[[int], float]:
-    """Multiplier of the base learning rate after ``n`` updates: warm-up, then constant/linear/cosine
-    decay to ``min_lr_ratio`` at ``total_updates``."""
-
-    def factor(n: int) -> float:
-        if opt.warmup_steps and n < opt.warmup_steps:
-            return (n + 1) / opt.warmup_steps
-        if opt.scheduler == "constant" or total_updates <= opt.warmup_steps:
-            return 1.0
-        progress = min(1.0, (n - opt.warmup_steps) / max(1, total_updates - opt.warmup_steps))
-        decay = 1.0 - progress if opt.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
-
-    return factor
 
 
 # Each micro-batch's loss is a sum; the update divides the gradients once its count is known.
@@ -95,55 +80,6 @@ def _load_model(path: str, dtype: torch.dtype) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-
-
-@dataclass
-class RankShare:
-    """One rank's part of a step: its rows of each optimizer update (the same number of updates on
-    every rank), and a row it can run masked when it has fewer micro-batches than another rank."""
-
-    updates: list[list[Row]]
-    filler: Row
-
-    @property
-    def rows(self) -> list[Row]:
-        return [r for u in self.updates for r in u]
-
-
-def plan_step(batch: StepBatch, world_size: int, train_global_batch_size: int | None) -> list[RankShare]:
-    """Split a step's trainable rows into optimizer updates (``train_global_batch_size`` rows of the
-    whole batch each), and each update's rows across ``world_size`` ranks, balanced by tokens
-    (longest first, each to the rank with the fewest tokens so far). Every rank's rows keep the
-    one-rank order (shortest first), which keeps padding small. Empty when nothing is trainable."""
-    rows = sorted(batch.trainable, key=lambda r: len(r.input_ids))
-    if not rows:
-        return []
-    global_bs = train_global_batch_size or len(batch.rows)
-    num_updates = max(1, math.ceil(len(batch.rows) / global_bs))
-    per_update = math.ceil(len(rows) / num_updates)
-    order = {r.task_id: i for i, r in enumerate(rows)}
-    filler = replace(rows[0], sample_mask=0.0, segments=[])
-    shares = [RankShare(updates=[], filler=filler) for _ in range(world_size)]
-    for u in range(num_updates):
-        parts: list[list[Row]] = [[] for _ in range(world_size)]
-        tokens = [0] * world_size
-        for r in sorted(rows[u * per_update : (u + 1) * per_update], key=lambda r: -len(r.input_ids)):
-            k = tokens.index(min(tokens))
-            parts[k].append(r)
-            tokens[k] += len(r.input_ids)
-        for share, part in zip(shares, parts, strict=True):
-            share.updates.append(sorted(part, key=lambda r: order[r.task_id]))
-    return shares
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks FSDP shards one by one: the module list holding
-    ``config.num_hidden_layers`` entries (``model.layers`` in Qwen, Llama, Mistral...)."""
-    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    for m in model.modules():
-        if isinstance(m, torch.nn.ModuleList) and len(m) == n:
-            return list(m)
-    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__} to shard")
 
 
 class TorchBackend:
@@ -222,29 +158,8 @@ class TorchBackend:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.ranks.sharded:
             return model.to(self.device)
-        return self._shard(model.to(self.device))
-
-    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
-
         offload = self.policy.dtensor_cfg.cpu_offload
-        if offload and self.device.type == "cpu":
-            log.warning("policy.dtensor_cfg.cpu_offload has nothing to do on CPU ranks: the shards live in host memory")
-            offload = False
-        kwargs: dict[str, Any] = {
-            "mesh": self.ranks.mesh(),
-            "mp_policy": MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32),
-            "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
-        }
-        for layer in _decoder_layers(model):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        return shard_model(model.to(self.device), self.ranks, self.dtype, cpu_offload=offload)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bfloat16 compute over float32 weights on one rank (FSDP2 casts on its own)."""
