@@ -5,8 +5,10 @@
 
 Rank 0 drives a `RankedLearner` (one rank: a `LocalLearner`), every other rank `follow`s, exactly
 as ``python -m services.trainer`` under torchrun wires them, minus the control plane. Rank 0
-writes OUT/metrics.json (each step's LearnerMetrics), OUT/weights (the published weights, float32),
-and with --save OUT/ckpt (a learner checkpoint after the last step). --load restores a learner
+writes OUT/metrics.json (each step's LearnerMetrics), OUT/weights (the published weights, float32,
+in files of at most --max-weight-file-bytes) with OUT/manifest.json (what `export_weights`
+returned), and with --save OUT/ckpt (a learner checkpoint after the last step). Every rank R
+writes OUT/manifest-rankR.json, what its backend's `save_weights` returned. --load restores a learner
 checkpoint (written at any world size) before training. --kill-rank R --kill-step S: rank R
 kills itself (SIGKILL) inside step S's first forward pass.
 """
@@ -74,7 +76,8 @@ async def drive(learner: Learner, args: argparse.Namespace, out: Path) -> None:
         await learner.load(Path(args.load))
     metrics = [await learner.train(batch(s)) for s in range(args.first_step, args.first_step + args.steps)]
     (out / "metrics.json").write_bytes(msgspec.json.encode(metrics))
-    await asyncio.to_thread(learner.export_weights, out / "weights")
+    manifest = await asyncio.to_thread(learner.export_weights, out / "weights")
+    (out / "manifest.json").write_bytes(msgspec.json.encode(manifest))
     if args.save:
         (out / "ckpt").mkdir(exist_ok=True)
         await learner.save(out / "ckpt")
@@ -92,6 +95,7 @@ def main() -> int:
     p.add_argument("--load")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--max-weight-file-bytes", type=int, default=None)
     p.add_argument("--set", action="append", default=[], help="config override key=value")
     args = p.parse_args()
     out = Path(args.out)
@@ -103,6 +107,9 @@ def main() -> int:
         backend = TorchBackend.from_config(cfg, ranks)
         if ranks.rank == args.kill_rank:
             _kill_in_step(backend, args.kill_step - args.first_step)
+        if args.max_weight_file_bytes is not None:
+            backend.max_weight_file_bytes = args.max_weight_file_bytes
+        _record_manifest(backend, out / f"manifest-rank{ranks.rank}.json")
         return backend
 
     try:
@@ -116,6 +123,18 @@ def main() -> int:
     finally:
         leave()
     return 0
+
+
+def _record_manifest(backend: TorchBackend, path: Path) -> None:
+    """Write what the backend's ``save_weights`` returns to ``path``."""
+    inner = backend.save_weights
+
+    def save_weights(out_dir: Path) -> dict[str, str]:
+        manifest = inner(out_dir)
+        path.write_bytes(msgspec.json.encode(manifest))
+        return manifest
+
+    backend.save_weights = save_weights  # type: ignore[method-assign]
 
 
 def _kill_in_step(backend: TorchBackend, step: int) -> None:

@@ -6,7 +6,8 @@ records. The learner owns the model: forward, backward and optimizer, its part o
 and the export of the weights. Between them, this narrow interface:
 
     control plane --StepBatch--------------> Learner.train ----> LearnerMetrics
-                  --export_weights(folder)--> a safetensors folder generators load (called by the refit)
+                  --export_weights(folder)--> a safetensors folder generators load, and its manifest
+                                              (file name -> digest; called by the refit)
                   --save(folder) / load(folder)--> the learner's part of a step's checkpoint
                   --wait_saved()-------------> returns once that part is on disk (asynchronous saves)
 
@@ -46,8 +47,9 @@ class Learner(Protocol):
         """One step on ``batch``; its metrics."""
         ...
 
-    def export_weights(self, out_dir: Path) -> None:
-        """Write the policy as a safetensors folder (called from the refit's writer thread)."""
+    def export_weights(self, out_dir: Path) -> dict[str, str]:
+        """Write the policy as a safetensors folder (called from the refit's writer thread); the
+        manifest of every file written (file name -> digest, `shared.weights_format`)."""
         ...
 
     async def save(self, path: Path) -> None:
@@ -92,8 +94,8 @@ class LocalLearner:
     async def train(self, batch: StepBatch) -> LearnerMetrics:
         return await asyncio.to_thread(self.backend.train_step, batch)
 
-    def export_weights(self, out_dir: Path) -> None:
-        self.backend.save_weights(out_dir)
+    def export_weights(self, out_dir: Path) -> dict[str, str]:
+        return self.backend.save_weights(out_dir)
 
     async def save(self, path: Path) -> None:
         await asyncio.to_thread(self.backend.save_checkpoint, path)

@@ -6,7 +6,8 @@ group (a broadcast of the command, then what it carries)::
 
     rank 0 (RankedLearner)                        ranks 1..N-1 (follow)
     train(batch):   TRAIN  + scatter(shares)  ->  backend.train_share(share)      (FSDP collectives)
-    export_weights: EXPORT(folder)            ->  backend.save_weights(folder)   (tensor by tensor)
+    export_weights: EXPORT(folder)            ->  backend.save_weights(folder)   (tensor by tensor;
+                                                  each rank writes its share of the files)
     save / load:    SAVE / LOAD(folder)       ->  backend.save_checkpoint / load_checkpoint
     wait_saved:     WAIT_SAVED                ->  backend.wait_for_save
     (idle)          PING every collective_timeout_s / 4
@@ -128,8 +129,9 @@ class RankedLearner:
 
         return await asyncio.to_thread(self._command, Command(Op.TRAIN), run)
 
-    def export_weights(self, out_dir: Path) -> None:
-        self._command(Command(Op.EXPORT, str(out_dir)), lambda: self.backend.save_weights(out_dir))
+    def export_weights(self, out_dir: Path) -> dict[str, str]:
+        """Every rank writes its share of the folder; the manifest of every rank's files."""
+        return self._command(Command(Op.EXPORT, str(out_dir)), lambda: self.backend.save_weights(out_dir))
 
     async def save(self, path: Path) -> None:
         await asyncio.to_thread(self._command, Command(Op.SAVE, str(path)), lambda: self.backend.save_checkpoint(path))

@@ -1,25 +1,53 @@
-"""Publishing the policy from sharded parameters, one tensor at a time.
+"""Publishing the policy from sharded parameters, one tensor at a time, every rank writing a share.
 
 A learner's parameters may be sharded over many ranks (FSDP2 DTensors). `full_tensors` walks the
-model's state dict in one fixed order and gathers each tensor whole (a collective every rank
-joins), so no rank ever holds more than one tensor beyond its own shard. Rank 0 feeds them to a
-`ShardWriter`, which writes safetensors files of at most ``max_shard_bytes`` as it goes (and the
-Hugging Face index naming them), so the writer holds at most one file's worth. The folder is what
-generators load (`shared.weights_format`).
+model's state dict in one fixed order and gathers each tensor whole (an all-gather every rank
+joins), so no rank ever holds more than one tensor beyond its own shard on its device. After each
+gather every rank holds the whole tensor, so the writing is shared out: `rank_tensors` deals each
+tensor to the rank with the fewest bytes so far (`Dealer`: computed from the sizes alone, so every
+rank deals the same hands without a word) and keeps only this rank's. Each rank feeds its share to
+a `ShardWriter`, which writes safetensors files of at most ``max_shard_bytes`` in a background
+thread while the gathers go on, hashing each file's bytes as it writes them (in host memory: the
+file filling, the image of the one being written, and for a moment that file's tensors too). Then
+the ranks agree on the files' Hugging Face names (rank 0's files first), each renames its own and
+returns their digests, and rank 0 writes the index naming every rank's files. The folder is what
+generators load (`shared.weights_format`); every rank must see it (checkpoint folders already need
+a shared filesystem).
 
-This stream of (name, tensor) pairs is the learner's weight-export interface: a transport that
-moves tensors instead of files consumes the same iterator.
+    full_tensors (every rank) -> Dealer -> this rank's tensors -> ShardWriter -> .part files
+    close(): all-gather the part lists -> rename to model-0000k-of-0000n -> all-gather the digests
+
+`full_tensors`'s stream of (name, tensor) pairs is the learner's weight-export interface: a
+transport that moves tensors instead of files consumes the same iterator.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from services.trainer.ranks import SINGLE, Ranks
+from shared.weights_format import write_safetensors
+
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _gathered(model: torch.nn.Module, skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        if name not in skip:
+            yield name, t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.detach().to(dtype=dtype, device="cpu").contiguous()
 
 
 def full_tensors(
@@ -27,27 +55,63 @@ def full_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every state-dict tensor of ``model`` (but ``skip``), whole, as ``dtype``, on the CPU.
     Collective when the model is sharded: every rank must drain the iterator."""
-    from torch.distributed.tensor import DTensor
+    for name, whole in _gathered(model, skip):
+        yield name, _on_cpu(whole, dtype)
 
-    for name, t in model.state_dict().items():
-        if name in skip:
-            continue
-        whole = t.full_tensor() if isinstance(t, DTensor) else t
-        yield name, whole.detach().to(dtype=dtype, device="cpu").contiguous()
+
+class Dealer:
+    """Deals tensors to ``world_size`` ranks in the order they come, each to the rank holding the
+    fewest bytes so far (the lowest such rank on a tie)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.loads = [0] * world_size
+
+    def owner(self, num_bytes: int) -> int:
+        rank = min(range(len(self.loads)), key=self.loads.__getitem__)
+        self.loads[rank] += num_bytes
+        return rank
+
+
+def rank_tensors(
+    model: torch.nn.Module, dtype: torch.dtype, ranks: Ranks, skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's deal of `full_tensors` (only its tensors are copied to the CPU). Collective
+    like `full_tensors`: every rank must drain the iterator."""
+    dealer = Dealer(ranks.world_size)
+    item_bytes = torch.empty((), dtype=dtype).element_size()
+    for name, whole in _gathered(model, skip):
+        if dealer.owner(whole.numel() * item_bytes) == ranks.rank:
+            yield name, _on_cpu(whole, dtype)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A file this rank wrote under its temporary name."""
+
+    path: Path
+    names: list[str]
+    num_bytes: int
+    digest: str
 
 
 class ShardWriter:
-    """Writes tensors into ``model-0000k.safetensors`` files as they come, then names them as
-    Hugging Face does (``model.safetensors`` alone, or ``model-0000k-of-0000n`` with an index)."""
+    """Writes one rank's tensors into files of at most ``max_shard_bytes`` as they come (in a
+    background thread: at most one file is being written while the next fills), then names every
+    rank's files as Hugging Face does (``model.safetensors`` alone, or ``model-0000k-of-0000n``
+    with an index). Every rank of ``ranks`` builds one and calls `close` (a collective)."""
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    def __init__(self, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *, ranks: Ranks = SINGLE) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
+        self.ranks = ranks
+        self.manifest: dict[str, str] = {}  # set by `close`: final file name -> digest
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._files: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
+        self._parts: list[_Part] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-writer")
+        self._writing: Future[_Part] | None = None
+        self.total_bytes = 0  # of this rank's tensors
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -58,29 +122,58 @@ class ShardWriter:
         self.total_bytes += size
 
     def close(self) -> list[Path]:
-        """Write what is left and give the files their final names; the files, in order."""
-        self._flush()
-        n = len(self._files)
+        """Write what is left and give every rank's files their final names; this rank's files,
+        in order. Sets `manifest`: this rank's files' digests, and on rank 0 every rank's."""
+        try:
+            self._flush()
+            self._wait()
+        finally:
+            self._pool.shutdown()
+        plans: list[list[tuple[list[str], int]]] = self.ranks.gather([(p.names, p.num_bytes) for p in self._parts])
+        n = sum(len(plan) for plan in plans)
         if n == 0:
             raise ValueError("no tensor was written")
+        first = 1 + sum(len(plan) for plan in plans[: self.ranks.rank])
         final: list[Path] = []
-        weight_map: dict[str, str] = {}
-        for i, (path, names) in enumerate(self._files, start=1):
-            name = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-            path.rename(self.out_dir / name)
-            final.append(self.out_dir / name)
-            weight_map.update(dict.fromkeys(names, name))
-        if n > 1:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for i, part in enumerate(self._parts, start=first):
+            path = self.out_dir / _file_name(i, n)
+            part.path.rename(path)
+            final.append(path)
+            self.manifest[path.name] = part.digest
+        # Also a barrier: once rank 0 returns, every rank's files have their final names.
+        manifests: list[dict[str, str]] = self.ranks.gather(self.manifest)
+        if self.ranks.is_root:
+            self.manifest = {name: d for m in manifests for name, d in m.items()}
+            if n > 1:
+                self._write_index(plans, n)
         return final
+
+    def _write_index(self, plans: list[list[tuple[list[str], int]]], n: int) -> None:
+        parts = [part for plan in plans for part in plan]
+        weight_map = {name: _file_name(i, n) for i, (names, _) in enumerate(parts, start=1) for name in names}
+        index = {"metadata": {"total_size": sum(b for _, b in parts)}, "weight_map": weight_map}
+        (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
 
     def _flush(self) -> None:
         if not self._pending:
             return
-        from safetensors.torch import save_file
-
-        path = self.out_dir / f".part-{len(self._files) + 1:05d}.safetensors"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
-        self._files.append((path, list(self._pending)))
+        self._wait()  # one file in flight at a time bounds the memory
+        path = self.out_dir / f".part-{self.ranks.rank:05d}-{len(self._parts) + 1:05d}.safetensors"
+        tensors, num_bytes = self._pending, self._pending_bytes
         self._pending, self._pending_bytes = {}, 0
+        self._writing = self._pool.submit(_write_part, path, tensors, num_bytes)
+
+    def _wait(self) -> None:
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            self._parts.append(writing.result())
+
+
+def _write_part(path: Path, tensors: dict[str, torch.Tensor], num_bytes: int) -> _Part:
+    names = list(tensors)
+    digest = write_safetensors(path, tensors, metadata={"format": "pt"}, consume=True)
+    return _Part(path, names, num_bytes, digest)
+
+
+def _file_name(i: int, n: int) -> str:
+    return "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"

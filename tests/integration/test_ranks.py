@@ -5,6 +5,10 @@ rank 0 drives a RankedLearner, rank 1 follows, as ``python -m services.trainer``
   (rel 1e-5) and parameters within 1e-5. The runs are compared side by side on this machine, with a
   learning rate (1e-4) at which a wrong gradient moves parameters far more than that, while float
   summation order alone moves them about 1e-7.
+* Export: the weights are published in files of at most 512 KiB (the tiny model's 4 MB make about
+  eight), both ranks writing some of them; the Hugging Face index names every file and every
+  tensor, transformers loads the folder, and `export_weights` returns the digests of exactly the
+  files in it.
 * Resharding: a checkpoint written at one world size resumes at the other (and an asynchronous
   one too) and trains the next step as the uninterrupted one-rank run does.
 * Failures: a rank killed mid-step fails its partner within ``trainer.collective_timeout_s``,
@@ -23,8 +27,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from shared.weights_format import folder_digests, verify_files
 from streamrl.redis_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -33,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "ranked_step.py"
 LR = ["--set", "policy.optimizer.lr=1e-4"]
 TIMEOUT_S = 20
+MAX_FILE_BYTES = 512 * 1024
+SMALL_FILES = ["--max-weight-file-bytes", str(MAX_FILE_BYTES)]
 
 
 def _run(cmd: list[str], out: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -54,7 +62,43 @@ def two_ranks(model: Path, out: Path, *args: str) -> Path:
 
 
 def weights(run: Path) -> dict:
-    return load_file(run / "weights" / "model.safetensors")
+    folder = run / "weights"
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return load_file(folder / "model.safetensors")
+    loaded = {}
+    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        loaded.update(load_file(folder / name))
+    return loaded
+
+
+def assert_exported_in_files(run: Path, world_size: int) -> None:
+    """The weights are in several files named by the index, each written by one rank, and the
+    manifest `export_weights` returned is the digests of exactly those files."""
+    folder = run / "weights"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest == folder_digests(folder)
+    verify_files(folder, manifest)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    n = len(manifest)
+    assert n > 2 and set(index["weight_map"].values()) == set(manifest)
+    assert sorted(manifest) == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    tensors = weights(run)
+    assert index["weight_map"].keys() == tensors.keys()
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert all((folder / f).stat().st_size <= MAX_FILE_BYTES + 4096 for f in manifest)  # + the header
+    by_rank = [json.loads((run / f"manifest-rank{r}.json").read_text()) for r in range(world_size)]
+    assert by_rank[0] == manifest  # rank 0 returns every rank's files
+    if world_size == 2:
+        assert by_rank[1] and by_rank[1].items() < manifest.items()  # rank 1 wrote some, rank 0 the rest
+
+
+def assert_transformers_loads(run: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(run / "weights", torch_dtype=torch.float32).state_dict()
+    exported = weights(run)
+    assert exported.keys() <= loaded.keys() and all(torch.equal(loaded[k], t) for k, t in exported.items())
 
 
 def metrics(run: Path) -> list[dict]:
@@ -91,10 +135,13 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_two_ranks_train_the_same_steps_as_one(tiny_model_dir, tmp_path, variant):
-    args = [*LR, "--steps", "2", *VARIANTS[variant]]
+    args = [*LR, "--steps", "2", *SMALL_FILES, *VARIANTS[variant]]
     single = one_rank(tiny_model_dir, tmp_path / "ws1", *args)
     double = two_ranks(tiny_model_dir, tmp_path / "ws2", *args)
-    assert_same_steps(single, double)
+    assert_exported_in_files(single, world_size=1)
+    assert_exported_in_files(double, world_size=2)
+    assert_same_steps(single, double)  # the tensors of both exports, through their indexes
+    assert_transformers_loads(double)
     start = load_file(tiny_model_dir / "model.safetensors")
     moved = max(float((weights(single)[k] - start[k].float()).abs().max()) for k in start)
     assert moved > 5e-5  # the comparison above is far finer than what the steps changed

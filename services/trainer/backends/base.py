@@ -3,12 +3,12 @@
 A backend owns the policy model, its optimizer and its learning-rate schedule on this process. It
 is built from the run config (`from_config`), trains on one step's batch at a time (`train_step`:
 one or more optimizer updates, returning typed `LearnerMetrics`), writes the policy as a
-safetensors folder that generators load (`save_weights`), and saves and restores everything
-training needs to resume (`save_checkpoint` / `load_checkpoint`, into a folder of its own inside
-the step's checkpoint). Implementations: `torch_backend.TorchBackend`,
-`megatron_backend.MegatronBackend`; the registry in `services.trainer.backends` picks one by
-``trainer.backend``. The contract test (tests/integration/test_backend_contract.py) runs every
-backend that can run on this machine.
+safetensors folder that generators load and returns its files' digests (`save_weights`), and
+saves and restores everything training needs to resume (`save_checkpoint` / `load_checkpoint`,
+into a folder of its own inside the step's checkpoint). Implementations:
+`torch_backend.TorchBackend`, `megatron_backend.MegatronBackend`; the registry in
+`services.trainer.backends` picks one by ``trainer.backend``. The contract test
+(tests/integration/test_backend_contract.py) runs every backend that can run on this machine.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ class TrainingBackend(Protocol):
         """One training step on the batch (one or more optimizer updates)."""
         ...
 
-    def save_weights(self, out_dir: Path) -> None:
-        """Write the current policy as a safetensors folder generators can load."""
+    def save_weights(self, out_dir: Path) -> dict[str, str]:
+        """Write the current policy as a safetensors folder generators can load; the digests of the
+        files written (file name -> `shared.weights_format` digest), every file's on rank 0 (on
+        other ranks, possibly only their own)."""
         ...
 
     def save_checkpoint(self, path: Path) -> None:

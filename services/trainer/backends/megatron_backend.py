@@ -269,15 +269,20 @@ class MegatronBackend(TorchBackend):
             if getattr(p, "main_grad", None) is not None:
                 p.grad = p.main_grad.to(p.dtype)
 
-    def save_weights(self, out_dir: Path) -> None:
-        from safetensors.torch import save_file
+    def save_weights(self, out_dir: Path) -> dict[str, str]:
+        """The HF weights through the torch backend's hashed writer (one rank); their digests."""
+        from services.trainer.weight_export import ShardWriter
 
         module = self.model.module
         state = {k: v.detach().cpu() for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
         out_dir = Path(out_dir)
-        save_file(megatron_to_hf(state, self.hf_config), str(out_dir / "model.safetensors"))
+        writer = ShardWriter(out_dir, self.max_weight_file_bytes)
+        for name, tensor in megatron_to_hf(state, self.hf_config).items():
+            writer.add(name, tensor)
+        writer.close()
         (out_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
         src = Path(self.policy.model_name)
         for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if (src / name).is_file():
                 (out_dir / name).write_bytes((src / name).read_bytes())
+        return writer.manifest

@@ -17,9 +17,9 @@ across ranks, then divided by the update's global valid-token count, so the upda
 one-rank update on the same rows; the loss, the norm that gradients are clipped by and every
 logged figure are global too. Checkpoints are torch Distributed Checkpoint folders (every rank
 writes its shard, and any world size reads them back); published weights are gathered one tensor at
-a time (`services.trainer.weight_export`). With one update per step the pre-update
-("old") logprobs equal the current ones in value, so they are taken from the same forward pass
-instead of a second one.
+a time, each rank writing its share of the files (`services.trainer.weight_export`). With one
+update per step the pre-update ("old") logprobs equal the current ones in value, so they are taken
+from the same forward pass instead of a second one.
 
 Normalisation is applied after the micro-batches of an update: each micro-batch's loss is a sum,
 and the gradients are divided by the update's valid-token (or valid-sequence) count once it is
@@ -51,7 +51,7 @@ from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from services.trainer.ranks import SINGLE, Ranks
 from services.trainer.sharding import shard_model
 from services.trainer.step_plan import RankShare, lr_schedule, plan_step
-from services.trainer.weight_export import ShardWriter, full_tensors
+from services.trainer.weight_export import DEFAULT_MAX_SHARD_BYTES, ShardWriter, rank_tensors
 from shared.records import LearnerMetrics
 from shared.run_config import LossSection, PolicySection, RunConfig
 
@@ -436,20 +436,23 @@ class TorchBackend:
 
     # ---- weights and state --------------------------------------------------------------------
 
-    def save_weights(self, out_dir: Path) -> None:
-        """Publish the policy in the compute precision, gathered one tensor at a time (every rank
-        calls it; rank 0 writes)."""
-        writer = ShardWriter(out_dir) if self.ranks.is_root else None
-        for name, tensor in full_tensors(self.model, self.dtype, skip=self._tied_keys()):
-            if writer is not None:
-                writer.add(name, tensor)
-        if writer is not None:
-            writer.close()
-            config = self.model.config
-            config.save_pretrained(out_dir)
+    # Tests lower it to spread a tiny model over many files.
+    max_weight_file_bytes: int = DEFAULT_MAX_SHARD_BYTES
+
+    def save_weights(self, out_dir: Path) -> dict[str, str]:
+        """Publish the policy in the compute precision, gathered one tensor at a time; every rank
+        calls it and writes its share of the files (`services.trainer.weight_export`). The files'
+        digests (file name -> digest): this rank's, and on rank 0 every rank's."""
+        writer = ShardWriter(out_dir, self.max_weight_file_bytes, ranks=self.ranks)
+        for name, tensor in rank_tensors(self.model, self.dtype, self.ranks, skip=self._tied_keys()):
+            writer.add(name, tensor)
+        writer.close()
+        if self.ranks.is_root:
+            self.model.config.save_pretrained(out_dir)
             gen_config = getattr(self.model, "generation_config", None)
             if gen_config is not None:
                 gen_config.save_pretrained(out_dir)
+        return writer.manifest
 
     def _tied_keys(self) -> frozenset[str]:
         tied = getattr(self.model.config, "tie_word_embeddings", False)
