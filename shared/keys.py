@@ -75,6 +75,12 @@ class RunKeys:
         return self._k("weights")
 
     @property
+    def weights_snapshot(self) -> str:
+        """String: the newest weight version on disk (an encoded WeightSnapshot), written by a
+        trainer whose versions move by a collective transport; generators starting mid-run load it."""
+        return self._k("weights:snapshot")
+
+    @property
     def weight_acks(self) -> str:
         """Stream of WeightAck entries written by generators."""
         return self._k("weight_acks")

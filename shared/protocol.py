@@ -9,6 +9,7 @@ Who writes what:
     trainer  -> tasks        Task                (consumer group "gateways")
     gateway  -> trajectories Trajectory          (consumer group "trainer")
     trainer  -> weights      WeightAnnouncement  (read by every generator)
+    trainer  -> weights:snapshot WeightSnapshot  (one value: the newest version on disk)
     generator-> weight_acks  WeightAck           (read by the trainer while it waits on a refit)
     any      -> registry     Heartbeat           (worker registry, see `shared.registry`)
     any      -> deadletter   DeadLetter          (entries that failed to decode or validate)
@@ -137,20 +138,58 @@ class Trajectory(_Message, tag="trajectory"):
         return sorted({v for t in self.turns for v in (t.weight_version, t.weight_version_end)})
 
 
-class WeightAnnouncement(_Message, tag="weights"):
-    """Weight version ``version`` is ready at ``path`` (a safetensors folder)."""
+WeightTransportName = Literal["filesystem", "collective"]
+
+
+class CollectiveOrder(msgspec.Struct, kw_only=True, frozen=True):
+    """The control message of a collective weight transfer (``refit.transport: collective``).
+
+    Without ``update_info``: join group ``group_id`` (vLLM's ``init_weight_transfer_engine`` with
+    ``init_info``, ``rank_offset`` set to ``ranks[worker_id]``); the trainer's sending rank opens it
+    meanwhile. With ``update_info``: receive the announced version over that group (vLLM's
+    ``start_weight_update``, ``update_weights(update_info)``, ``finish_weight_update``). Generators
+    not in ``ranks`` ignore it."""
+
+    group_id: str
+    backend: str  # vLLM weight-transfer engine: gloo (CPU) or nccl
+    init_info: dict[str, Any]
+    ranks: dict[str, int]  # worker_id -> the rank of its first engine worker in the group
+    update_info: dict[str, Any] | None = None
+
+
+class WeightSnapshot(_Message, tag="weight_snapshot"):
+    """A weight version on disk (safetensors folder + per-file digests): what a generator that
+    starts mid-run loads when the run's versions move by a collective transport."""
 
     version: int
     path: str
     checksum: str
-    num_bytes: int
+    files: dict[str, str] = msgspec.field(default_factory=dict)
+    num_bytes: int = 0
+
+
+class WeightAnnouncement(_Message, tag="weights"):
+    """Weight version ``version`` is ready: in the safetensors folder ``path`` (transport
+    ``filesystem``; ``files`` maps each file to its digest, ``checksum`` names the folder), or over
+    the collective group ``collective`` names (transport ``collective``; ``checksum`` empty: each
+    generator reports what it received in its ack)."""
+
+    version: int
+    path: str = ""
+    checksum: str = ""
+    num_bytes: int = 0
+    transport: WeightTransportName = "filesystem"
+    files: dict[str, str] = msgspec.field(default_factory=dict)
+    collective: CollectiveOrder | None = None
     format: Literal["safetensors"] = "safetensors"
     mode: Literal["drain", "keep"] = "drain"
     created_at: float = msgspec.field(default_factory=time.time)
 
 
 class WeightAck(_Message, tag="weight_ack"):
-    """A generator's answer to a WeightAnnouncement."""
+    """A generator's answer to a WeightAnnouncement. After a collective transfer ``checksum`` is
+    the digest of what it received and ``engine_checksum`` a digest of the engine's own
+    per-parameter checksums (equal on every generator holding the same weights)."""
 
     worker_id: str
     version: int
@@ -158,6 +197,9 @@ class WeightAck(_Message, tag="weight_ack"):
     error: str | None = None
     cache_reset: bool = False
     load_s: float = 0.0
+    checksum: str | None = None
+    engine_checksum: str | None = None
+    group: str | None = None  # the transfer group of a collective version
     at: float = msgspec.field(default_factory=time.time)
 
 
@@ -212,7 +254,17 @@ class ScaleStatus(_Message, tag="scale_status"):
     at: float = msgspec.field(default_factory=time.time)
 
 
-Message = Task | Trajectory | WeightAnnouncement | WeightAck | Heartbeat | DeadLetter | ScaleRequest | ScaleStatus
+Message = (
+    Task
+    | Trajectory
+    | WeightAnnouncement
+    | WeightAck
+    | WeightSnapshot
+    | Heartbeat
+    | DeadLetter
+    | ScaleRequest
+    | ScaleStatus
+)
 M = TypeVar("M", bound=_Message)
 
 
@@ -277,6 +329,11 @@ def _validate(msg: _Message) -> None:
     elif isinstance(msg, Task):
         if not 0 <= msg.index_in_group < msg.group_size:
             raise ProtocolError(f"task {msg.task_id}: index_in_group outside group")
+    elif isinstance(msg, WeightAnnouncement):
+        if msg.transport == "filesystem" and not msg.path:
+            raise ProtocolError(f"weight version {msg.version}: a filesystem announcement needs a path")
+        if msg.transport == "collective" and msg.collective is None:
+            raise ProtocolError(f"weight version {msg.version}: a collective announcement needs its order")
 
 
 def make_turn(

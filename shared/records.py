@@ -115,11 +115,14 @@ class RefitSummary(msgspec.Struct, kw_only=True):
     """The refit that published the step's weights (version step + 1)."""
 
     total_s: float
-    write_s: float
+    write_s: float  # moving the bytes: writing the folder (filesystem) or the whole transfer (collective)
     checksum_s: float
     confirm_s: float  # announce to the last generator's ack
     generators: list[str]  # confirmed the version (membership follows scaling)
-    dropped_generators: list[str]  # left or began draining before confirming
+    dropped_generators: list[str]  # left, began draining or were lost in a transfer before confirming
+    transport: str = "filesystem"
+    num_bytes: int = 0
+    attempts: int = 1  # a transfer that lost a generator is retried without it
 
 
 class StepRecord(msgspec.Struct, kw_only=True, tag="train", tag_field="kind", omit_defaults=True):

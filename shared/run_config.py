@@ -445,6 +445,53 @@ class CheckpointSection(_Section):
     ] = False
 
 
+class CollectiveRefitSection(_Section):
+    backend: Annotated[
+        Literal["auto", "gloo", "nccl"],
+        D("vLLM weight-transfer engine; auto: nccl when the generators run on GPUs, gloo (CPU) otherwise"),
+    ] = "auto"
+    master_address: Annotated[
+        str | None,
+        D("address generators reach trainer rank 0 at for the transfer group; null: this host's name"),
+    ] = None
+    bucket_mb: Annotated[int, D("parameters are packed and sent in buckets of at most this many MiB")] = 256
+    verify_engine_checksums: Annotated[
+        bool,
+        D(
+            "after each transfer every generator computes vLLM's per-parameter checksums and the trainer requires "
+            "them equal across generators (a full pass over each engine's weights; off for very large models)"
+        ),
+    ] = True
+    snapshot_period: Annotated[
+        int | None,
+        D(
+            "write the published version to disk every N steps, for generators that start mid-run; "
+            "null: checkpointing.save_period"
+        ),
+    ] = None
+
+
+class RefitSection(_Section):
+    transport: Annotated[
+        Literal["filesystem", "collective"],
+        D(
+            "how weight versions reach the generators: a safetensors folder they load, or vLLM's weight-transfer "
+            "engines (gloo on CPU, nccl on GPUs) from trainer memory to engine memory"
+        ),
+    ] = "filesystem"
+    collective: CollectiveRefitSection = msgspec.field(default_factory=CollectiveRefitSection)
+    max_attempts: Annotated[
+        int, D("a transfer that lost a generator is retried without it, up to this many attempts in all")
+    ] = 3
+    max_gen_kl_error: Annotated[
+        float | None,
+        D(
+            "bound on gen_kl_error of the first step trained on a new version's samples; above it the refit "
+            "produced different weights on the two sides and the run fails loudly (null: not checked)"
+        ),
+    ] = None
+
+
 class LoggerSection(_Section):
     log_dir: Annotated[str | None, D("folder for metrics.jsonl and plots; null: output_dir")] = None
     plot: Annotated[bool, D("write reward_curve.png at the end")] = True
@@ -554,6 +601,7 @@ class RunConfig(_Section):
     loss_fn: LossSection = msgspec.field(default_factory=LossSection)
     env: EnvSection = msgspec.field(default_factory=EnvSection)
     checkpointing: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
+    refit: RefitSection = msgspec.field(default_factory=RefitSection)
     logger: LoggerSection = msgspec.field(default_factory=LoggerSection)
     generator: GeneratorSection = msgspec.field(default_factory=GeneratorSection)
     gym_gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
@@ -614,6 +662,12 @@ class RunConfig(_Section):
             raise ConfigError("trainer.nproc_per_node must be >= 1")
         if self.trainer.nproc_per_node > 1 and self.trainer.backend != "torch":
             raise ConfigError("trainer.nproc_per_node > 1 needs trainer.backend: torch (megatron runs on one rank)")
+        if self.refit.transport == "collective" and self.trainer.backend != "torch":
+            raise ConfigError("refit.transport: collective needs trainer.backend: torch")
+        if self.refit.max_attempts < 1:
+            raise ConfigError("refit.max_attempts must be >= 1")
+        if self.refit.collective.bucket_mb < 1:
+            raise ConfigError("refit.collective.bucket_mb must be >= 1")
         if self.trainer.collective_timeout_s <= 0:
             raise ConfigError("trainer.collective_timeout_s must be > 0")
         if g.stop_at_validation_metric is not None:

@@ -42,6 +42,7 @@ from shared.records import LearnerMetrics
 from shared.registry import HeartbeatTask, publish_heartbeat
 from shared.run_config import EnvSection, RunConfig
 from shared.streams import StreamClient, connect
+from shared.weights_format import write_hashed
 from streamrl.bench_schedule import Scenario
 from streamrl.child_guard import guarded
 
@@ -72,8 +73,8 @@ class SimBackend:
             loss=0.0, grad_norm=0.0, num_updates=1, train_tokens=0, lr=0.0, train_time_s=time.perf_counter() - t0
         )
 
-    def save_weights(self, out_dir: Path) -> None:
-        (out_dir / "model.safetensors").write_bytes(bytes(64))
+    def save_weights(self, out_dir: Path) -> dict[str, str]:
+        return {"model.safetensors": write_hashed(out_dir / "model.safetensors", bytes(64))}
 
     def save_checkpoint(self, path: Path) -> None:
         raise NotImplementedError("the benchmark's runs keep no checkpoints")

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from services.trainer.refit import WeightPublisher
+from services.trainer.weight_transport import FilesystemTransport
 from shared import keys as K
 from shared.pause import PauseControl
 from shared.protocol import Heartbeat
@@ -16,7 +17,7 @@ from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
 
 
-def save_dummy(path: Path) -> None:
+def save_dummy(path: Path) -> None | dict[str, str]:
     """A weights writer for the publisher: one small safetensors-named file."""
     (path / "model.safetensors").write_bytes(b"\x00" * 64)
 
@@ -29,9 +30,8 @@ async def publisher_for(
     redis = connect(redis_url)
     keys = K.RunKeys(f"{run_prefix}-{uuid.uuid4().hex[:6]}")
     streams = StreamClient(redis, keys, "trainer")
-    pub = WeightPublisher(
-        streams, PauseControl(redis, keys), tmp_path / "weights", timeout_s=timeout_s, in_flight_updates=False
-    )
+    transport = FilesystemTransport(tmp_path / "weights", save_dummy)
+    pub = WeightPublisher(streams, PauseControl(redis, keys), transport, timeout_s=timeout_s, in_flight_updates=False)
     try:
         yield pub, streams
     finally:

@@ -16,7 +16,7 @@ from (temperature-scaled, top-p-masked), so the trainer's importance weights are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from shared.run_config import RunConfig
 
@@ -101,6 +101,20 @@ class Engine(Protocol):
 
     async def load_weights(self, path: str) -> None:
         """Replace the weights in place from a folder of safetensors files (engine paused)."""
+        ...
+
+    async def join_weight_group(self, init_info: dict[str, Any]) -> None:
+        """Join a weight-transfer group (vLLM's ``init_weight_transfer_engine``); blocks until every
+        member joined. Replaces any group joined before."""
+        ...
+
+    async def receive_weights(self, update_info: dict[str, Any]) -> str | None:
+        """Receive a whole version over the joined group into the model (engine paused); the
+        transfer's checksum when the engine reports one."""
+        ...
+
+    async def weight_checksum(self) -> str | None:
+        """One digest of the engine's per-parameter weight checksums (None: not computed)."""
         ...
 
     async def reset_prefix_cache(self) -> bool:

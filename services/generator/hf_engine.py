@@ -55,6 +55,8 @@ class HfEngine:
         self._waiting = 0
         self._active = 0
         self._generated_tokens_total = 0
+        self._group: Any = None  # the weight-transfer group joined (collective refits)
+        self._bucket_bytes = 256 << 20
 
     @property
     def info(self) -> EngineInfo:
@@ -164,6 +166,59 @@ class HfEngine:
         with torch.no_grad():
             self._model.load_state_dict(state, strict=True)
 
+    async def join_weight_group(self, init_info: dict[str, Any]) -> None:
+        from shared.weight_wire import open_group
+
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        info = dict(init_info)
+        self._bucket_bytes = int(info.get("bucket_bytes", self._bucket_bytes))
+        self._group = await asyncio.to_thread(
+            open_group,
+            str(info["master_address"]),
+            int(info["master_port"]),
+            int(info["rank_offset"]),
+            int(info["world_size"]),
+            str(info["group_id"]),
+            float(info.get("timeout_s", 300.0)),
+        )
+
+    async def receive_weights(self, update_info: dict[str, Any]) -> str | None:
+        """The gloo wire format of `shared.weight_wire`, copied into the parameters by name (a
+        transfer in vLLM's checkpoint names is the Hugging Face state dict)."""
+        if self._active and self._running.is_set():
+            raise RuntimeError("receive_weights called while a generation is running; pause the engine first")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._receive, update_info)
+
+    def _receive(self, update_info: dict[str, Any]) -> str:
+        import torch
+
+        from shared.weight_wire import TransferError, metas_from_update, receive_buckets, transfer_checksum
+
+        if self._group is None:
+            raise TransferError("no weight-transfer group joined")
+        metas = metas_from_update(update_info["names"], update_info["dtype_names"], update_info["shapes"])
+        state = self._model.state_dict()
+        unknown = [m.name for m in metas if m.name not in state]
+        if unknown:
+            raise ValueError(f"the transfer names parameters the model does not have: {unknown[:5]}")
+        digests: list[bytes] = []
+        try:
+            with torch.no_grad():
+                for pairs, got in receive_buckets(self._group, metas, self._bucket_bytes):
+                    for name, tensor in pairs:
+                        state[name].copy_(tensor)
+                    digests.append(got)
+        except Exception:
+            self._group.close()
+            self._group = None
+            raise
+        return transfer_checksum(digests)
+
+    async def weight_checksum(self) -> str | None:
+        return None  # no engine-side checksums beyond the transfer's own
+
     async def reset_prefix_cache(self) -> bool:
         # No prefix cache: nothing to invalidate, and nothing was reset.
         return False
@@ -186,6 +241,9 @@ class HfEngine:
         )
 
     async def aclose(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._model = None
 

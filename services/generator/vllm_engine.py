@@ -5,8 +5,10 @@ on CPU the config must set ``kv_cache_memory_bytes``, ``enforce_eager`` and ``dt
 Prompts go in as token ids (`TokensPrompt`), nothing is detokenised inside the engine, and
 logprobs are the engine's ``processed_logprobs`` (after temperature and top-p), the distribution
 tokens are actually sampled from. Weights are reloaded in place from safetensors with
-``collective_rpc("reload_weights")``; pause/resume use the scheduler's wait/keep modes without
-clearing the cache (the refit resets the prefix cache itself and checks the answer).
+``collective_rpc("reload_weights")``, or, with ``refit.transport: collective``, received through
+vLLM's weight-transfer engine (``gloo`` from `shared.gloo_weights` on CPU, vLLM's ``nccl`` on
+GPUs). Pause/resume use the scheduler's wait/keep modes without clearing the cache (the refit
+resets the prefix cache itself and checks the answer).
 
 vLLM starts worker processes, so the process that builds this engine must run under a
 ``if __name__ == "__main__":`` guard (`services.generator.__main__` has one).
@@ -90,7 +92,26 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             seed=self._cfg.run.seed,
             disable_log_stats=True,
+            weight_transfer_config=self._weight_transfer_config(),
+            worker_extension_cls=self._worker_extension(),
         )
+
+    def _worker_extension(self) -> str:
+        if self._cfg.refit.transport != "collective":
+            return ""
+        from shared.gloo_weights import EXTENSION
+
+        return EXTENSION
+
+    def _weight_transfer_config(self) -> Any:
+        if self._cfg.refit.transport != "collective":
+            return None
+        from vllm.config.weight_transfer import WeightTransferConfig
+
+        from shared.gloo_weights import register, transfer_backend
+
+        register()  # vLLM's plugin entry point does it in the engine's processes; this covers this one
+        return WeightTransferConfig(backend=transfer_backend(self._cfg.refit.collective.backend))
 
     @staticmethod
     def _chunked_prefill(configured: bool | None) -> bool | None:
@@ -163,6 +184,31 @@ class VllmEngine:
 
     async def load_weights(self, path: str) -> None:
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+
+    async def join_weight_group(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def receive_weights(self, update_info: dict[str, Any]) -> str | None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._llm.start_weight_update()
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self._llm.finish_weight_update()
+        sums = await self._llm.collective_rpc("streamrl_transfer_checksum")
+        # One entry per engine worker; with tensor parallelism each received the whole stream.
+        found = {s for s in sums if s is not None}
+        if len(found) > 1:
+            raise RuntimeError(f"the engine's workers received different weights: {sorted(found)}")
+        return found.pop() if found else None
+
+    async def weight_checksum(self) -> str | None:
+        if not self._cfg.refit.collective.verify_engine_checksums:
+            return None
+        from shared.weight_wire import checksum_of_checksums
+
+        return checksum_of_checksums(await self._llm.compute_weight_checksums())
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._llm.reset_prefix_cache())

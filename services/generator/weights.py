@@ -1,11 +1,19 @@
 """Weight versions: follow the run's ``weights`` stream, load each new version, acknowledge it.
 
 One code path for every load (the watcher and ``POST /admin/load_weights`` both call
-`WeightSync.apply`). For an announcement newer than the served version::
+`WeightSync.apply`). For an announcement newer than the served version, by its transport::
 
-    verify checksum --> pause (close the gate; drain up to generator.drain_timeout_s, or keep)
-      --> load in place --> reset the prefix cache if caching is effectively on (False = failure)
-      --> set weight_version --> resume (open the gate) --> WeightAck(ok, cache_reset, load_s)
+    filesystem: verify every file's digest (in parallel) --> pause (close the gate; drain up to
+                generator.drain_timeout_s, or keep) --> load the folder in place
+    collective: pause --> receive over the transfer group (vLLM's start_weight_update,
+                update_weights, finish_weight_update) --> the engine's own checksums
+      --> reset the prefix cache if caching is effectively on (False = failure)
+      --> set weight_version --> resume (open the gate) --> WeightAck(ok, cache_reset, load_s, checksums)
+
+A collective announcement without ``update_info`` asks this generator to join a new transfer
+group (the trainer opens it meanwhile); it is acknowledged only when joining fails. A generator
+that starts while the run's versions move collectively loads the newest snapshot on disk
+(``weights:snapshot``) and joins the group at the next refit.
 
 Checksum, load and reset share the ``generator.weight_load_timeout_s`` deadline. Any failure
 marks the generator failed (503 for generation, heartbeat state "failed") and is acked with
@@ -34,10 +42,18 @@ from services.generator.engine import PauseMode
 from services.generator.metrics import GeneratorMetrics
 from services.generator.runtime import LocalPause, Runtime
 from shared import keys as K
-from shared.protocol import ProtocolError, WeightAck, WeightAnnouncement
+from shared.protocol import (
+    CollectiveOrder,
+    ProtocolError,
+    WeightAck,
+    WeightAnnouncement,
+    WeightSnapshot,
+    WeightTransportName,
+    decode,
+)
 from shared.redis_replies import as_text, range_entries
 from shared.streams import StreamClient
-from shared.weights_format import checksum_dir, safetensors_files
+from shared.weights_format import checksum_dir, safetensors_files, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +67,15 @@ class RefitError(RuntimeError):
 
 @dataclass(frozen=True)
 class LoadOrder:
-    """What to load: from an announcement or from the admin route."""
+    """What to load: from an announcement, a snapshot or the admin route."""
 
     version: int
     path: str
     checksum: str | None
     mode: PauseMode = "drain"
+    transport: WeightTransportName = "filesystem"
+    files: dict[str, str] | None = None  # file -> digest; None: check ``checksum`` over the folder
+    collective: CollectiveOrder | None = None
 
 
 class WeightSync:
@@ -82,19 +101,44 @@ class WeightSync:
     async def apply(self, order: LoadOrder) -> WeightAck:
         """Load ``order`` unless it is not newer, publish the ack (when streams exist), return it."""
         ack = await self._apply(order)
-        if self.streams is not None:
-            try:
-                await self.streams.publish(self.streams.keys.weight_acks, ack, maxlen=K.WEIGHT_ACKS_MAXLEN)
-            except (RedisError, OSError) as exc:
-                # The client already retried with backoff; the trainer's refit deadline reports it.
-                log.error("could not publish the ack of weight version %d: %s", order.version, exc)
+        await self._publish(ack)
         return ack
+
+    async def join(self, order: CollectiveOrder, version: int) -> None:
+        """Join the transfer group ``order`` names; a failure is acked (the trainer names us)."""
+        rank = order.ranks.get(self.runtime.worker_id)
+        if rank is None:
+            return
+        async with self._lock:
+            try:
+                async with asyncio.timeout(self.load_timeout_s):
+                    await self.runtime.engine.join_weight_group({**order.init_info, "rank_offset": rank})
+            except Exception as exc:
+                error = f"could not join weight-transfer group {order.group_id}: {type(exc).__name__}: {exc}"
+                log.error("%s", error)
+                ack = WeightAck(
+                    worker_id=self.runtime.worker_id, version=version, ok=False, error=error, group=order.group_id
+                )
+                await self._publish(ack)
+                return
+        log.info("joined weight-transfer group %s (rank %d)", order.group_id, rank)
+
+    async def _publish(self, ack: WeightAck) -> None:
+        if self.streams is None:
+            return
+        try:
+            await self.streams.publish(self.streams.keys.weight_acks, ack, maxlen=K.WEIGHT_ACKS_MAXLEN)
+        except (RedisError, OSError) as exc:
+            # The client already retried with backoff; the trainer's refit deadline reports it.
+            log.error("could not publish the ack of weight version %d: %s", ack.version, exc)
 
     async def _apply(self, order: LoadOrder) -> WeightAck:
         rt = self.runtime
+        group = order.collective.group_id if order.collective is not None else None
         async with self._lock:
             same_weights = order.checksum is None or order.checksum == rt.weight_checksum
-            if order.version == rt.weight_version and same_weights and rt.error is None:
+            reusable = order.transport == "filesystem" and same_weights and rt.error is None
+            if order.version == rt.weight_version and reusable:
                 log.info("weight version %d is already served: acked without reloading", order.version)
                 return WeightAck(worker_id=rt.worker_id, version=order.version, ok=True)
             if order.version < rt.weight_version:
@@ -105,13 +149,19 @@ class WeightSync:
                 )
             t0 = time.monotonic()
             try:
-                cache_reset = await self._load(order)
+                cache_reset, received, engine_checksum = await self._load(order)
             except Exception as exc:
-                error = f"weight version {order.version} from {order.path}: {type(exc).__name__}: {exc}"
+                source = order.path if order.transport == "filesystem" else "the transfer group"
+                error = f"weight version {order.version} from {source}: {type(exc).__name__}: {exc}"
                 rt.fail(error)
                 self.metrics.refits.labels("failed").inc()
                 return WeightAck(
-                    worker_id=rt.worker_id, version=order.version, ok=False, error=error, load_s=time.monotonic() - t0
+                    worker_id=rt.worker_id,
+                    version=order.version,
+                    ok=False,
+                    error=error,
+                    load_s=time.monotonic() - t0,
+                    group=group,
                 )
             load_s = time.monotonic() - t0
             rt.last_refit_s = load_s
@@ -119,18 +169,34 @@ class WeightSync:
             self.metrics.refit_seconds.observe(load_s)
             log.info("serving weight version %d (%.2fs, prefix cache reset: %s)", order.version, load_s, cache_reset)
             return WeightAck(
-                worker_id=rt.worker_id, version=order.version, ok=True, cache_reset=cache_reset, load_s=load_s
+                worker_id=rt.worker_id,
+                version=order.version,
+                ok=True,
+                cache_reset=cache_reset,
+                load_s=load_s,
+                checksum=received,
+                engine_checksum=engine_checksum,
+                group=group,
             )
 
-    async def _load(self, order: LoadOrder) -> bool:
-        """Pause, load, reset, bump the version, resume; True when the prefix cache was reset."""
+    async def _load(self, order: LoadOrder) -> tuple[bool, str | None, str | None]:
+        """Pause, load, reset, bump the version, resume. Whether the prefix cache was reset, and
+        after a collective transfer the received weights' checksum and the engine's own."""
         rt, engine = self.runtime, self.runtime.engine
-        async with asyncio.timeout(self.load_timeout_s):
-            await self._verify(order)
+        if order.transport == "filesystem":
+            async with asyncio.timeout(self.load_timeout_s):
+                await self._verify(order)
+        received = engine_checksum = None
         try:
             await rt.pause(LocalPause.REFIT, order.mode)
             async with asyncio.timeout(self.load_timeout_s):
-                await engine.load_weights(order.path)
+                if order.collective is not None:
+                    if order.collective.update_info is None:
+                        raise RefitError("a collective order without update_info carries no weights")
+                    received = await engine.receive_weights(order.collective.update_info)
+                    engine_checksum = await engine.weight_checksum()
+                else:
+                    await engine.load_weights(order.path)
                 cache_reset = False
                 if engine.prefix_caching_enabled:
                     cache_reset = await engine.reset_prefix_cache()
@@ -141,13 +207,16 @@ class WeightSync:
                     rt.prefix_cache_resets += 1
                     self.metrics.prefix_cache_resets.inc()
             rt.weight_version = order.version
-            rt.weight_checksum = order.checksum
+            rt.weight_checksum = order.checksum if order.transport == "filesystem" else received
             rt.error = None
-            return cache_reset
+            return cache_reset, received, engine_checksum
         finally:
             await rt.resume(LocalPause.REFIT)
 
     async def _verify(self, order: LoadOrder) -> None:
+        if order.files:
+            await asyncio.to_thread(verify_files, order.path, order.files)
+            return
         if order.checksum is None:
             await asyncio.to_thread(safetensors_files, order.path)
             log.warning("weight version %d has no checksum; loading unverified", order.version)
@@ -171,8 +240,29 @@ class WeightSync:
         if latest is None:
             log.info("no weight announcement yet; serving the initial weights as version -1")
             return "0-0"
-        await self.apply(_order(latest.msg))
+        if latest.msg.transport == "collective":
+            await self._load_snapshot()
+        else:
+            await self.apply(_order(latest.msg))
         return latest.entry_id
+
+    async def _load_snapshot(self) -> None:
+        """The run's versions move collectively: load the newest one on disk, if any (this generator
+        joins the transfer group at the next refit)."""
+        assert self.streams is not None
+        raw = await self.streams.redis.get(self.streams.keys.weights_snapshot)
+        if raw is None:
+            log.warning("no weight snapshot on disk yet; serving the initial weights until the next refit")
+            return
+        try:
+            snap = decode(raw if isinstance(raw, bytes) else raw.encode(), WeightSnapshot)
+        except ProtocolError as exc:
+            log.error("the weight snapshot record is unreadable (%s); serving the initial weights", exc)
+            return
+        log.info("loading weight version %d from its snapshot %s", snap.version, snap.path)
+        await self.apply(
+            LoadOrder(version=snap.version, path=snap.path, checksum=snap.checksum, files=snap.files or None)
+        )
 
     def stop(self) -> None:
         """End ``watch`` after its current read (at most block_ms), even if a cancellation is lost
@@ -196,13 +286,35 @@ class WeightSync:
                 continue
             cursor = batch[-1].entry_id
             good = [d.msg for d in batch if d.msg is not None]
-            if not good:
-                continue
-            newest = max(good, key=lambda a: a.version)
-            if len(good) > 1:
-                log.info("%d announcements arrived together; loading only version %d", len(good), newest.version)
-            await self.apply(_order(newest))
+            if good:
+                await self._follow(good)
+
+    async def _follow(self, announcements: list[WeightAnnouncement]) -> None:
+        """Act on a batch in order: of the filesystem versions only the newest loads; collective
+        orders (joins, then transfers) are each acted on, since their bytes come only once."""
+        files = [a for a in announcements if a.transport == "filesystem"]
+        newest = max(files, key=lambda a: a.version) if files else None
+        if len(files) > 1 and newest is not None:
+            log.info("%d announcements arrived together; loading only version %d", len(files), newest.version)
+        for ann in announcements:
+            if ann.collective is not None:
+                if self.runtime.worker_id not in ann.collective.ranks:
+                    continue
+                if ann.collective.update_info is None:
+                    await self.join(ann.collective, ann.version)
+                else:
+                    await self.apply(_order(ann))
+            elif ann is newest:
+                await self.apply(_order(ann))
 
 
 def _order(ann: WeightAnnouncement) -> LoadOrder:
-    return LoadOrder(version=ann.version, path=ann.path, checksum=ann.checksum, mode=ann.mode)
+    return LoadOrder(
+        version=ann.version,
+        path=ann.path,
+        checksum=ann.checksum or None,
+        mode=ann.mode,
+        transport=ann.transport,
+        files=ann.files or None,
+        collective=ann.collective,
+    )

@@ -38,11 +38,12 @@ from services.trainer.collection import Collector
 from services.trainer.intake import TrajectoryIntake
 from services.trainer.learner import Learner, LearnerLost
 from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve
-from services.trainer.refit import RefitReport, WeightPublisher
+from services.trainer.refit import RefitReport, WeightPublisher, check_refit_fidelity
 from services.trainer.scheduler import Scheduler
 from services.trainer.step_record import StepClock, build_step_record
 from services.trainer.validation import ValidationRunner
 from services.trainer.validation_control import ValidationController
+from services.trainer.weight_transport import build_transport
 from shared import keys as K
 from shared.pause import PauseControl
 from shared.protocol import Heartbeat, Task, Trajectory
@@ -135,15 +136,17 @@ class ControlPlane:
         self.publisher = WeightPublisher(
             self.streams,
             self.pause,
-            out / "weights",
+            build_transport(cfg, learner, out / "weights", self.redis, self.keys),
             timeout_s=cfg.trainer.refit_timeout_s,
             in_flight_updates=g.async_grpo.in_flight_weight_updates,
+            max_attempts=cfg.refit.max_attempts,
         )
         self.heartbeat = HeartbeatTask(self.redis, self.keys, self._heartbeat)
         self.state = TrainerState.STARTING
         self.error: str | None = None
         self.step = 0  # steps done
         self.weight_version = -1  # the last version every generator confirmed
+        self._fidelity_checked = -1  # the newest version whose first step passed refit.max_gen_kl_error
         self.incarnation = 0
         self.early_stopped = False
         self.last_record: StepRecord | None = None
@@ -243,6 +246,7 @@ class ControlPlane:
         self.state = TrainerState.TRAINING
         batch = self._batch(sample)
         learner_metrics = await self.learner.train(batch)
+        self._check_refit_fidelity(sample, learner_metrics)
         t_train = time.perf_counter()
         report = await self._refit(step + 1)
         self.step = step + 1
@@ -257,6 +261,16 @@ class ControlPlane:
                 break
         if self.early_stopped and not saved:
             await self._checkpoint(force=True)
+
+    def _check_refit_fidelity(self, sample: SampleResult, metrics: LearnerMetrics) -> None:
+        """The first step trained on samples of the newest version checks its ``gen_kl_error``
+        (`services.trainer.refit.check_refit_fidelity`); fails the run loudly when it is too big."""
+        bound, version = self.cfg.refit.max_gen_kl_error, self.weight_version
+        if bound is None or version <= self._fidelity_checked:
+            return
+        if any(version in t.versions for g in sample.groups for t in g.rows.values()):
+            self._fidelity_checked = version
+            check_refit_fidelity(version, metrics.gen_kl_error, bound)
 
     def _batch(self, sample: SampleResult) -> StepBatch:
         cfg = self.cfg
@@ -338,9 +352,7 @@ class ControlPlane:
         if initial:
             log.info("initial refit: publishing v%d before any task is issued", version)
         report = await self.publisher.refit(
-            version,
-            self.learner.export_weights,
-            wait_for_generators_s=self.cfg.trainer.startup_timeout_s if initial else None,
+            version, wait_for_generators_s=self.cfg.trainer.startup_timeout_s if initial else None
         )
         self.weight_version = version
         return report

@@ -8,6 +8,8 @@ and the export of the weights. Between them, this narrow interface:
     control plane --StepBatch--------------> Learner.train ----> LearnerMetrics
                   --export_weights(folder)--> a safetensors folder generators load, and its manifest
                                               (file name -> digest; called by the refit)
+                  --send_weights(order)-----> the policy straight into the generators' engines
+                                              (a collective refit, `services.trainer.weight_send`)
                   --save(folder) / load(folder)--> the learner's part of a step's checkpoint
                   --wait_saved()-------------> returns once that part is on disk (asynchronous saves)
 
@@ -23,11 +25,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from services.trainer.backends.base import TrainingBackend
 from services.trainer.batch import StepBatch
+from services.trainer.weight_send import CollectiveSender, SendOrder
 from shared.records import LearnerMetrics
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,11 @@ class Learner(Protocol):
     def export_weights(self, out_dir: Path) -> dict[str, str]:
         """Write the policy as a safetensors folder (called from the refit's writer thread); the
         manifest of every file written (file name -> digest, `shared.weights_format`)."""
+        ...
+
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | None:
+        """Send the policy over the transfer group ``order`` names (called from the refit's thread;
+        ``client`` reaches the generators); the checksum of what was sent, when known."""
         ...
 
     async def save(self, path: Path) -> None:
@@ -81,6 +92,7 @@ class LocalLearner:
     def __init__(self, build: Callable[[], TrainingBackend]) -> None:
         self._build = build
         self._backend: TrainingBackend | None = None
+        self._sender: CollectiveSender | None = None
 
     @property
     def backend(self) -> TrainingBackend:
@@ -97,6 +109,11 @@ class LocalLearner:
     def export_weights(self, out_dir: Path) -> dict[str, str]:
         return self.backend.save_weights(out_dir)
 
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | None:
+        if self._sender is None:
+            self._sender = sender_of(self.backend, rank=0)
+        return self._sender.send(order, client)
+
     async def save(self, path: Path) -> None:
         await asyncio.to_thread(self.backend.save_checkpoint, path)
 
@@ -110,4 +127,16 @@ class LocalLearner:
         await asyncio.Event().wait()  # nothing to lose: the backend runs in this process
 
     async def close(self) -> None:
-        return None
+        if self._sender is not None:
+            self._sender.close()
+
+
+def sender_of(backend: TrainingBackend, rank: int) -> CollectiveSender:
+    """The collective sender over ``backend``'s policy (a Hugging Face model in the torch backend)."""
+    model = getattr(backend, "model", None)
+    dtype = getattr(backend, "dtype", None)
+    if model is None or dtype is None or not hasattr(model, "config"):
+        raise RuntimeError(
+            f"{type(backend).__name__} cannot send its weights collectively (use refit.transport: filesystem)"
+        )
+    return CollectiveSender(model, dtype, rank)

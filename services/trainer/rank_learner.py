@@ -8,6 +8,7 @@ group (a broadcast of the command, then what it carries)::
     train(batch):   TRAIN  + scatter(shares)  ->  backend.train_share(share)      (FSDP collectives)
     export_weights: EXPORT(folder)            ->  backend.save_weights(folder)   (tensor by tensor;
                                                   each rank writes its share of the files)
+    send_weights:   SEND(order)               ->  its part of the FSDP gathers while rank 0 sends
     save / load:    SAVE / LOAD(folder)       ->  backend.save_checkpoint / load_checkpoint
     wait_saved:     WAIT_SAVED                ->  backend.wait_for_save
     (idle)          PING every collective_timeout_s / 4
@@ -36,11 +37,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from services.trainer.batch import StepBatch
-from services.trainer.learner import LearnerLost
+from services.trainer.learner import LearnerLost, sender_of
 from services.trainer.ranks import Ranks
+from services.trainer.weight_send import CollectiveSender, SendOrder
 from shared.records import LearnerMetrics
+from shared.weight_wire import TransferError
 
 if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
+
     from services.trainer.backends.torch_backend import TorchBackend
     from services.trainer.step_plan import RankShare
 
@@ -52,6 +57,7 @@ T = TypeVar("T")
 class Op(StrEnum):
     TRAIN = "train"
     EXPORT = "export"
+    SEND = "send"
     SAVE = "save"
     WAIT_SAVED = "wait_saved"
     LOAD = "load"
@@ -63,6 +69,7 @@ class Op(StrEnum):
 class Command:
     op: Op
     path: str | None = None
+    order: SendOrder | None = None
 
 
 def _broadcast(command: Command | None) -> Command:
@@ -91,6 +98,7 @@ class RankedLearner:
         self.ranks = ranks
         self.keepalive_s = collective_timeout_s / 4
         self._backend: TorchBackend | None = None
+        self._sender: CollectiveSender | None = None
         self._lock = threading.Lock()  # one command at a time, whichever thread sends it
         self._last_command = time.monotonic()
         self._closed = False
@@ -112,6 +120,8 @@ class RankedLearner:
             try:
                 _broadcast(command)
                 return run()
+            except TransferError:
+                raise  # the generators' transfer group failed, not the trainer's ranks
             except Exception as exc:
                 if isinstance(exc, (RuntimeError, dist.DistBackendError)) and _is_comm_error(exc):
                     raise RankLost(f"trainer ranks lost during {command.op}: {exc}") from exc
@@ -132,6 +142,14 @@ class RankedLearner:
     def export_weights(self, out_dir: Path) -> dict[str, str]:
         """Every rank writes its share of the folder; the manifest of every rank's files."""
         return self._command(Command(Op.EXPORT, str(out_dir)), lambda: self.backend.save_weights(out_dir))
+
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | None:
+        def run() -> str | None:
+            if self._sender is None:
+                self._sender = sender_of(self.backend, rank=0)
+            return self._sender.send(order, client)
+
+        return self._command(Command(Op.SEND, order=order), run)
 
     async def save(self, path: Path) -> None:
         await asyncio.to_thread(self._command, Command(Op.SAVE, str(path)), lambda: self.backend.save_checkpoint(path))
@@ -171,6 +189,7 @@ def _is_comm_error(exc: BaseException) -> bool:
 def follow(backend: TorchBackend) -> None:
     """A follower rank's life: run rank 0's commands until STOP (raises when one fails)."""
     ranks = backend.ranks
+    sender: CollectiveSender | None = None
     while True:
         command = _broadcast(None)
         if command.op == Op.STOP:
@@ -183,6 +202,10 @@ def follow(backend: TorchBackend) -> None:
             case Op.EXPORT:
                 assert path is not None
                 backend.save_weights(path)
+            case Op.SEND:
+                assert command.order is not None
+                sender = sender or sender_of(backend, rank=ranks.rank)
+                sender.send(command.order, None)
             case Op.SAVE:
                 assert path is not None
                 backend.save_checkpoint(path)

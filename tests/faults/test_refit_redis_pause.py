@@ -25,6 +25,7 @@ import time
 import pytest
 
 from services.trainer.refit import WeightPublisher
+from services.trainer.weight_transport import FilesystemTransport
 from shared import keys as K
 from shared.pause import PauseControl
 from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
@@ -71,13 +72,12 @@ async def test_a_refit_does_not_drop_generators_that_were_silent_only_because_re
     )
     heartbeat = HeartbeatTask(redis, keys, lambda: hb)
     heartbeat.start()
-    pub = WeightPublisher(
-        trainer, PauseControl(redis, keys), tmp_path / "weights", timeout_s=60.0, in_flight_updates=False
-    )
+    transport = FilesystemTransport(tmp_path / "weights", _save)
+    pub = WeightPublisher(trainer, PauseControl(redis, keys), transport, timeout_s=60.0, in_flight_updates=False)
     try:
         await asyncio.sleep(1.5)  # registered
         player = asyncio.create_task(_play_generator(generator, "gen-0", 1))
-        refit = asyncio.create_task(pub.refit(1, _save))
+        refit = asyncio.create_task(pub.refit(1))
         while b"refit" not in await redis.hkeys(keys.pause):  # the refit has begun
             await asyncio.sleep(0.005)
         os.kill(server.proc.pid, signal.SIGSTOP)

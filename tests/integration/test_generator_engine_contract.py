@@ -28,6 +28,7 @@ BACKENDS = ["vllm"] if IN_CHILD else [pytest.param("transformers", marks=pytest.
 @pytest.fixture(scope="module", params=BACKENDS)
 async def engine(request, tiny_model_dir, generator_config_tree):
     tree = generator_config_tree(tiny_model_dir, run_id="contract", redis_url=None, backend=request.param)
+    tree["refit"] = {"transport": "collective"}  # the engine also takes weights over a transfer group
     eng = build_engine(decode_tree(tree, RunConfig))
     await eng.start()
     yield eng
@@ -123,6 +124,82 @@ async def test_refit_matches_a_cold_start_on_the_new_weights(
     for w, c in zip(warm.top_logprobs, cold.top_logprobs, strict=True):
         assert [t for t, _ in w] == [t for t, _ in c]
         assert [v for _, v in w] == pytest.approx([v for _, v in c], abs=1e-5)
+
+    await engine.pause("drain")
+    await engine.load_weights(str(tiny_model_dir))
+    await engine.reset_prefix_cache()
+    await engine.resume()
+
+
+class _EngineClient:
+    """vLLM's trainer-side client protocol, straight to ``engine`` on ``loop`` (the generator
+    service reaches its engine the same way, from the weights stream)."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine, self.loop = engine, loop
+        self.received: str | None = None
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    def init_weight_transfer_engine(self, init_info):
+        self._run(self.engine.join_weight_group({**init_info, "rank_offset": 1}))
+
+    def start_weight_update(self):
+        pass
+
+    def update_weights(self, update_info):
+        self.received = self._run(self.engine.receive_weights(update_info))
+
+    def finish_weight_update(self, weight_version=None):
+        pass
+
+
+async def test_collective_refit_matches_a_cold_start_on_the_new_weights(
+    engine, tiny_model_dir, perturbed_model, generator_config_tree, tmp_path_factory
+):
+    """Weights received over a transfer group (vLLM's weight-transfer engine; gloo here) score
+    exactly as an engine started cold on the same weights, and both sides agree on the checksum."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.weight_send import CollectiveSender, SendOrder
+    from streamrl.redis_server import free_port
+
+    long_prompt = (PROMPT * 40)[:400]
+    params = greedy(6, top_logprobs=3)
+    await engine.generate(long_prompt, params, "coll-1")  # cache the prefix under the old weights
+    new = perturbed_model(tiny_model_dir, tmp_path_factory.mktemp("contract-coll"), scale=0.05, seed=23)
+    model = AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32)
+    sender = CollectiveSender(model, torch.float32, rank=0)
+    client = _EngineClient(engine, asyncio.get_running_loop())
+    order = SendOrder(
+        group_id="contract",
+        backend="gloo",
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        world_size=2,
+        timeout_s=60.0,
+        bucket_bytes=1 << 20,  # many buckets
+    )
+    await engine.pause("drain")
+    sent = await asyncio.to_thread(sender.send, order, client)
+    assert await engine.reset_prefix_cache() is engine.prefix_caching_enabled
+    await engine.resume()
+    sender.close()
+    assert sent is not None and sent == client.received
+    [warm] = await engine.generate(long_prompt, params, "coll-2")
+
+    backend = "vllm" if engine.info.name == "vllm" else "transformers"
+    tree = generator_config_tree(new, run_id="contract-coll", redis_url=None, backend=backend)
+    cold_engine = build_engine(decode_tree(tree, RunConfig))
+    await cold_engine.start()
+    try:
+        [cold] = await cold_engine.generate(long_prompt, params, "coll-3")
+    finally:
+        await cold_engine.aclose()
+    assert warm.token_ids == cold.token_ids
+    assert warm.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
 
     await engine.pause("drain")
     await engine.load_weights(str(tiny_model_dir))

@@ -15,7 +15,6 @@ from shared.streams import StreamClient
 from shared.weights_format import checksum_dir
 from tests.refit_fixtures import beat as _register
 from tests.refit_fixtures import publisher_for
-from tests.refit_fixtures import save_dummy as _save
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +47,7 @@ async def test_refit_completes_when_every_generator_confirms(publisher):
     await _register(streams, "gen-a")
     await _register(streams, "gen-b")
     answers = asyncio.gather(_answer(streams, "gen-a"), _answer(streams, "gen-b"))
-    report = await pub.refit(3, _save)
+    report = await pub.refit(3)
     ann, _ = await answers
     assert report.generators == ["gen-a", "gen-b"] and report.version == 3
     assert ann.mode == "drain" and ann.checksum == checksum_dir(ann.path)
@@ -62,7 +61,7 @@ async def test_a_silent_generator_fails_the_refit_by_name_within_the_deadline(pu
     asyncio.create_task(_answer(streams, "gen-a"))
     t0 = time.monotonic()
     with pytest.raises(RefitError, match="gen-silent") as err:
-        await pub.refit(1, _save)
+        await pub.refit(1)
     assert "gen-a" not in str(err.value)
     assert time.monotonic() - t0 < 5
     assert await pub.pause.reasons() == {}
@@ -73,13 +72,13 @@ async def test_a_failed_load_fails_the_refit_with_the_generators_error(publisher
     await _register(streams, "gen-a")
     asyncio.create_task(_answer(streams, "gen-a", ok=False, error="checksum mismatch"))
     with pytest.raises(RefitError, match="gen-a failed to load weight version 2: checksum mismatch"):
-        await pub.refit(2, _save)
+        await pub.refit(2)
 
 
 async def test_no_generator_at_all_is_a_clear_error(publisher):
     pub, _ = publisher
     with pytest.raises(RefitError, match="no generator registered"):
-        await pub.refit(0, _save, wait_for_generators_s=0.5)
+        await pub.refit(0, wait_for_generators_s=0.5)
 
 
 async def test_a_weight_write_that_hangs_fails_the_refit_and_reopens_the_gate(publisher):
@@ -91,8 +90,9 @@ async def test_a_weight_write_that_hangs_fails_the_refit_and_reopens_the_gate(pu
     def stuck_save(path):
         asyncio.run_coroutine_threadsafe(release.wait(), loop).result()  # a filesystem that never returns
 
-    with pytest.raises(RefitError, match="writing weight version 4"):
-        await pub.refit(4, stuck_save)
+    pub.transport.export = stuck_save
+    with pytest.raises(RefitError, match="moving weight version 4"):
+        await pub.refit(4)
     assert await pub.pause.reasons() == {}
     assert await streams.redis.xlen(streams.keys.weights) == 0  # nothing was announced
     release.set()

@@ -16,7 +16,6 @@ from shared.registry import remove_worker
 from shared.streams import StreamClient
 from tests.refit_fixtures import beat as _beat
 from tests.refit_fixtures import publisher_for
-from tests.refit_fixtures import save_dummy as _save
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +40,13 @@ async def test_a_generator_that_joined_is_waited_for_at_the_next_refit(publisher
     pub, streams = publisher
     await _beat(streams, "gen-0")
     asyncio.create_task(_ack_version(streams, "gen-0", 1))
-    assert (await pub.refit(1, _save)).generators == ["gen-0"]
+    assert (await pub.refit(1)).generators == ["gen-0"]
     await _beat(streams, "gen-1")  # scaled up between two refits
     asyncio.create_task(_ack_version(streams, "gen-0", 2))
     with pytest.raises(RefitError, match="by generator\\(s\\): gen-1"):
-        await pub.refit(2, _save)  # the newcomer is expected: its silence fails the refit by name
+        await pub.refit(2)  # the newcomer is expected: its silence fails the refit by name
     both = asyncio.gather(_ack_version(streams, "gen-0", 3), _ack_version(streams, "gen-1", 3))
-    report = await pub.refit(3, _save)
+    report = await pub.refit(3)
     await both
     assert report.generators == ["gen-0", "gen-1"] and report.dropped == []
 
@@ -58,7 +57,7 @@ async def test_starting_and_draining_generators_are_not_waited_for(publisher):
     await _beat(streams, "gen-new", state="starting")  # catches up by itself once its engine is up
     await _beat(streams, "gen-old", state="draining")  # leaving: must not hold the refit
     asyncio.create_task(_ack_version(streams, "gen-0", 1))
-    report = await pub.refit(1, _save)
+    report = await pub.refit(1)
     assert report.generators == ["gen-0"] and report.dropped == []
 
 
@@ -75,7 +74,7 @@ async def test_a_generator_that_leaves_or_drains_mid_refit_is_dropped_and_counte
         await _ack_version(streams, "gen-0", 4)
 
     asyncio.create_task(scale_down_then_ack())
-    report = await pub.refit(4, _save)
+    report = await pub.refit(4)
     assert report.generators == ["gen-0"]
     assert sorted(report.dropped) == ["gen-1", "gen-2"] and pub.dropped_total == 2
 
@@ -84,7 +83,7 @@ async def test_the_start_up_refit_waits_for_a_generator_that_can_confirm(publish
     pub, streams = publisher
     await _beat(streams, "gen-0", state="starting")
     with pytest.raises(RefitError, match="no generator registered"):
-        await pub.refit(0, _save, wait_for_generators_s=0.5)
+        await pub.refit(0, wait_for_generators_s=0.5)
 
     async def come_up() -> None:
         await asyncio.sleep(0.3)
@@ -92,4 +91,4 @@ async def test_the_start_up_refit_waits_for_a_generator_that_can_confirm(publish
         await _ack_version(streams, "gen-0", 0)
 
     asyncio.create_task(come_up())
-    assert (await pub.refit(0, _save, wait_for_generators_s=5.0)).generators == ["gen-0"]
+    assert (await pub.refit(0, wait_for_generators_s=5.0)).generators == ["gen-0"]

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.trainer.refit import WeightPublisher
+from services.trainer.weight_transport import FilesystemTransport
 from shared import keys as K
 from shared.pause import PauseControl
 from shared.protocol import (
@@ -40,6 +41,7 @@ from shared.protocol import (
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
 from shared.weights_format import checksum_dir, dir_num_bytes
+from tests.refit_fixtures import save_dummy
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
@@ -216,9 +218,8 @@ async def test_refit_dead_letters_bad_acks_and_confirms_the_version(redis_url, t
     redis = connect(redis_url)
     keys = K.RunKeys(f"dl-refit-{uuid.uuid4().hex[:6]}")
     trainer = StreamClient(redis, keys, "trainer")
-    publisher = WeightPublisher(
-        trainer, PauseControl(redis, keys), tmp_path / "weights", timeout_s=10, in_flight_updates=False
-    )
+    transport = FilesystemTransport(tmp_path / "weights", save_dummy)
+    publisher = WeightPublisher(trainer, PauseControl(redis, keys), transport, timeout_s=10, in_flight_updates=False)
     good = WeightAck(worker_id="gen-a", version=3, ok=True, cache_reset=True)
     entries = bad_entries(good, _task(0))
     await publish_heartbeat(
@@ -235,7 +236,7 @@ async def test_refit_dead_letters_bad_acks_and_confirms_the_version(redis_url, t
 
     try:
         answered = asyncio.create_task(generator())
-        report = await publisher.refit(3, lambda path: (path / "model.safetensors").write_bytes(b"\x00" * 64))
+        report = await publisher.refit(3)
         assert report.generators == ["gen-a"]
         _assert_dead_lettered(await _letters(redis, keys), keys.weight_acks, await answered, entries)
         assert trainer.deadlettered_by_stream == {"weight_acks": len(entries)}

@@ -1,0 +1,136 @@
+"""The learner's side of a collective refit: its weights as a vLLM `WeightSource`, sent by vLLM's
+trainer-side weight-transfer engine.
+
+Every trainer rank runs `CollectiveSender.send` for each transfer (the learner's commands see to
+it). Rank 0 is the sender: it holds the transfer group with the generators and broadcasts; the
+other ranks only iterate the source, which is their part of each FSDP gather (one tensor at a
+time, so no rank holds the whole model). The engine is vLLM's, picked by the order's backend from
+`vllm.distributed.weight_transfer.factory.WeightTransferTrainerFactory`: ``gloo``
+(`shared.gloo_weights`, CPU) or vLLM's ``nccl``. One engine lives per transfer group: a new group
+id (membership changed, or the last transfer failed) closes the old one and opens the new.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from services.trainer.weight_export import full_tensors
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SendOrder:
+    """What every trainer rank needs to take part in one collective transfer."""
+
+    group_id: str
+    backend: str  # vLLM trainer-side engine: gloo or nccl
+    master_address: str
+    master_port: int
+    world_size: int  # the sender and every generator worker
+    timeout_s: float
+    bucket_bytes: int
+
+
+def _weight_source(model: torch.nn.Module, dtype: torch.dtype) -> Any:
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    skip = frozenset({"lm_head.weight"}) if getattr(model.config, "tie_word_embeddings", False) else frozenset()
+
+    class FullTensorSource(WeightSource):  # type: ignore[misc]  # vLLM is untyped for mypy
+        """The policy's state dict in the compute dtype, gathered one tensor at a time (collective
+        over the trainer's ranks when sharded); metadata from global shapes, without gathering."""
+
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, dtype, tuple(t.shape)) for n, t in model.state_dict().items() if n not in skip]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return full_tensors(model, dtype, skip=skip)
+
+    return FullTensorSource()
+
+
+class _NotTheSender:
+    """The client of a trainer rank other than 0: never called (only the sender drives generators)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"trainer rank other than 0 asked to call {name} on the generators")
+
+
+class CollectiveSender:
+    """One trainer rank's vLLM trainer engine, kept per transfer group."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, rank: int) -> None:
+        self.source = _weight_source(model, dtype)
+        self.rank = rank
+        self._engine: Any = None
+        self._group_id: str | None = None
+
+    def send(self, order: SendOrder, client: VLLMWeightSyncClient | None) -> str | None:
+        """Take part in one transfer; on rank 0 the checksum of what was sent (when the engine
+        reports one). Raises when the transfer failed; the group is then closed."""
+        if self._group_id != order.group_id:
+            self.close()
+            try:
+                self._engine = _trainer_init(order, self.rank, client or _NotTheSender(), self.source)
+            except BaseException:
+                for _ in self.source:  # the other ranks gather alongside: keep them in step, then fail
+                    pass
+                raise
+            self._group_id = order.group_id
+        try:
+            self._engine.send_weights()
+        except BaseException:
+            self.close()
+            raise
+        checksum: str | None = getattr(self._engine, "last_checksum", None)
+        return checksum
+
+    def close(self) -> None:
+        if self._engine is not None:
+            try:
+                self._engine.shutdown()
+            except Exception as exc:  # a broken group may fail to close; it is dropped either way
+                log.warning("closing weight-transfer group %s: %s", self._group_id, exc)
+        self._engine, self._group_id = None, None
+
+
+def _trainer_init(order: SendOrder, rank: int, client: Any, source: Any) -> Any:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from shared.gloo_weights import BACKEND, GlooTrainerInitInfo, register
+
+    register()
+    info: Any
+    if order.backend == BACKEND:
+        info = GlooTrainerInitInfo(
+            rank=rank,
+            master_address=order.master_address,
+            master_port=order.master_port,
+            world_size=order.world_size,
+            group_id=order.group_id,
+            timeout_s=order.timeout_s,
+            bucket_bytes=order.bucket_bytes,
+        )
+    elif order.backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        info = NCCLTrainerInitInfo(
+            rank=rank,
+            master_address=order.master_address,
+            master_port=order.master_port,
+            world_size=order.world_size,
+            packed=True,
+            packed_buffer_size_bytes=order.bucket_bytes,
+        )
+    else:
+        raise ValueError(f"no trainer-side weight-transfer engine {order.backend!r} (gloo or nccl)")
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)

@@ -1,0 +1,155 @@
+"""The wire format of a collective weight transfer over a gloo group (no vLLM import here).
+
+Derived from the parameter list alone, so nothing but names, dtypes and shapes crosses the
+control plane::
+
+    params (metadata order) --split--> buckets of <= bucket_bytes (a larger tensor travels alone)
+    per bucket: broadcast(flat uint8 buffer) from rank 0, then broadcast(16-byte xxh3-128 digest)
+
+The receiver checks each bucket's digest before loading it, so a torn or corrupted transfer fails
+loudly instead of serving garbage; the digest over all bucket digests (`transfer_checksum`) is
+what both sides report for the version. Every broadcast is bounded by the group's timeout.
+Used by the vLLM engines of `shared.gloo_weights` and by the transformers fallback engine.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+DIGEST_BYTES = 16
+
+
+class TransferError(RuntimeError):
+    """A weight transfer failed: a peer is gone, a bucket arrived corrupted, or the sides disagree."""
+
+
+class Meta(Protocol):
+    """What the wire needs of one parameter (vLLM's ``ParamMeta`` has these fields)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def nbytes(dtype: torch.dtype | str, shape: Iterable[int]) -> int:
+    """Bytes of a tensor of ``dtype`` (or its name, as in an update message) and ``shape``."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * int(torch.empty((), dtype=dtype).element_size())
+
+
+def plan_buckets(metas: Sequence[Meta], bucket_bytes: int) -> list[list[int]]:
+    """Indices into ``metas`` per bucket, in order: consecutive parameters up to ``bucket_bytes``
+    (a parameter larger than that is a bucket of its own). Both sides compute the same plan."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, m in enumerate(metas):
+        n = nbytes(m.dtype, m.shape)
+        if current and size + n > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def digest(buf: torch.Tensor) -> bytes:
+    """xxh3-128 of a flat uint8 CPU tensor's bytes."""
+    return xxhash.xxh3_128_digest(memoryview(buf.numpy()))
+
+
+def transfer_checksum(bucket_digests: Iterable[bytes]) -> str:
+    """The version's checksum: xxh3-128 over its bucket digests, in order."""
+    h = xxhash.xxh3_128()
+    for d in bucket_digests:
+        h.update(d)
+    return "xxh3_128:" + h.hexdigest()
+
+
+def metas_from_update(names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> list[ParamSpec]:
+    """The parameter list of an update message (vLLM's names/dtype_names/shapes lists)."""
+    return [ParamSpec(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes, strict=True)]
+
+
+def checksum_of_checksums(per_worker: list[dict[str, str]]) -> str:
+    """One digest of vLLM's per-parameter checksums (``compute_weight_checksums``), name-sorted."""
+    h = xxhash.xxh3_128()
+    for sums in per_worker:
+        for name in sorted(sums):
+            h.update(name.encode())
+            h.update(sums[name].encode())
+    return "xxh3_128:" + h.hexdigest()
+
+
+def open_group(address: str, port: int, rank: int, world_size: int, group_id: str, timeout_s: float) -> Group:
+    """A gloo process group of its own (not torch's default group, which a trainer already uses),
+    rendezvous through rank 0's TCP store."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(group_id, store), rank, world_size, timeout)
+    return Group(pg, store)
+
+
+@dataclass
+class Group:
+    pg: Any
+    store: Any  # kept alive as long as the group: rank 0 hosts the rendezvous
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+
+    def close(self) -> None:
+        self.pg = None  # dropping the group closes its connections: peers fail at once, not at the timeout
+        self.store = None
+
+
+def receive_buckets(
+    group: Group, metas: Sequence[Meta], bucket_bytes: int
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bytes]]:
+    """Receive every bucket from rank 0, check its digest, yield its (name, tensor) pairs (views
+    into the bucket's own buffer) and the digest."""
+    for bucket in plan_buckets(metas, bucket_bytes):
+        sizes = [nbytes(metas[i].dtype, metas[i].shape) for i in bucket]
+        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        group.broadcast(buf)
+        sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8)
+        group.broadcast(sent)
+        got = digest(buf)
+        if got != bytes(sent.numpy()):
+            first = metas[bucket[0]].name
+            raise TransferError(f"a weight bucket arrived corrupted (digest mismatch; bucket starting at {first!r})")
+        out: list[tuple[str, torch.Tensor]] = []
+        offset = 0
+        for i, n in zip(bucket, sizes, strict=True):
+            m = metas[i]
+            out.append((m.name, buf[offset : offset + n].view(m.dtype).view(m.shape)))
+            offset += n
+        yield out, got
