@@ -173,6 +173,10 @@ class HfEngine:
             self._group.close()
             self._group = None
         info = dict(init_info)
+        if "group_id" not in info:
+            raise RuntimeError(
+                "the transformers engine receives weights only over gloo (refit.collective.backend: gloo)"
+            )
         self._bucket_bytes = int(info.get("bucket_bytes", self._bucket_bytes))
         self._group = await asyncio.to_thread(
             open_group,

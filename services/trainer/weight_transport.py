@@ -289,6 +289,16 @@ def _free_port() -> int:
         return port
 
 
+def _this_host() -> str:
+    """This host's name when it resolves (generators on other hosts reach it), else loopback."""
+    name = socket.gethostname()
+    try:
+        socket.gethostbyname(name)
+    except OSError:
+        return "127.0.0.1"
+    return name
+
+
 def build_transport(
     cfg: RunConfig, learner: Learner, weights_dir: Path, redis: Redis, keys: RunKeys
 ) -> WeightTransport:
@@ -303,7 +313,7 @@ def build_transport(
     return CollectiveTransport(
         learner,
         backend=transfer_backend(c.backend),
-        master_address=c.master_address or socket.gethostname(),
+        master_address=c.master_address or _this_host(),
         bucket_bytes=c.bucket_mb << 20,
         timeout_s=cfg.trainer.refit_timeout_s,
         workers_per_generator=v.tensor_parallel_size,

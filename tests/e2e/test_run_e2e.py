@@ -1,6 +1,7 @@
 """End to end: all services as processes (embedded run via `streamrl up`), the real vLLM engine on
-the tiny model, the trainer on two ranks (torchrun, FSDP2 over gloo), a few asynchronous GRPO
-steps against an external Valkey the test can inspect.
+the tiny model, the trainer on two ranks (torchrun, FSDP2 over gloo), weights moved by the
+collective transport (vLLM's weight-transfer engine over gloo, from the sharded trainer into the
+running engine), a few asynchronous GRPO steps against an external Valkey the test can inspect.
 
 Asserts what a user of the run would check: it finishes, every step trained exactly
 num_prompts_per_step x num_generations_per_prompt trajectories, no trajectory id was consumed
@@ -21,7 +22,7 @@ import pytest
 import redis
 
 from shared import keys as K
-from shared.protocol import Task, Trajectory, WeightAck, WeightAnnouncement, decode
+from shared.protocol import Task, Trajectory, WeightAck, WeightAnnouncement, WeightSnapshot, decode
 from shared.records import read_records, step_records
 
 pytestmark = pytest.mark.e2e
@@ -77,6 +78,9 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
         "grpo.max_val_samples=4",
         "trainer.nproc_per_node=2",
         "trainer.torch_threads=1",
+        "refit.transport=collective",
+        "refit.collective.master_address=127.0.0.1",
+        "refit.max_gen_kl_error=0.05",
     ]
     log = open(out / "up.log", "w")
     proc = subprocess.Popen(
@@ -189,11 +193,19 @@ def test_generator_confirms_weight_versions_in_order_before_tasks(finished_run, 
     _, run_id, _, _ = finished_run
     keys = K.RunKeys(run_id)
     r = redis.Redis.from_url(redis_url)
-    announced = [a.version for a in _entries(r, keys.weights, WeightAnnouncement)]
-    assert announced == list(range(STEPS + 1))
+    announcements = _entries(r, keys.weights, WeightAnnouncement)
+    assert all(a.transport == "collective" and a.collective is not None for a in announcements)
+    sent = [a for a in announcements if a.collective.update_info is not None]
+    assert [a.version for a in sent] == list(range(STEPS + 1))
+    assert len({a.collective.group_id for a in sent}) == 1  # one transfer group for the whole run
     acks = [a for a in _entries(r, keys.weight_acks, WeightAck) if a.worker_id == "generator-0"]
     assert [a.version for a in acks] == list(range(STEPS + 1))
     assert all(a.ok and a.cache_reset for a in acks)
+    # each ack carries what the engine received (the refit checked it against what was sent) and
+    # the engine's own checksums (the refit requires them to agree across generators)
+    assert all(a.checksum and a.checksum.startswith("xxh3_128:") and a.engine_checksum for a in acks)
+    snapshot = decode(r.get(keys.weights_snapshot), WeightSnapshot)  # for generators that start later
+    assert snapshot.version in (2, 4) and Path(snapshot.path).is_dir()
     # collection starts only after the initial refit: the first task was issued after v0 was confirmed
     first_task_ms = int(r.xrange(keys.tasks, count=1)[0][0].split(b"-")[0])
     v0_ack_ms = int(r.xrange(keys.weight_acks, count=1)[0][0].split(b"-")[0])
