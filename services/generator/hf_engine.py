@@ -306,12 +306,7 @@ def _sample(logits: Any, temperature: float, top_p: float, gen: Any) -> tuple[An
 
 
 def _top_p_mask(logits: Any, top_p: float) -> Any:
-    """vLLM's rule: sort ascending, drop the tokens whose cumulative mass is <= 1 - top_p."""
-    import torch
+    """vLLM's rule (`shared.nucleus`): the tokens outside the nucleus set to -inf."""
+    from shared.nucleus import top_p_mask
 
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= 1 - top_p
-    drop[:, -1] = False
-    drop = torch.zeros_like(drop).scatter(-1, order, drop)
-    return logits.masked_fill(drop, float("-inf"))
+    return top_p_mask(logits, top_p)

@@ -1,7 +1,8 @@
 """End to end: all services as processes (embedded run via `streamrl up`), the real vLLM engine on
 the tiny model, the trainer on two ranks (torchrun, FSDP2 over gloo), weights moved by the
 collective transport (vLLM's weight-transfer engine over gloo, from the sharded trainer into the
-running engine), a few asynchronous GRPO steps against an external Valkey the test can inspect.
+running engine), nucleus sampling (top_p 0.9), a few asynchronous GRPO steps against an external
+Valkey the test can inspect.
 
 Asserts what a user of the run would check: it finishes, every step trained exactly
 num_prompts_per_step x num_generations_per_prompt trajectories, no trajectory id was consumed
@@ -81,6 +82,7 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
         "refit.transport=collective",
         "refit.collective.master_address=127.0.0.1",
         "refit.max_gen_kl_error=0.05",
+        "policy.generation.top_p=0.9",
     ]
     log = open(out / "up.log", "w")
     proc = subprocess.Popen(
@@ -146,6 +148,9 @@ def test_run_finishes_and_trains_every_step(finished_run):
     assert [s.step for s in steps] == list(range(STEPS))
     assert all(len(s.consumed_ids) == PROMPTS * GENS for s in steps)
     assert all(s.batch.num_prefix_breaks == 0 for s in steps)
+    # Step 0 trains samples of v0 with the trainer at v0: under nucleus sampling (top_p 0.9) the
+    # trainer scores tokens under the same truncated distribution vLLM sampled them from.
+    assert abs(steps[0].learner.token_mult_prob_error - 1.0) < 1e-3, steps[0].learner
     assert (out / "reward_curve.png").is_file()
     final = out / "checkpoints" / f"step_{STEPS:06d}"
     assert (final / "meta.json").is_file()

@@ -3,7 +3,7 @@ rank or sharded over many with FSDP2.
 
 Loads the policy with ``AutoModelForCausalLM.from_pretrained`` (the same code loads the tiny demo
 model and a real checkpoint) with float32 master weights, computes per-token logprobs under the
-sampling temperature (matching the generator's processed logprobs), and runs
+distribution the generator sampled from (see `TorchBackend._gather`), and runs
 ``len(rows) / train_global_batch_size`` optimizer updates per step, each accumulated over
 micro-batches. ``policy.precision: bfloat16`` computes in bfloat16 (autocast on one rank, FSDP2's
 mixed-precision policy on many) while gradients are reduced, and the optimizer steps, in float32.
@@ -52,6 +52,7 @@ from services.trainer.ranks import SINGLE, Ranks
 from services.trainer.sharding import shard_model
 from services.trainer.step_plan import RankShare, lr_schedule, plan_step
 from services.trainer.weight_export import DEFAULT_MAX_SHARD_BYTES, ShardWriter, rank_tensors
+from shared.nucleus import top_p_mask
 from shared.records import LearnerMetrics
 from shared.run_config import LossSection, PolicySection, RunConfig
 
@@ -109,6 +110,7 @@ class TorchBackend:
         self.model.train()
         self.pad_id = self._pad_token_id()
         self.temperature = policy.generation.temperature
+        self.top_p = policy.generation.top_p
         opt = policy.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
@@ -227,9 +229,19 @@ class TorchBackend:
         return F.pad(self._gather(logits, mb["input_ids"]), (1, 0))
 
     def _gather(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logprobs of the sampled tokens under the distribution they were sampled from: the
+        temperature-scaled softmax truncated to the top-p nucleus and renormalised, as vLLM's
+        sampler builds it (`shared.nucleus`), so the trainer and the generator's processed
+        logprobs describe the same distribution. The trainer applies the truncation rather than
+        both sides dropping it: the tokens were drawn from the truncated distribution, so that is
+        the behaviour policy the importance weights must divide by, and it is what vLLM reports.
+        The sampled token always stays in (the trainer's arithmetic may put a boundary token a
+        hair outside the engine's nucleus)."""
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1)
+        targets = ids[:, 1:]
+        logits = top_p_mask(logits, self.top_p, keep=targets)
+        return torch.gather(F.log_softmax(logits, dim=-1), 2, targets[:, :, None]).squeeze(-1)
 
     def _micro_batches(self, rows: list[Row], micro: int) -> list[list[Row]]:
         """Consecutive rows ``micro`` at a time, or packs up to the token budget."""
