@@ -110,23 +110,32 @@ async def test_refit_matches_a_cold_start_on_the_new_weights(
     assert await engine.reset_prefix_cache() is engine.prefix_caching_enabled
     await engine.resume()
     [warm] = await engine.generate(long_prompt, params, "cold-2")
+    await assert_scores_as_cold_start(warm, engine, new, long_prompt, params, generator_config_tree)
+    await restore(engine, tiny_model_dir)
 
+
+async def assert_scores_as_cold_start(warm, engine, weights, prompt, params, config_tree) -> None:
+    """``warm`` (what ``engine`` answered after taking ``weights`` in place) equals the answer of an
+    engine of the same backend started cold on ``weights``: tokens, logprobs, alternatives."""
     backend = "vllm" if engine.info.name == "vllm" else "transformers"
-    tree = generator_config_tree(new, run_id="contract-cold", redis_url=None, backend=backend)
-    cold_engine = build_engine(decode_tree(tree, RunConfig))
+    cold_engine = build_engine(
+        decode_tree(config_tree(weights, run_id="cold", redis_url=None, backend=backend), RunConfig)
+    )
     await cold_engine.start()
     try:
-        [cold] = await cold_engine.generate(long_prompt, params, "cold-3")
+        [cold] = await cold_engine.generate(prompt, params, "cold")
     finally:
         await cold_engine.aclose()
     assert warm.token_ids == cold.token_ids
     assert warm.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
-    for w, c in zip(warm.top_logprobs, cold.top_logprobs, strict=True):
+    for w, c in zip(warm.top_logprobs or [], cold.top_logprobs or [], strict=True):
         assert [t for t, _ in w] == [t for t, _ in c]
         assert [v for _, v in w] == pytest.approx([v for _, v in c], abs=1e-5)
 
+
+async def restore(engine, weights) -> None:
     await engine.pause("drain")
-    await engine.load_weights(str(tiny_model_dir))
+    await engine.load_weights(str(weights))
     await engine.reset_prefix_cache()
     await engine.resume()
 
@@ -189,22 +198,8 @@ async def test_collective_refit_matches_a_cold_start_on_the_new_weights(
     sender.close()
     assert sent is not None and sent == client.received
     [warm] = await engine.generate(long_prompt, params, "coll-2")
-
-    backend = "vllm" if engine.info.name == "vllm" else "transformers"
-    tree = generator_config_tree(new, run_id="contract-coll", redis_url=None, backend=backend)
-    cold_engine = build_engine(decode_tree(tree, RunConfig))
-    await cold_engine.start()
-    try:
-        [cold] = await cold_engine.generate(long_prompt, params, "coll-3")
-    finally:
-        await cold_engine.aclose()
-    assert warm.token_ids == cold.token_ids
-    assert warm.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
-
-    await engine.pause("drain")
-    await engine.load_weights(str(tiny_model_dir))
-    await engine.reset_prefix_cache()
-    await engine.resume()
+    await assert_scores_as_cold_start(warm, engine, new, long_prompt, params, generator_config_tree)
+    await restore(engine, tiny_model_dir)
 
 
 async def test_keep_pause_holds_requests_until_resume(engine):
