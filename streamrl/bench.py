@@ -17,9 +17,13 @@
 6. Pipeline efficiency (`streamrl.bench_pipeline`): the real trainer, buffer, streams and gateways
    with simulated rollout and training times, at lag 0/1/2, against an ideal zero-overhead
    schedule of the same durations; and sequence-packing efficiency against padding.
+7. Refit (`streamrl.bench_refit`): publish to confirmed from the trainer's learner to a vLLM
+   generator process, filesystem and collective transports side by side, for models of 0.1 to
+   2 GiB, against a raw gloo broadcast and a raw safetensors save + load of the same bytes; and
+   those per-byte costs scaled to a 397B-parameter run (a model, next to published figures).
 Every figure is reported against a baseline measured in the same run on the same machine (so
 noise from other load cancels out), as a ratio, or with its baseline named in its table.
-``--only generator|gateway|trainer|pipeline`` runs one section and rewrites only it in BENCHMARKS.md.
+``--only generator|gateway|trainer|pipeline|refit`` runs one section and rewrites only it in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -43,12 +47,12 @@ from shared.protocol import Trajectory, encode, make_turn
 from shared.redis_replies import read_entries
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
-from streamrl import bench_gateway, bench_pipeline, bench_pipeline_report, bench_trainer
+from streamrl import bench_gateway, bench_pipeline, bench_pipeline_report, bench_refit, bench_trainer
 from streamrl.bench_generator import HEADING as GENERATOR_HEADING
 from streamrl.bench_generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
 
-SECTIONS = ("generator", "gateway", "trainer", "pipeline")
+SECTIONS = ("generator", "gateway", "trainer", "pipeline", "refit")
 
 
 def _trajectory(i: int, rng: np.random.Generator, prompt_len: int = 600, gen_len: int = 300) -> Trajectory:
@@ -289,6 +293,7 @@ def render(
     gateway: dict[str, Any],
     trainer: dict[str, Any],
     pipeline: dict[str, Any],
+    refit: dict[str, Any],
 ) -> str:
     head = (
         f"# Benchmarks\n\nWritten by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to "
@@ -306,6 +311,8 @@ def render(
         + bench_gateway.render_section(gateway)
         + "\n"
         + bench_trainer.render_section(trainer)
+        + "\n"
+        + bench_refit.render_section(refit)
         + "\n"
         + bench_pipeline_report.render_pipeline(pipeline)
     )
@@ -326,6 +333,7 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
         gateway = (
             bench_gateway.gateway_benchmark(tmp / "gateway", server.url, machine) if only in (None, "gateway") else None
         )
+        refit = bench_refit.refit_benchmark(tmp / "refit", server.url, machine) if only in (None, "refit") else None
     finally:
         server.stop()
     trainer = bench_trainer.trainer_benchmark(tmp / "trainer", machine) if only in (None, "trainer") else None
@@ -334,8 +342,8 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     if only is None:
         # only=None ran every section
         assert demo is not None and streams is not None and generator is not None and gateway is not None
-        assert trainer is not None and pipeline is not None
-        text = render(demo, streams, machine, generator, gateway, trainer, pipeline)
+        assert trainer is not None and pipeline is not None and refit is not None
+        text = render(demo, streams, machine, generator, gateway, trainer, pipeline, refit)
         results = {
             "demo": demo,
             "streams": streams,
@@ -343,6 +351,7 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
             "gateway": gateway,
             "trainer": trainer,
             "pipeline": pipeline,
+            "refit": refit,
         }
     else:
         text = out.read_text() if out.is_file() else "# Benchmarks\n"
@@ -356,6 +365,10 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
             text = replace_section(
                 text, bench_trainer.render_section(trainer), bench_trainer.HEADING, after=bench_gateway.HEADING
             )
+        if refit is not None:
+            text = replace_section(
+                text, bench_refit.render_section(refit), bench_refit.HEADING, after=bench_trainer.HEADING
+            )
         if pipeline is not None:
             text = replace_section(text, bench_pipeline_report.render_pipeline(pipeline), bench_pipeline_report.HEADING)
         results = json.loads(results_path.read_text()) if results_path.is_file() else {}
@@ -367,6 +380,7 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
                     ("gateway", gateway),
                     ("trainer", trainer),
                     ("pipeline", pipeline),
+                    ("refit", refit),
                 )
                 if v is not None
             }
