@@ -42,7 +42,10 @@ from shared.weight_wire import (
     DEFAULT_BUCKET_BYTES,
     Group,
     TransferError,
+    bucket_buffer,
     digest,
+    max_bucket_bytes,
+    nbytes,
     metas_from_update,
     open_group,
     plan_buckets,
@@ -101,6 +104,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.group: Group | None = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.last_checksum: str | None = None
+        self._buffer: torch.Tensor | None = None  # the receive buffer, kept across transfers
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
@@ -136,7 +140,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         metas = metas_from_update(update_info.names, update_info.dtype_names, update_info.shapes)
         digests: list[bytes] = []
         try:
-            for pairs, got in receive_buckets(self.group, metas, self.bucket_bytes):
+            self._buffer = bucket_buffer(self._buffer, max_bucket_bytes(metas, self.bucket_bytes))
+            for pairs, got in receive_buckets(self.group, metas, self.bucket_bytes, self._buffer):
                 self.model.load_weights([(n, t.to(self.device)) for n, t in pairs])
                 digests.append(got)
         except Exception:
@@ -185,6 +190,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.init_info = init_info
         self.group: Group | None = None
         self.last_checksum: str | None = None
+        self._buffer: torch.Tensor | None = None
 
     @classmethod
     def trainer_init(
@@ -245,25 +251,34 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.finish_weight_update()
 
     def _broadcast(self, metas: list[ParamMeta]) -> None:
-        """Pack and broadcast each bucket as its tensors arrive. After a failure the source is still
-        drained, so trainer ranks gathering alongside stay in step; then the failure is raised."""
+        """Copy each tensor, as it arrives, into its place in the bucket buffer (casting to the
+        wire dtype on the way; one buffer reused for every bucket and transfer), then broadcast
+        each full bucket and its digest. A source that offers ``iter_uncast`` yields its tensors
+        before the cast, so the cast is this copy and no tensor-sized temporary is made. After a
+        failure the source is still drained, so trainer ranks gathering alongside stay in step;
+        then the failure is raised."""
         assert self.source is not None and self.init_info is not None
         buckets = plan_buckets(metas, self.init_info.bucket_bytes)
-        bucket_of = {i: b for b, idx in enumerate(buckets) for i in idx}
-        pending: list[torch.Tensor] = []
+        ends = {idx[-1]: b for b, idx in enumerate(buckets)}
+        sizes = [nbytes(m.dtype, m.shape) for m in metas]
+        self._buffer = bucket_buffer(self._buffer, max((sum(sizes[i] for i in idx) for idx in buckets), default=0))
+        stream = getattr(self.source, "iter_uncast", None)
+        pairs = stream() if callable(stream) else iter(self.source)
         digests: list[bytes] = []
         failure: BaseException | None = None
-        for i, (name, tensor) in enumerate(self.source):
+        offset = 0
+        for i, (name, tensor) in enumerate(pairs):
             if i >= len(metas) or name != metas[i].name or tuple(tensor.shape) != metas[i].shape:
                 failure = failure or TransferError(f"the weight source yielded {name!r} out of its metadata order")
                 continue
             if failure is not None:
                 continue
-            pending.append(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8))
-            if i != buckets[bucket_of[i]][-1]:
+            m = metas[i]
+            self._buffer[offset : offset + sizes[i]].view(m.dtype).view(m.shape).copy_(tensor.detach())
+            offset += sizes[i]
+            if i not in ends:
                 continue
-            buf = torch.cat(pending) if len(pending) > 1 else pending[0]
-            pending = []
+            buf, offset = self._buffer[:offset], 0
             try:
                 d = digest(buf)
                 self._require_group().broadcast(buf)

@@ -131,16 +131,35 @@ class Group:
         self.store = None
 
 
+def max_bucket_bytes(metas: Sequence[Meta], bucket_bytes: int) -> int:
+    """The size of the largest bucket of the plan (the buffer a transfer needs)."""
+    return max(
+        (sum(nbytes(metas[i].dtype, metas[i].shape) for i in b) for b in plan_buckets(metas, bucket_bytes)), default=0
+    )
+
+
+def bucket_buffer(current: torch.Tensor | None, size: int) -> torch.Tensor:
+    """A byte buffer of at least ``size`` bytes: ``current`` when it is large enough. Kept across
+    buckets and transfers: writing into fresh memory costs a page fault per page, which on a large
+    model costs as much as the copy itself."""
+    if current is not None and current.numel() >= size:
+        return current
+    return torch.empty(size, dtype=torch.uint8)
+
+
 def receive_buckets(
-    group: Group, metas: Sequence[Meta], bucket_bytes: int
+    group: Group, metas: Sequence[Meta], bucket_bytes: int, buffer: torch.Tensor | None = None
 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bytes]]:
-    """Receive every bucket from rank 0, check its digest, yield its (name, tensor) pairs (views
-    into the bucket's own buffer) and the digest."""
-    for bucket in plan_buckets(metas, bucket_bytes):
-        sizes = [nbytes(metas[i].dtype, metas[i].shape) for i in bucket]
-        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    """Receive every bucket from rank 0, check its digest, yield its (name, tensor) pairs and the
+    digest. The pairs are views into one receive buffer (``buffer`` when given and large enough),
+    valid until the next bucket arrives: the caller copies them out before asking for it."""
+    buckets = plan_buckets(metas, bucket_bytes)
+    sizes = [[nbytes(metas[i].dtype, metas[i].shape) for i in bucket] for bucket in buckets]
+    space = bucket_buffer(buffer, max_bucket_bytes(metas, bucket_bytes))
+    sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8)
+    for bucket, bucket_sizes in zip(buckets, sizes, strict=True):
+        buf = space[: sum(bucket_sizes)]
         group.broadcast(buf)
-        sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8)
         group.broadcast(sent)
         got = digest(buf)
         if got != bytes(sent.numpy()):
@@ -148,7 +167,7 @@ def receive_buckets(
             raise TransferError(f"a weight bucket arrived corrupted (digest mismatch; bucket starting at {first!r})")
         out: list[tuple[str, torch.Tensor]] = []
         offset = 0
-        for i, n in zip(bucket, sizes, strict=True):
+        for i, n in zip(bucket, bucket_sizes, strict=True):
             m = metas[i]
             out.append((m.name, buf[offset : offset + n].view(m.dtype).view(m.shape)))
             offset += n

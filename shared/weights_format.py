@@ -107,6 +107,22 @@ def write_hashed(path: str | Path, data: bytes | bytearray | memoryview) -> str:
     return digest
 
 
+_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
 def write_safetensors(
     path: str | Path,
     tensors: dict[str, torch.Tensor],
@@ -114,15 +130,38 @@ def write_safetensors(
     *,
     consume: bool = False,
 ) -> str:
-    """Serialise ``tensors`` (``safetensors.torch.save``) and write the file image to ``path``;
-    its digest. ``consume`` empties ``tensors`` once serialised, so that their memory can go while
-    the bytes are written (the caller holds one copy at a time, not two)."""
-    from safetensors.torch import save
+    """Write ``tensors`` to ``path`` in the safetensors format, tensor by tensor (the header, then
+    each tensor's bytes as they are in memory), hashing the bytes as they go out; the file's digest.
+    No image of the whole file is built and the file is not read back. ``consume`` empties
+    ``tensors`` as they are written, so their memory can go early."""
+    import json
+    import struct
 
-    data = save(tensors, metadata=metadata)
-    if consume:
-        tensors.clear()
-    return write_hashed(path, data)
+    import torch
+
+    entries: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        kind = _DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if kind is None:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name")
+        size = t.numel() * t.element_size()
+        entries[name] = {"dtype": kind, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+    h = xxhash.xxh3_128()
+    with open(path, "wb") as fh:
+        for chunk in (struct.pack("<Q", len(header)), header):
+            h.update(chunk)
+            fh.write(chunk)
+        for name in list(tensors):
+            t = tensors.pop(name) if consume else tensors[name]
+            if t.numel():
+                data = memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+                h.update(data)
+                fh.write(data)
+    return DIGEST_PREFIX + h.hexdigest()
 
 
 def dir_num_bytes(path: str | Path) -> int:

@@ -55,6 +55,15 @@ def _weight_source(model: torch.nn.Module, dtype: torch.dtype) -> Any:
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
             return full_tensors(model, dtype, skip=skip)
 
+        def iter_uncast(self) -> Iterator[tuple[str, torch.Tensor]]:
+            """The same tensors before the cast to the declared dtype (the gloo engine casts them
+            as it copies them into its bucket buffer, so no cast copy is made)."""
+            from torch.distributed.tensor import DTensor
+
+            for name, t in model.state_dict().items():
+                if name not in skip:
+                    yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
     return FullTensorSource()
 
 

@@ -118,3 +118,19 @@ def test_the_dealer_balances_bytes_and_deals_the_same_hands_every_time():
     assert deal[:4] == [0, 1, 2, 1]  # each to the lightest rank, the lowest on a tie
     assert max(dealer.loads) - min(dealer.loads) <= max(sizes)
     assert sum(dealer.loads) == sum(sizes)
+
+
+def test_the_streamed_file_is_a_safetensors_file_of_the_tensors(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = {
+        "w": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "i": torch.arange(4, dtype=torch.int64),
+        "empty": torch.zeros(0, 2),
+    }
+    digest = write_safetensors(tmp_path / "m.safetensors", dict(tensors), {"format": "pt"})
+    assert digest == file_digest(tmp_path / "m.safetensors")
+    back = load_file(str(tmp_path / "m.safetensors"))
+    assert set(back) == set(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
