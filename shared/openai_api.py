@@ -9,7 +9,9 @@ Extensions, all optional for clients:
   * ``streamrl`` on a request tags it (train or validation) for the sampling gate;
   * responses carry ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` per
     choice (chat choices also vLLM's ``token_ids``) and the ``weight_version`` (at admission and
-    at the last token) that produced them.
+    at the last token) that produced them;
+  * an assistant message in a response carries ``tool_call_errors``: the tool calls the model
+    wrote that could not be parsed (their text stays in ``content``), null when there were none.
 """
 
 from __future__ import annotations
@@ -125,11 +127,25 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
     content: list[TokenLogprob]
 
 
+class ToolCallError(msgspec.Struct, kw_only=True):
+    """A tool call the model wrote that cannot be used; ``reason`` is one of TOOL_CALL_ERROR_REASONS."""
+
+    reason: str
+    message: str
+
+
+# Why a tool call cannot be used. The generator finds the first four in the text it parses; the
+# gateway checks every parsed call against the tools the request offered (``invalid_arguments``:
+# not a JSON object, ``unknown_tool``).
+TOOL_CALL_ERROR_REASONS = ("invalid_json", "missing_name", "unclosed_tag", "invalid_arguments", "unknown_tool")
+
+
 class ResponseMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    tool_call_errors: list[ToolCallError] | None = None  # tool-call blocks that could not be parsed
     prompt_token_ids: list[int] = msgspec.field(default_factory=list)
     generation_token_ids: list[int] = msgspec.field(default_factory=list)
     generation_log_probs: list[float] = msgspec.field(default_factory=list)

@@ -410,6 +410,14 @@ class EnvSection(_Section):
             "the turns from the break on as a new sample with the rollout's advantage"
         ),
     ] = "mask"
+    on_tool_call_error: Annotated[
+        Literal["observe", "end"],
+        D(
+            "a tool call the model wrote that cannot be used (not valid JSON, no name, bad arguments, an unclosed "
+            "tag, an unknown tool): the agent gets an error observation and goes on, or the rollout ends as the "
+            "policy failure tool_call_<reason> (truncated, reward 0, turns kept). Counted per reason either way"
+        ),
+    ] = "observe"
     max_turns: Annotated[int, D("cap on model calls per rollout")] = 8
     should_mask_flagged_samples: Annotated[
         bool,

@@ -4,8 +4,9 @@
 ready generator serving weights v0, so a real gateway (pool, session proxy, worker) routes sessions
 to it. Each call is answered by the policy named by the head of its session id (the gateway's
 session ids start with the task's group id: a task of group ``correct-3`` is played by the policy
-``correct``). A policy reads the request's messages and returns the model's turn (`say`, `call`),
-or raises `Refuse` to answer with an error status.
+``correct``). A policy reads the request's messages and returns the model's turn (`say`, `call`,
+or `write`: raw model text parsed as the generator parses it, malformed tool calls included), or
+raises `Refuse` to answer with an error status.
 
 Token ids are one per message, by role, and one generated id: a conversation that replays its
 turns continues its token history exactly (no prefix break), one that rewrites it does not.
@@ -24,6 +25,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.generator.tool_calls import parse_turn
 from shared import keys as K
 from shared.openai_api import (
     ChatChoice,
@@ -58,6 +60,19 @@ def say(text: str) -> ResponseMessage:
 def call(name: str, arguments: dict[str, Any]) -> ResponseMessage:
     fn = FunctionCall(name=name, arguments=json.dumps(arguments))
     return ResponseMessage(content="", tool_calls=[ToolCall(id=f"call_{name}_{time.monotonic_ns()}", function=fn)])
+
+
+def write(text: str) -> ResponseMessage:
+    """The model's turn as raw text, parsed as the generator parses it when tools are offered:
+    well-formed ``<tool_call>`` blocks become calls, the others stay in the content and are
+    reported in ``tool_call_errors``."""
+    parsed = parse_turn(text)
+    return ResponseMessage(
+        content=parsed.content,
+        reasoning_content=parsed.reasoning_content,
+        tool_calls=parsed.tool_calls or None,
+        tool_call_errors=parsed.errors or None,
+    )
 
 
 class ScriptedGenerator:

@@ -156,6 +156,7 @@ class GenerationService:
             content=parsed.content,
             reasoning_content=parsed.reasoning_content,
             tool_calls=parsed.tool_calls or None,
+            tool_call_errors=parsed.errors or None,
             prompt_token_ids=prompt_ids,
             generation_token_ids=c.token_ids,
             generation_log_probs=c.logprobs,

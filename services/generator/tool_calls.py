@@ -4,7 +4,11 @@
   generation prompt already opened ``<think>`` and only ``</think>`` was generated).
 * Each ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` block whose body is a
   JSON object with a string ``name`` becomes a tool call (id ``call_<hex>``, ``arguments`` as a
-  JSON string); a block that is not valid JSON stays in the content, untouched.
+  JSON string). A block that cannot be one stays in the content, untouched, and is reported in
+  ``errors`` with its reason: ``invalid_json`` (the body is not a JSON object), ``missing_name``,
+  ``invalid_arguments`` (``arguments`` is a string that is not JSON), or ``unclosed_tag`` (a
+  ``<tool_call>`` with no ``</tool_call>`` after it). Reporting never raises: a malformed call is
+  the model's mistake, which the agent sees and the gateway counts.
 * ``content`` is the remaining text, ``None`` when empty.
 
 Only text changes here: the token ids the model produced are returned unchanged elsewhere, so
@@ -18,10 +22,12 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from shared.openai_api import FunctionCall, ToolCall
+from shared.openai_api import FunctionCall, ToolCall, ToolCallError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_SNIPPET_CHARS = 200  # of a malformed block, quoted in its error message
 
 
 @dataclass
@@ -29,6 +35,7 @@ class ParsedTurn:
     content: str | None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    errors: list[ToolCallError] = field(default_factory=list)  # blocks left in the content, and why
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -45,19 +52,28 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def _tool_call(body: str) -> ToolCall | None:
+def _error(reason: str, what: str, body: str) -> ToolCallError:
+    snippet = body if len(body) <= _SNIPPET_CHARS else body[:_SNIPPET_CHARS] + "..."
+    return ToolCallError(reason=reason, message=f"{what}: {snippet}")
+
+
+def _tool_call(body: str) -> ToolCall | ToolCallError:
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
+    except json.JSONDecodeError as exc:
+        return _error("invalid_json", f"tool call is not valid JSON ({exc.msg})", body)
+    if not isinstance(obj, dict):
+        return _error("invalid_json", "tool call is not a JSON object", body)
+    if not isinstance(obj.get("name"), str):
+        return _error("missing_name", 'tool call has no "name" string', body)
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
             json.loads(args)
-        except json.JSONDecodeError:
-            return None
+        except json.JSONDecodeError as exc:
+            return _error(
+                "invalid_arguments", f'"arguments" of tool {obj["name"]!r} are not valid JSON ({exc.msg})', body
+            )
         arguments = args
     else:
         arguments = json.dumps(args, ensure_ascii=False)
@@ -75,15 +91,22 @@ def parse_turn(text: str, *, tool_calls: bool = True) -> ParsedTurn:
     if not tool_calls:
         return ParsedTurn(content=rest.strip() or None, reasoning_content=reasoning)
     calls: list[ToolCall] = []
+    errors: list[ToolCallError] = []
     kept: list[str] = []
-    pos = 0
+    pos = end = 0
     for m in _TOOL_CALL.finditer(rest):
+        end = m.end()
         call = _tool_call(m.group(1))
-        if call is None:
-            continue  # invalid JSON: the block stays in the content
+        if isinstance(call, ToolCallError):
+            errors.append(call)  # the block stays in the content
+            continue
         kept.append(rest[pos : m.start()])
         calls.append(call)
         pos = m.end()
     kept.append(rest[pos:])
+    unclosed = rest.find(TOOL_OPEN, end)
+    if unclosed >= 0:  # e.g. the turn hit max_tokens inside its call, or the model never closed it
+        body = rest[unclosed + len(TOOL_OPEN) :].strip()
+        errors.append(_error("unclosed_tag", f"{TOOL_OPEN} has no closing {TOOL_CLOSE}", body))
     content = "".join(kept).strip()
-    return ParsedTurn(content=content or None, reasoning_content=reasoning, tool_calls=calls)
+    return ParsedTurn(content=content or None, reasoning_content=reasoning, tool_calls=calls, errors=errors)

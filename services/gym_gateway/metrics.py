@@ -8,6 +8,7 @@
     streamrl_gateway_rollouts_published_total            trajectories published (ok or failed)
     streamrl_gateway_rollouts_failed_total{reason}       failed rollouts by reason (timeout, transport, ...)
     streamrl_gateway_rollouts_retried_total{reason}      attempts run again by reason
+    streamrl_gateway_tool_call_errors_total{reason}      tool calls the model wrote that cannot be used
     streamrl_stream_deadlettered_total{stream}, streamrl_event_loop_lag_seconds, ...  (`shared.metrics`)
 
 The worker and the proxy keep plain counts; `GatewayMetrics.render` copies them into the gauges and
@@ -44,12 +45,19 @@ class RolloutOutcomes(Collector):
         retried = CounterMetricFamily(
             "streamrl_gateway_rollouts_retried", "Rollout attempts run again by reason", labels=["reason"]
         )
+        tool_call_errors = CounterMetricFamily(
+            "streamrl_gateway_tool_call_errors",
+            "Tool calls the model wrote that cannot be used, by reason (invalid_json, unknown_tool, ...)",
+            labels=["reason"],
+        )
         published.add_metric([], float(worker.completed))
         for reason, n in sorted(worker.failed.items()):
             failed.add_metric([reason], float(n))
         for reason, n in sorted(worker.retried.items()):
             retried.add_metric([reason], float(n))
-        yield from (published, failed, retried)
+        for reason, n in sorted(worker.proxy.tool_call_errors_by_reason.items()):
+            tool_call_errors.add_metric([reason], float(n))
+        yield from (published, failed, retried, tool_call_errors)
 
 
 class GatewayMetrics(ServiceMetrics):

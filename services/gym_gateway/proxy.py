@@ -16,7 +16,9 @@ can use a session without knowing about token ids. For each call the proxy
     generated ids and logprobs, the weight versions, the generator, latency; and counts prefix
     breaks (a prompt that does not continue the session's context) per environment. What a break
     means for training (mask the row, or train the turns after it as a new sample) is the
-    trainer's ``env.on_prefix_break``.
+    trainer's ``env.on_prefix_break``,
+  * counts the answer's tool calls that cannot be used, per reason
+    (`services.gym_gateway.tool_call_errors`); the answer goes back to the agent unchanged.
 
     open --> call* --> close          call: prepare -> POST (failover on a dead generator) -> record
 
@@ -37,6 +39,7 @@ import aiohttp
 import msgspec
 import redis.asyncio as aioredis
 
+from services.gym_gateway.tool_call_errors import find_tool_call_errors
 from shared import keys as K
 from shared.http import HTTPError
 from shared.openai_api import (
@@ -66,6 +69,7 @@ class Session:
     prefix_breaks: int = 0
     calls: int = 0
     failovers: int = 0
+    tool_call_errors: dict[str, int] = field(default_factory=dict)  # reason -> tool calls the model got wrong
 
 
 class NoGenerator(RuntimeError):
@@ -167,6 +171,7 @@ class SessionProxy:
         self.prefix_breaks_by_env: dict[str, int] = {}
         self.calls_total = 0
         self.failovers_total = 0
+        self.tool_call_errors_by_reason: dict[str, int] = {}
         self._chat_decoder = msgspec.json.Decoder(ChatCompletionResponse)
         self._completion_decoder = msgspec.json.Decoder(CompletionResponse)
 
@@ -224,6 +229,9 @@ class SessionProxy:
             c.finish_reason,
             time.perf_counter() - t0,
         )
+        for e in find_tool_call_errors(c.message, req.tools):
+            s.tool_call_errors[e.reason] = s.tool_call_errors.get(e.reason, 0) + 1
+            self.tool_call_errors_by_reason[e.reason] = self.tool_call_errors_by_reason.get(e.reason, 0) + 1
         return body
 
     async def completion(self, session_id: str, req: CompletionRequest) -> bytes:

@@ -10,7 +10,9 @@ the gateway's own process.
 It fails as the HTTP path does (`services.gym_gateway.envs.base.ChatClient` through the session
 routes): a 4xx from the proxy (bad body, unknown session, streaming, ``n``, a refusal the generator
 passed through) is a `ModelRequestError`; a 5xx (generator gone, timed out, failed), a transport
-error or an answer that cannot be read (a 500 over HTTP) is a `TransportError`.
+error or an answer that cannot be read (a 500 over HTTP) is a `TransportError`. With
+``env.on_tool_call_error: end`` an answer holding tool calls that cannot be used
+(`services.gym_gateway.tool_call_errors`) raises `ToolCallFailed` once the proxy recorded it.
 
 ``base_url`` is the session's OpenAI base URL on this gateway, for environments whose agent runs
 in another process (openhands' runner, NeMo-Gym's agent servers): they cannot call into this
@@ -25,8 +27,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from services.gym_gateway.envs.base import ModelRequestError, TransportError, chat_body
+from services.gym_gateway.envs.base import ModelRequestError, ToolCallFailed, TransportError, chat_body
 from services.gym_gateway.proxy import SessionProxy
+from services.gym_gateway.tool_call_errors import find_tool_call_errors
 from shared.http import HTTPError, decode_body
 from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse
 from shared.protocol import SamplingParams
@@ -44,6 +47,7 @@ class SessionClient:
         http: aiohttp.ClientSession,
         timeout_s: float,
         sampling: SamplingParams | None = None,
+        end_on_tool_call_error: bool = False,
     ) -> None:
         self.proxy = proxy
         self.session_id = session_id
@@ -51,6 +55,7 @@ class SessionClient:
         self.http = http
         self.timeout_s = timeout_s
         self.sampling = sampling
+        self.end_on_tool_call_error = end_on_tool_call_error  # env.on_tool_call_error: end
         self._decoder = msgspec.json.Decoder(ChatCompletionResponse)
 
     async def chat(
@@ -61,7 +66,7 @@ class SessionClient:
             async with asyncio.timeout(self.timeout_s):
                 request = decode_body(payload, ChatCompletionRequest)
                 body = await self.proxy.chat(self.session_id, request)
-            return self._decoder.decode(body)
+            response = self._decoder.decode(body)
         except HTTPError as exc:
             if 400 <= exc.status < 500:
                 raise ModelRequestError(f"model refused the request ({exc.status}): {exc.message}") from exc
@@ -70,3 +75,8 @@ class SessionClient:
             raise TransportError(f"model call failed: {type(exc).__name__}: {exc}") from exc
         except msgspec.MsgspecError as exc:  # the generator's answer, unreadable (decode_body raises HTTPErrors)
             raise TransportError(f"model endpoint answered something unreadable: {exc}") from exc
+        if self.end_on_tool_call_error and response.choices:
+            errors = find_tool_call_errors(response.choices[0].message, tools)
+            if errors:
+                raise ToolCallFailed(errors)
+        return response

@@ -19,8 +19,10 @@ Failures are classified (`classify`). Infrastructure failures (``timeout``, ``tr
 ``env.failure_policy`` is ``retry`` (up to ``env.max_rollout_retries``, except ``unknown_env``),
 then published as a zero-token ``failed`` placeholder carrying ``fallback_reason``: the trainer's
 failure policy stops the run or backfills. Policy failures (``model_refused``: the model's request
-was refused, e.g. its context is full) end the rollout as ``truncated`` with reward 0 and the turns
-so far. Counts per reason are kept for metrics (`services.gym_gateway.metrics`).
+was refused, e.g. its context is full; ``tool_call_<reason>``: the model wrote a tool call that
+cannot be used and ``env.on_tool_call_error`` is ``end``, `services.gym_gateway.tool_call_errors`)
+end the rollout as ``truncated`` with reward 0 and the turns so far. Counts per reason are kept
+for metrics (`services.gym_gateway.metrics`).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import aiohttp
 import msgspec
 
 from services.gym_gateway.envs import UnknownEnvironment, get_env
-from services.gym_gateway.envs.base import Environment, InfraError, ModelRequestError, Outcome
+from services.gym_gateway.envs.base import Environment, InfraError, ModelRequestError, Outcome, ToolCallFailed
 from services.gym_gateway.proxy import NoGenerator, Session, SessionProxy
 from services.gym_gateway.session_client import SessionClient
+from services.gym_gateway.tool_call_errors import failure_reason
 from shared import keys as K
 from shared.pause import launch_gate_closed
 from shared.protocol import RolloutStatus, Task, Trajectory
@@ -72,7 +75,23 @@ def classify(exc: BaseException) -> Failure:
         return Failure(exc.reason, str(exc))
     if isinstance(exc, ModelRequestError):
         return Failure("model_refused", str(exc), kind="policy", retryable=False)
+    if isinstance(exc, ToolCallFailed):
+        return Failure(exc.reason, str(exc), kind="policy", retryable=False)
     return Failure("env_error", f"{type(exc).__name__}: {exc}")
+
+
+def _tool_call_failure(session: Session) -> Failure:
+    """``env.on_tool_call_error: end`` for an agent in another process, which went on past the
+    bad tool calls its session recorded: the rollout ends as a policy failure all the same."""
+    counts = session.tool_call_errors
+    first = next(iter(counts))  # the first reason seen
+    seen = ", ".join(f"{reason} x{n}" for reason, n in counts.items())
+    return Failure(
+        failure_reason(first),
+        f"the model wrote tool calls that cannot be used ({seen})",
+        kind="policy",
+        retryable=False,
+    )
 
 
 def assemble(
@@ -119,6 +138,7 @@ def assemble(
             "prefix_breaks": float(session.prefix_breaks),
             "failovers": float(session.failovers),
             "attempts": float(attempts),
+            **{f"tool_call_errors.{reason}": float(n) for reason, n in sorted(session.tool_call_errors.items())},
         },
         gateway_id=gateway_id,
         started_at=started_at,
@@ -152,6 +172,7 @@ class GatewayWorker:
         self.gateway_id = gateway_id
         self.max_turns = env_cfg.max_turns
         self.carry_mask_flag = env_cfg.should_mask_flagged_samples
+        self.end_on_tool_call_error = env_cfg.on_tool_call_error == "end"
         self.max_retries = env_cfg.max_rollout_retries if env_cfg.failure_policy == "retry" else 0
         self._envs: dict[str, Environment] = {}  # one instance per environment name, built on first use
         self.active: dict[str, asyncio.Task[None]] = {}
@@ -279,10 +300,13 @@ class GatewayWorker:
                 http=self.http,
                 timeout_s=task.deadline_s,
                 sampling=task.sampling,
+                end_on_tool_call_error=self.end_on_tool_call_error,
             )
             outcome = await asyncio.wait_for(
                 env.rollout(task.instance, client, max_turns=self.max_turns), task.deadline_s
             )
+            if self.end_on_tool_call_error and session.tool_call_errors:
+                outcome, failure = None, _tool_call_failure(session)
         except asyncio.CancelledError:
             self.proxy.close(session_id)
             raise  # draining: the task is released by drain()

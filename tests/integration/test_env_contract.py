@@ -10,9 +10,10 @@ built-in agent on the local runtime) are played by scripted policies through a r
 on the stream, the worker, the registry's environment, the in-process model client and the session
 proxy, in front of a scripted generator (`tests.scripted_generator`). A correct policy earns reward
 1 and a wrong one 0, each in the number of model calls the task takes, every call recorded; a
-policy cut off by ``env.max_turns`` earns 0 within it. Drivers that need something outside the
-gateway (swe's container engine, openhands' harness interpreter, NeMo-Gym's servers) fail as
-infrastructure with an error that names it.
+policy cut off by ``env.max_turns`` earns 0 within it. A tool call the model writes that does not
+parse is answered with an error observation and the episode goes on (the policy, told, still
+wins). Drivers that need something outside the gateway (swe's container engine, openhands'
+harness interpreter, NeMo-Gym's servers) fail as infrastructure with an error that names it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from shared.protocol import SamplingParams, Task, Trajectory
 from shared.run_config import EnvSection
 from tests.gateway_fixtures import collect
 from tests.ports import refused_port
-from tests.scripted_generator import Policy, call, say
+from tests.scripted_generator import Policy, call, say, write
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ["tests.gateway_fixtures"]
@@ -219,6 +220,47 @@ async def test_swe_agent_scripted_fix_earns_1_and_no_change_0(scripted_gateway):
     assert (right.status, right.reward, len(right.turns)) == ("ok", 1.0, 2), right.fallback_reason
     assert right.metrics["tests_matched"] == right.metrics["tests_expected"] == 3.0
     assert (wrong.status, wrong.reward, len(wrong.turns)) == ("ok", 0.0, 1), wrong.fallback_reason
+
+
+# -- a tool call that does not parse ----------------------------------------------------------------
+
+UNCLOSED = '<tool_call>\n{"name": "look", "arguments": {'
+
+
+def told_then(policy: Policy) -> Policy:
+    """Writes an unclosed tool call first; once the environment answered it with an error, plays
+    ``policy`` on the conversation without the bad turn and its answer."""
+
+    def play(messages: list[ChatMessage]) -> ResponseMessage:
+        if not any(m.role == "assistant" for m in messages):
+            return write(UNCLOSED)
+        bad = next(i for i, m in enumerate(messages) if m.role == "assistant")
+        told = messages[bad + 1]
+        assert messages[bad].content == UNCLOSED and told.role == "user", messages
+        assert told.content.startswith("error: <tool_call> has no closing </tool_call>"), told.content
+        return policy(messages[:bad] + messages[bad + 2 :])
+
+    return play
+
+
+@pytest.mark.parametrize("name", ("crossing", "tool_calc", "guess_number", "swe"))
+async def test_a_tool_call_that_does_not_parse_is_answered_with_an_error_and_the_episode_goes_on(
+    name, scripted_gateway
+):
+    if name == "swe":
+        instances, play = [{"instance_id": "calc-divide-by-zero"}], swe(True)
+    else:  # guess_number: a number the bisection finds with a guess to spare
+        instances = [i for i in get_env(name).make_instances(8, SEED) if calls_to_win(name, i) < i.get("budget", 9)]
+        play = POLICIES[name](True)
+    async with scripted_gateway({"told": told_then(play)}, env={"max_turns": 4}) as st:
+        trajs = await _run(st, [_task(name, "told", i, inst) for i, inst in enumerate(instances)])
+    assert instances and len(trajs) == len(instances)
+    for i, inst in enumerate(instances):
+        t = trajs[f"told-{i}/0"]
+        assert (t.status, t.reward) == ("ok", 1.0), (inst, t.fallback_reason)
+        win = 2 if name == "swe" else calls_to_win(name, inst)
+        assert len(t.turns) == t.metrics["model_calls"] == 1 + win and t.metrics["prefix_breaks"] == 0.0
+        assert t.metrics["tool_call_errors.unclosed_tag"] == 1.0
 
 
 # -- drivers without what they need --------------------------------------------------------------

@@ -38,11 +38,47 @@ def test_invalid_json_stays_as_content():
     out = parse_turn(text)
     assert out.tool_calls == []
     assert out.content == text
+    [error] = out.errors
+    assert error.reason == "invalid_json" and "not valid JSON" in error.message and "{oops}" in error.message
 
 
 def test_unclosed_tool_call_stays_as_content():
     out = parse_turn('<tool_call>\n{"name": "calc"')
     assert out.tool_calls == [] and out.content == '<tool_call>\n{"name": "calc"'
+    assert [e.reason for e in out.errors] == ["unclosed_tag"] and "</tool_call>" in out.errors[0].message
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ('{"arguments": {}}', "missing_name"),
+        ('{"name": 3, "arguments": {}}', "missing_name"),
+        ('["calc", {}]', "invalid_json"),
+        ('{"name": "calc", "arguments": "{\\"expression\\": 1 +"}', "invalid_arguments"),
+    ],
+)
+def test_a_block_that_cannot_be_a_call_is_reported_with_its_reason(body, reason):
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    out = parse_turn(text)
+    assert out.tool_calls == [] and out.content == text
+    assert [e.reason for e in out.errors] == [reason]
+
+
+def test_good_calls_parse_next_to_bad_ones_and_a_trailing_open_tag_is_unclosed():
+    text = (
+        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+        "<tool_call>\n{bad}\n</tool_call>\n"
+        '<tool_call>\n{"name": "b", "arguments": {"k": '
+    )
+    out = parse_turn(text)
+    assert [c.function.name for c in out.tool_calls] == ["a"]
+    assert [e.reason for e in out.errors] == ["invalid_json", "unclosed_tag"]
+    assert out.content == text[text.index("<tool_call>\n{bad}") :].strip()
+
+
+def test_well_formed_turns_report_no_errors():
+    assert parse_turn('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>').errors == []
+    assert parse_turn("The answer is 3.").errors == []
 
 
 def test_leading_think_becomes_reasoning():
@@ -66,3 +102,4 @@ def test_without_tools_the_block_stays_in_content():
     text = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
     out = parse_turn(text, tool_calls=False)
     assert out.tool_calls == [] and out.content == text
+    assert parse_turn("<tool_call>\n{bad", tool_calls=False).errors == []  # no tools offered: no tool calls

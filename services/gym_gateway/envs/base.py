@@ -1,6 +1,8 @@
 """The environment contract: what an environment is (`Environment`), what it reaches the model
 with (`ModelClient`), what it returns (`Outcome`) and how it fails (`InfraError` and its kinds,
-`ModelRequestError`).
+`ModelRequestError`, `ToolCallFailed`). A tool call the model got wrong is the model's mistake:
+environments answer it with an error observation (`tool_call_error_observation` for text the
+generator could not parse), never with an exception.
 
 An environment runs one rollout at a time against the model and returns an `Outcome` with the
 reward. Token ids never pass through it: the session proxy records every model call. The gateway
@@ -24,7 +26,8 @@ from typing import Any, Literal, Protocol, Self
 import aiohttp
 import msgspec
 
-from shared.openai_api import ChatCompletionResponse
+from services.gym_gateway.tool_call_errors import describe, failure_reason
+from shared.openai_api import ChatCompletionResponse, ResponseMessage, ToolCallError
 from shared.protocol import SamplingParams
 from shared.run_config import EnvSection
 
@@ -52,6 +55,25 @@ class ModelRequestError(RuntimeError):
     """The model endpoint refused the request (4xx), e.g. the context is full."""
 
 
+class ToolCallFailed(RuntimeError):
+    """The model wrote tool calls that cannot be used and ``env.on_tool_call_error`` is ``end``:
+    a policy failure, labelled ``tool_call_<reason>`` after the first error. Raised by the model
+    client once the answer is recorded, so the rollout keeps its turns."""
+
+    def __init__(self, errors: list[ToolCallError]) -> None:
+        super().__init__(describe(errors))
+        self.errors = errors
+        self.reason = failure_reason(errors[0].reason)
+
+
+def tool_call_error_observation(msg: ResponseMessage) -> dict[str, Any] | None:
+    """The environment's answer to tool calls the generator could not parse (their text stays in
+    the assistant's content): a user message naming each error; None when every call parsed."""
+    if not msg.tool_call_errors:
+        return None
+    return {"role": "user", "content": "\n".join(f"error: {e.message}" for e in msg.tool_call_errors)}
+
+
 @dataclass
 class Outcome:
     reward: float
@@ -62,8 +84,9 @@ class Outcome:
 
 class ModelClient(Protocol):
     """The model, as one rollout's session. ``chat`` raises `ModelRequestError` when the request is
-    refused (4xx: a bad request, a full context) and `TransportError` when the model cannot be
-    reached (5xx, connection, timeout)."""
+    refused (4xx: a bad request, a full context), `TransportError` when the model cannot be
+    reached (5xx, connection, timeout), and `ToolCallFailed` when the answer holds tool calls that
+    cannot be used and ``env.on_tool_call_error`` is ``end``."""
 
     session_id: str
     sampling: SamplingParams | None  # the task's sampling profile, for agents that set their own

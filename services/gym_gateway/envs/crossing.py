@@ -13,7 +13,8 @@ Reward 1.0 when the final reply's last action word is the right one for the ligh
 yellow: wait, green: go), else 0.0. Replying without looking can only be right by chance (1/3),
 so the reward rises only if the policy both uses the tool and learns to act on its observation.
 The episode ends at the first reply without a tool call, or after ``max_turns`` model calls
-(status ``truncated``). The demo trains on this task.
+(status ``truncated``). A call to another tool, or tool-call text the generator could not parse,
+is answered with an error and the episode goes on. The demo trains on this task.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import random
 import re
 from typing import Any
 
-from services.gym_gateway.envs.base import ModelClient, Outcome
+from services.gym_gateway.envs.base import ModelClient, Outcome, tool_call_error_observation
+from services.gym_gateway.tool_call_errors import arguments_error
 from shared.run_config import EnvSection
 
 LOOK_TOOL = {
@@ -52,6 +54,13 @@ def observation(light: str) -> str:
     return f"The light is {light}."
 
 
+def run_tool_call(light: str, name: str, arguments: str | dict[str, Any]) -> str:
+    if name != "look":
+        return f"error: unknown tool {name!r}"
+    bad = arguments_error(name, arguments)
+    return f"error: {bad.message}" if bad is not None else observation(light)
+
+
 class CrossingEnv:
     name = "crossing"
 
@@ -71,32 +80,30 @@ class CrossingEnv:
         looks = 0
         for turn in range(max_turns):
             msg = (await llm.chat(messages, tools=[LOOK_TOOL])).choices[0].message
-            if not msg.tool_calls:
+            parse_error = tool_call_error_observation(msg)
+            if not msg.tool_calls and parse_error is None:
                 action = final_action(msg.content)
                 return Outcome(
                     reward=1.0 if action == RULE[light] else 0.0,
                     metrics={"turns": turn + 1, "looked": float(looks > 0), "answered": float(action is not None)},
                 )
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": msg.content or "",
-                    "tool_calls": [
-                        {
-                            "id": tc.id,
-                            "type": "function",
-                            "function": {"name": tc.function.name, "arguments": tc.function.arguments},
-                        }
-                        for tc in msg.tool_calls
-                    ],
-                }
-            )
-            for tc in msg.tool_calls:
-                looks += tc.function.name == "look"
-                result = (
-                    observation(light) if tc.function.name == "look" else f"error: unknown tool {tc.function.name!r}"
-                )
+            assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+            if msg.tool_calls:
+                assistant["tool_calls"] = [
+                    {
+                        "id": tc.id,
+                        "type": "function",
+                        "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                    }
+                    for tc in msg.tool_calls
+                ]
+            messages.append(assistant)
+            for tc in msg.tool_calls or []:
+                result = run_tool_call(light, tc.function.name, tc.function.arguments)
+                looks += not result.startswith("error")
                 messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
+            if parse_error is not None:  # a tool call that did not parse: the model is told, and goes on
+                messages.append(parse_error)
         return Outcome(
             reward=0.0, status="truncated", metrics={"turns": max_turns, "looked": float(looks > 0), "answered": 0.0}
         )

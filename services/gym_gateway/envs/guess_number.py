@@ -15,7 +15,8 @@ Reward 1.0 when a guess is correct within the budget, else 0.0. Guessing at rand
 third of the time with 7 numbers and 3 guesses; bisecting on the feedback always wins, so the
 reward rises only if the policy learns to condition on what the environment told it. An assistant
 message without a tool call ends the episode (reward 0); so does running out of guesses (the
-budget, or ``max_turns`` model calls when fewer).
+budget, or ``max_turns`` model calls when fewer). A call to another tool, bad arguments, or
+tool-call text the generator could not parse are answered with an error and spend the turn.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import json
 import random
 from typing import Any
 
-from services.gym_gateway.envs.base import ModelClient, Outcome
+from services.gym_gateway.envs.base import ModelClient, Outcome, tool_call_error_observation
 from shared.run_config import EnvSection
 
 GUESS_TOOL = {
@@ -70,11 +71,18 @@ class GuessNumberEnv:
         guesses = invalid = 0
         for turn in range(min(max_turns, budget)):
             msg = (await llm.chat(messages, tools=[GUESS_TOOL])).choices[0].message
-            call = next((tc for tc in msg.tool_calls or [] if tc.function.name == "guess"), None)
+            calls = msg.tool_calls or []
+            call = next((tc for tc in calls if tc.function.name == "guess"), calls[0] if calls else None)
+            parse_error = tool_call_error_observation(msg)
             if call is None:
-                return Outcome(
-                    reward=0.0, metrics={"turns": turn + 1, "guesses": guesses, "invalid": invalid, "gave_up": 1.0}
-                )
+                if parse_error is None:
+                    return Outcome(
+                        reward=0.0, metrics={"turns": turn + 1, "guesses": guesses, "invalid": invalid, "gave_up": 1.0}
+                    )
+                invalid += 1  # tool-call text that did not parse: the model is told, and the turn is spent
+                messages += [{"role": "assistant", "content": msg.content or ""}, parse_error]
+                continue
+            name = call.function.name
             messages.append(
                 {
                     "role": "assistant",
@@ -83,19 +91,18 @@ class GuessNumberEnv:
                         {
                             "id": call.id,
                             "type": "function",
-                            "function": {"name": "guess", "arguments": call.function.arguments},
+                            "function": {"name": name, "arguments": call.function.arguments},
                         }
                     ],
                 }
             )
-            answer = feedback(secret, call.function.arguments)
-            guesses += 1
+            answer = feedback(secret, call.function.arguments) if name == "guess" else f"error: unknown tool {name!r}"
+            guesses += name == "guess"
             invalid += answer.startswith("error")
             if answer == "correct":
                 return Outcome(
                     reward=1.0, metrics={"turns": turn + 1, "guesses": guesses, "invalid": invalid, "gave_up": 0.0}
                 )
             messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
-        return Outcome(
-            reward=0.0, metrics={"turns": float(guesses), "guesses": guesses, "invalid": invalid, "gave_up": 0.0}
-        )
+        turns = min(max_turns, budget)
+        return Outcome(reward=0.0, metrics={"turns": turns, "guesses": guesses, "invalid": invalid, "gave_up": 0.0})

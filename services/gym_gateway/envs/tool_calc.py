@@ -10,7 +10,9 @@ turns with environment feedback between them:
 
 Reward 1.0 when the final answer's last integer equals the true result, else 0.0. The episode ends
 at the first assistant message without a tool call, or after ``max_turns`` model calls
-(status ``truncated``). The calculator evaluates integer + - * only (parsed, never ``eval``).
+(status ``truncated``). A bad call (unknown tool, bad arguments), or tool-call text the generator
+could not parse, is answered with an error and the episode goes on. The calculator evaluates
+integer + - * only (parsed, never ``eval``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import random
 import re
 from typing import Any
 
-from services.gym_gateway.envs.base import ModelClient, Outcome
+from services.gym_gateway.envs.base import ModelClient, Outcome, tool_call_error_observation
 from shared.run_config import EnvSection
 
 CALCULATOR_TOOL = {
@@ -129,18 +131,22 @@ class ToolCalcEnv:
                     for tc in msg.tool_calls
                 ]
             messages.append(assistant)
-            if not msg.tool_calls:
+            parse_error = tool_call_error_observation(msg)
+            if not msg.tool_calls and parse_error is None:
                 answer = final_answer(msg.content)
                 correct = answer is not None and answer == truth(instance)
                 return Outcome(
                     reward=1.0 if correct else 0.0,
                     metrics={"turns": turn + 1, "tool_calls": tool_calls, "tool_errors": tool_errors, "answered": 1.0},
                 )
-            for tc in msg.tool_calls:
+            for tc in msg.tool_calls or []:
                 result = run_tool_call(tc.function.name, tc.function.arguments)
                 tool_calls += 1
                 tool_errors += result.startswith("error")
                 messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
+            if parse_error is not None:  # a tool call that did not parse: the model is told, and goes on
+                tool_errors += 1
+                messages.append(parse_error)
         return Outcome(
             reward=0.0,
             status="truncated",

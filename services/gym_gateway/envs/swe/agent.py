@@ -9,7 +9,8 @@ the hidden tests decide the reward.
 A task row names a shipped or configured instance (``{"instance_id": "..."}``, looked up in
 ``env.swe.instances_path``) or carries a whole row in any format ``instance_from_row`` reads
 (relative paths resolved against the working folder). The model's tool calls come parsed by the
-generator (Qwen-style ``<tool_call>``) as OpenAI ``tool_calls``. The tests run whether or not the
+generator (Qwen-style ``<tool_call>``) as OpenAI ``tool_calls``; tool-call text it could not parse
+is answered with an error message and the agent goes on. The tests run whether or not the
 agent called ``finish``: its files are its answer; the status is ``truncated`` when it was cut
 off (max_turns or a full context). Runtime failures raise `SandboxError` (an infrastructure
 failure for the worker); the agent's bad commands are only tool output.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.gym_gateway.envs.base import ModelClient, ModelRequestError, Outcome
+from services.gym_gateway.envs.base import ModelClient, ModelRequestError, Outcome, tool_call_error_observation
 from services.gym_gateway.envs.swe.evaluate import evaluate
 from services.gym_gateway.envs.swe.instance import Instance, InstanceError, instance_from_row, load_instances
 from services.gym_gateway.envs.swe.runtime import Workspace, make_runtime
@@ -78,10 +79,11 @@ async def run_agent(instance: Instance, ws: Workspace, llm: ModelClient, *, max_
         ep.turns += 1
         msg = resp.choices[0].message
         messages.append(assistant_message(msg))
-        if not msg.tool_calls:
+        parse_error = tool_call_error_observation(msg)
+        if not msg.tool_calls and parse_error is None:
             ep.finished = True
             break
-        for tc in msg.tool_calls:
+        for tc in msg.tool_calls or []:
             output, done = await run_tool(ws, tc.function.name, tc.function.arguments)
             ep.tool_calls += 1
             ep.tool_errors += output.startswith("error:")
@@ -89,6 +91,9 @@ async def run_agent(instance: Instance, ws: Workspace, llm: ModelClient, *, max_
             if done:
                 ep.finished = True
                 break
+        if parse_error is not None and not ep.finished:  # tool-call text that did not parse: told, goes on
+            ep.tool_errors += 1
+            messages.append(parse_error)
     return ep
 
 
