@@ -104,7 +104,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.group: Group | None = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.last_checksum: str | None = None
-        self._buffer: torch.Tensor | None = None  # the receive buffer, kept across transfers
+        self._buffers: list[torch.Tensor] = []  # two receive buffers, kept across transfers
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
@@ -140,8 +140,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         metas = metas_from_update(update_info.names, update_info.dtype_names, update_info.shapes)
         digests: list[bytes] = []
         try:
-            self._buffer = bucket_buffer(self._buffer, max_bucket_bytes(metas, self.bucket_bytes))
-            for pairs, got in receive_buckets(self.group, metas, self.bucket_bytes, self._buffer):
+            for pairs, got in receive_buckets(self.group, metas, self.bucket_bytes, self._buffers):
                 self.model.load_weights([(n, t.to(self.device)) for n, t in pairs])
                 digests.append(got)
         except Exception:
@@ -190,7 +189,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.init_info = init_info
         self.group: Group | None = None
         self.last_checksum: str | None = None
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor] = []  # two send buffers, kept across transfers
 
     @classmethod
     def trainer_init(
@@ -251,20 +250,24 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.finish_weight_update()
 
     def _broadcast(self, metas: list[ParamMeta]) -> None:
-        """Copy each tensor, as it arrives, into its place in the bucket buffer (casting to the
-        wire dtype on the way; one buffer reused for every bucket and transfer), then broadcast
-        each full bucket and its digest. A source that offers ``iter_uncast`` yields its tensors
+        """Copy each tensor, as it arrives, into its place in a bucket buffer (casting to the wire
+        dtype on the way), then post the full bucket's broadcast and its digest without waiting:
+        two buffers alternate, so the next bucket is packed while this one travels (and the
+        generators load the last one). A source that offers ``iter_uncast`` yields its tensors
         before the cast, so the cast is this copy and no tensor-sized temporary is made. After a
         failure the source is still drained, so trainer ranks gathering alongside stay in step;
         then the failure is raised."""
         assert self.source is not None and self.init_info is not None
         buckets = plan_buckets(metas, self.init_info.bucket_bytes)
         ends = {idx[-1]: b for b, idx in enumerate(buckets)}
+        starts = {idx[0]: b for b, idx in enumerate(buckets)}
         sizes = [nbytes(m.dtype, m.shape) for m in metas]
-        self._buffer = bucket_buffer(self._buffer, max((sum(sizes[i] for i in idx) for idx in buckets), default=0))
+        need = max_bucket_bytes(metas, self.init_info.bucket_bytes)
+        self._buffers = [bucket_buffer(b, need) for b in (self._buffers or [None, None])]
         stream = getattr(self.source, "iter_uncast", None)
         pairs = stream() if callable(stream) else iter(self.source)
         digests: list[bytes] = []
+        in_flight: dict[int, list[Any]] = {}  # bucket -> its posted works
         failure: BaseException | None = None
         offset = 0
         for i, (name, tensor) in enumerate(pairs):
@@ -273,20 +276,35 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 continue
             if failure is not None:
                 continue
-            m = metas[i]
-            self._buffer[offset : offset + sizes[i]].view(m.dtype).view(m.shape).copy_(tensor.detach())
-            offset += sizes[i]
-            if i not in ends:
-                continue
-            buf, offset = self._buffer[:offset], 0
             try:
-                d = digest(buf)
-                self._require_group().broadcast(buf)
-                self._require_group().broadcast(torch.frombuffer(bytearray(d), dtype=torch.uint8))
+                if i in starts:  # this bucket's buffer was the one before last's: wait until it left
+                    for work in in_flight.pop(starts[i] - 2, []):
+                        work.wait()
+                k = starts.get(i, len(digests))
+                buf = self._buffers[k % 2]
+                m = metas[i]
+                buf[offset : offset + sizes[i]].view(m.dtype).view(m.shape).copy_(tensor.detach())
+                offset += sizes[i]
+                if i not in ends:
+                    continue
+                full, offset = buf[:offset], 0
+                d = digest(full)
+                group = self._require_group()
+                in_flight[ends[i]] = [
+                    group.start_broadcast(full),
+                    group.start_broadcast(torch.frombuffer(bytearray(d), dtype=torch.uint8)),
+                ]
                 digests.append(d)
             except Exception as exc:  # a peer died or timed out: stop sending, keep draining
                 failure = exc
                 self.shutdown()
+        try:
+            for works in in_flight.values():
+                for work in works:
+                    work.wait()
+        except Exception as exc:
+            failure = failure or exc
+            self.shutdown()
         if failure is not None:
             raise TransferError(f"weight broadcast failed: {failure}") from failure
         if len(digests) != len(buckets):

@@ -122,9 +122,14 @@ class Group:
     store: Any  # kept alive as long as the group: rank 0 hosts the rendezvous
 
     def broadcast(self, t: torch.Tensor) -> None:
+        self.start_broadcast(t).wait()
+
+    def start_broadcast(self, t: torch.Tensor) -> Any:
+        """Post a broadcast from rank 0 without waiting; its work's ``wait()`` completes it. Every
+        member posts the group's broadcasts in the same order."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
+        return self.pg.broadcast([t], opts)
 
     def close(self) -> None:
         self.pg = None  # dropping the group closes its connections: peers fail at once, not at the timeout
@@ -148,26 +153,42 @@ def bucket_buffer(current: torch.Tensor | None, size: int) -> torch.Tensor:
 
 
 def receive_buckets(
-    group: Group, metas: Sequence[Meta], bucket_bytes: int, buffer: torch.Tensor | None = None
+    group: Group, metas: Sequence[Meta], bucket_bytes: int, buffers: list[torch.Tensor] | None = None
 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bytes]]:
     """Receive every bucket from rank 0, check its digest, yield its (name, tensor) pairs and the
-    digest. The pairs are views into one receive buffer (``buffer`` when given and large enough),
-    valid until the next bucket arrives: the caller copies them out before asking for it."""
+    digest. Two receive buffers alternate (``buffers``, grown as needed, kept by the caller across
+    transfers): the next bucket arrives while the caller loads this one. The pairs are views into
+    a buffer: the caller copies them out before it asks for the next bucket."""
     buckets = plan_buckets(metas, bucket_bytes)
     sizes = [[nbytes(metas[i].dtype, metas[i].shape) for i in bucket] for bucket in buckets]
-    space = bucket_buffer(buffer, max_bucket_bytes(metas, bucket_bytes))
-    sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8)
-    for bucket, bucket_sizes in zip(buckets, sizes, strict=True):
-        buf = space[: sum(bucket_sizes)]
-        group.broadcast(buf)
-        group.broadcast(sent)
+    if buffers is None:
+        buffers = []
+    need = max_bucket_bytes(metas, bucket_bytes)
+    while len(buffers) < 2:
+        buffers.append(torch.empty(0, dtype=torch.uint8))
+    for k in range(2):
+        buffers[k] = bucket_buffer(buffers[k], need)
+    digests = [torch.empty(DIGEST_BYTES, dtype=torch.uint8) for _ in range(2)]
+
+    def post(k: int) -> tuple[Any, Any]:
+        buf = buffers[k % 2][: sum(sizes[k])]
+        return group.start_broadcast(buf), group.start_broadcast(digests[k % 2])
+
+    posted = post(0) if buckets else None
+    for k, bucket in enumerate(buckets):
+        assert posted is not None
+        posted[0].wait()
+        posted[1].wait()
+        buf = buffers[k % 2][: sum(sizes[k])]
         got = digest(buf)
-        if got != bytes(sent.numpy()):
+        sent = bytes(digests[k % 2].numpy())
+        posted = post(k + 1) if k + 1 < len(buckets) else None  # the next bucket lands meanwhile
+        if got != sent:
             first = metas[bucket[0]].name
             raise TransferError(f"a weight bucket arrived corrupted (digest mismatch; bucket starting at {first!r})")
         out: list[tuple[str, torch.Tensor]] = []
         offset = 0
-        for i, n in zip(bucket, bucket_sizes, strict=True):
+        for i, n in zip(bucket, sizes[k], strict=True):
             m = metas[i]
             out.append((m.name, buf[offset : offset + n].view(m.dtype).view(m.shape)))
             offset += n

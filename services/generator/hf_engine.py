@@ -57,6 +57,7 @@ class HfEngine:
         self._generated_tokens_total = 0
         self._group: Any = None  # the weight-transfer group joined (collective refits)
         self._bucket_bytes = 256 << 20
+        self._receive_buffers: list[Any] = []  # kept across transfers (`shared.weight_wire`)
 
     @property
     def info(self) -> EngineInfo:
@@ -210,7 +211,7 @@ class HfEngine:
         digests: list[bytes] = []
         try:
             with torch.no_grad():
-                for pairs, got in receive_buckets(self._group, metas, self._bucket_bytes):
+                for pairs, got in receive_buckets(self._group, metas, self._bucket_bytes, self._receive_buffers):
                     for name, tensor in pairs:
                         state[name].copy_(tensor)
                     digests.append(got)

@@ -43,6 +43,13 @@ class FakeGroup:
     def broadcast(self, t: torch.Tensor) -> None:
         t.copy_(self.payloads.pop(0))
 
+    def start_broadcast(self, t: torch.Tensor):
+        self.broadcast(t)
+        return self
+
+    def wait(self) -> None:
+        pass
+
 
 def _wire(tensors: dict[str, torch.Tensor], bucket_bytes: int, corrupt: int | None = None) -> list[torch.Tensor]:
     out = []
