@@ -56,6 +56,9 @@ class BatchStats(msgspec.Struct, kw_only=True):
     zero_advantage_groups: int  # groups whose rewards all tie: no signal
     env: dict[str, float] = {}  # the mean of each environment metric over the step's rollouts
     rollout_failures: dict[str, int] = {}  # rollouts that failed, by reason
+    num_overlong_filtered: int = 0  # out of its token budget, masked (grpo.overlong_filtering)
+    num_overlong_penalized: int = 0  # given a penalty by grpo.reward_shaping
+    overlong_penalty_mean: float = 0.0  # mean penalty per rollout: the shaped reward mean is reward_mean + this
 
 
 class LearnerMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -105,6 +108,18 @@ class BufferSummary(msgspec.Struct, kw_only=True):
     duplicates_total: int
 
 
+class DynamicSamplingStats(msgspec.Struct, kw_only=True):
+    """Dynamic sampling (``grpo.use_dynamic_sampling``) since the previous step took its batch."""
+
+    num_filtered_groups: int  # complete groups whose rewards all tied: filtered, never trained
+    filtered_fraction: float  # num_filtered_groups / (num_filtered_groups + num_prompts_per_step)
+    # generation batches (batch_multiplier x num_prompts_per_step groups) the step's judged groups
+    # amount to, rounded up (NeMo-RL's dynamic_sampling_num_gen_batches)
+    num_gen_batches: int
+    filtered_reward_mean: float  # mean reward of the filtered groups (0/1 rewards: 1 all solved, 0 none)
+    filtered_total: int  # groups filtered since the trainer started
+
+
 class StepTiming(msgspec.Struct, kw_only=True):
     wait_data_s: float
     train_s: float
@@ -137,11 +152,13 @@ class StepRecord(msgspec.Struct, kw_only=True, tag="train", tag_field="kind", om
     refit: RefitSummary
     trajectories_received: int
     trajectories_per_s: float
+    dynamic_sampling: DynamicSamplingStats | None = None  # with grpo.use_dynamic_sampling
     consumed_ids: list[str] = []  # the ledger; left out of /status
     evicted_ids: list[str] = []
+    filtered_ids: list[str] = []  # rollouts of groups dynamic sampling filtered (never trained)
 
     def without_ledger(self) -> StepRecord:
-        return msgspec.structs.replace(self, consumed_ids=[], evicted_ids=[])
+        return msgspec.structs.replace(self, consumed_ids=[], evicted_ids=[], filtered_ids=[])
 
 
 class ValidationRecord(msgspec.Struct, kw_only=True, tag="validation", tag_field="kind", omit_defaults=True):

@@ -196,6 +196,25 @@ class AsyncGrpoSection(_Section):
     allow_future_targets: Annotated[bool, D("a step may consume groups staged for later steps")] = True
 
 
+class RewardShapingSection(_Section):
+    """DAPO's soft overlong punishment (NeMo-RL's ``grpo.reward_shaping``), added to each rollout's
+    reward before advantages: 0 up to ``max_response_length - overlong_buffer_length`` generated
+    tokens, then falling linearly to ``-overlong_buffer_penalty`` at ``max_response_length``."""
+
+    enabled: Annotated[bool, D("penalise long responses before advantages are computed")] = False
+    overlong_buffer_length: Annotated[
+        int, D("generated tokens before max_response_length over which the penalty grows from 0")
+    ] = 128
+    overlong_buffer_penalty: Annotated[float, D("penalty at (and beyond) max_response_length")] = 1.0
+    max_response_length: Annotated[
+        int | None,
+        D(
+            "generated tokens of a rollout (all its turns) that get the full penalty; "
+            "null: policy.max_total_sequence_length"
+        ),
+    ] = None
+
+
 class GrpoSection(_Section):
     num_prompts_per_step: Annotated[int, D("prompt groups per training step")] = 32
     num_generations_per_prompt: Annotated[int, D("rollouts per prompt (group size G)")] = 16
@@ -228,6 +247,35 @@ class GrpoSection(_Section):
             "null: only measure"
         ),
     ] = None
+    use_dynamic_sampling: Annotated[
+        bool,
+        D(
+            "DAPO dynamic sampling: a complete group whose rewards all tie (no signal) is filtered, its ids go to "
+            "the ledger (never trained) and a new prompt is issued in its place"
+        ),
+    ] = False
+    batch_multiplier: Annotated[
+        float,
+        D(
+            "with use_dynamic_sampling: groups kept coming per target step = batch_multiplier x "
+            "num_prompts_per_step (rounded up), so filtered groups are replaced before a step waits for them"
+        ),
+    ] = 1.0
+    dynamic_sampling_max_gen_batches: Annotated[
+        int,
+        D(
+            "with use_dynamic_sampling: a step still short of num_prompts_per_step groups fails the run once "
+            "its judged groups exceed this many generation batches (batch_multiplier x num_prompts_per_step each)"
+        ),
+    ] = 10
+    overlong_filtering: Annotated[
+        bool,
+        D(
+            "mask rollouts that ran out of tokens without a natural end (last call stopped at its token limit, or "
+            "cut at policy.max_total_sequence_length) out of the loss; they still count in the group baseline"
+        ),
+    ] = False
+    reward_shaping: RewardShapingSection = msgspec.field(default_factory=RewardShapingSection)
     async_grpo: AsyncGrpoSection = msgspec.field(default_factory=AsyncGrpoSection)
 
 
@@ -249,8 +297,81 @@ class LossSection(_Section):
     truncated_importance_sampling_ratio_min: Annotated[
         float | None, D("lower IS bound (icepop and seq-mask-tis need it)")
     ] = None
-    reference_policy_kl_penalty: Annotated[float, D("beta of the k3 KL to the initial policy; 0: off")] = 0.0
+    reference_policy_kl_penalty: Annotated[
+        float, D("beta of the KL to the initial policy (kept as a second, frozen copy); 0: off")
+    ] = 0.0
+    reference_policy_kl_type: Annotated[
+        Literal["k1", "k2", "k3"],
+        D("per-token KL estimator with log r = logp_ref - logp: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r"),
+    ] = "k3"
+    kl_input_clamp_value: Annotated[
+        float | None, D("clamp log r to +-this before the KL estimator (no gradient where it binds); null: none")
+    ] = 20.0
+    kl_output_clamp_value: Annotated[float | None, D("clamp each token's KL to +-this; null: none")] = 10.0
+    use_on_policy_kl_approximation: Annotated[
+        bool, D("weight each token's KL by pi_theta/pi_generator, as the samples come from the generator")
+    ] = False
+    use_kl_in_reward: Annotated[
+        bool,
+        D(
+            "subtract beta x the rollout's summed KL from its reward and recompute the group advantages, "
+            "instead of adding the KL to the loss"
+        ),
+    ] = False
     token_level_loss: Annotated[bool, D("mean over all valid tokens of the step (else per sequence)")] = True
+    sequence_level_importance_ratios: Annotated[
+        bool,
+        D(
+            "GSPO: one PPO ratio per sequence (the geometric mean of its token ratios, clipped per sequence) and "
+            "one IS weight per sequence; needs token_level_loss: false"
+        ),
+    ] = False
+    disable_ppo_ratio: Annotated[bool, D("REINFORCE/RLOO: the actor term is -A logp, no ratio and no clipping")] = False
+    force_on_policy_ratio: Annotated[
+        bool, D("ratio exp(logp - sg(logp)) = 1 with its gradient kept; needs one optimizer update per step")
+    ] = False
+    use_cispo: Annotated[
+        bool, D("CISPO: the actor term is -A sg(clip(ratio)) logp (the clipped ratio is a detached weight, no PPO max)")
+    ] = False
+
+
+def check_loss_fn(lf: LossSection, rows_per_update: int | None, rows_per_step: int) -> None:
+    """The loss options that contradict each other or the batch plan; each error names the keys."""
+    if lf.reference_policy_kl_penalty < 0:
+        raise ConfigError("loss_fn.reference_policy_kl_penalty must be >= 0")
+    for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        value = getattr(lf, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"loss_fn.{key} must be > 0 (or null)")
+    if lf.use_kl_in_reward and lf.reference_policy_kl_penalty == 0:
+        raise ConfigError("loss_fn.use_kl_in_reward needs loss_fn.reference_policy_kl_penalty > 0")
+    ratios = [k for k in _RATIO_KEYS if getattr(lf, k)]
+    if len(ratios) > 1:
+        raise ConfigError(
+            f"loss_fn.{ratios[0]} and loss_fn.{ratios[1]} cannot both be set (each defines the ratio its own way)"
+        )
+    if lf.sequence_level_importance_ratios and lf.token_level_loss:
+        raise ConfigError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss: false")
+    if (
+        lf.sequence_level_importance_ratios
+        and lf.truncated_importance_sampling_ratio is not None
+        and lf.truncated_importance_sampling_type == "seq-mask-tis"
+    ):
+        raise ConfigError(
+            "loss_fn.truncated_importance_sampling_type: seq-mask-tis cannot be combined with "
+            "loss_fn.sequence_level_importance_ratios (it masks sequences but keeps token weights)"
+        )
+    if lf.use_cispo and lf.ratio_clip_c is not None:
+        raise ConfigError("loss_fn.use_cispo cannot be combined with loss_fn.ratio_clip_c (dual clip)")
+    if lf.force_on_policy_ratio and rows_per_update is not None and rows_per_update != rows_per_step:
+        raise ConfigError(
+            "loss_fn.force_on_policy_ratio needs one optimizer update per step: policy.train_global_batch_size "
+            "must be null or grpo.num_prompts_per_step x num_generations_per_prompt"
+        )
+
+
+# The options that each replace the clipped PPO ratio; at most one may be set.
+_RATIO_KEYS = ("use_cispo", "force_on_policy_ratio", "disable_ppo_ratio", "sequence_level_importance_ratios")
 
 
 class NemoGymSection(_Section):
@@ -649,6 +770,7 @@ class RunConfig(_Section):
             raise ConfigError("grpo.seq_logprob_error_threshold must be >= 1.0 (1.0 means the engines agree exactly)")
         if lf.ratio_clip_c is not None and lf.ratio_clip_c <= 1:
             raise ConfigError("loss_fn.ratio_clip_c must be > 1 (or null)")
+        check_loss_fn(lf, self.policy.train_global_batch_size, g.num_prompts_per_step * g.num_generations_per_prompt)
         if self.policy.generation.top_k not in (None, -1):
             raise ConfigError("policy.generation.top_k must be null: training samples must stay on-policy")
         if self.policy.sequence_packing.enabled and self.policy.sequence_packing.train_mb_tokens < 1:
@@ -664,6 +786,7 @@ class RunConfig(_Section):
             )
         if g.val_num_generations_per_prompt < 1:
             raise ConfigError("grpo.val_num_generations_per_prompt must be >= 1")
+        self._check_dapo()
         if self.trainer.stream_retention_s < 0:
             raise ConfigError("trainer.stream_retention_s must be >= 0")
         if self.supervisor.max_restarts < 0 or self.supervisor.restart_backoff_s < 0:
@@ -685,6 +808,25 @@ class RunConfig(_Section):
                 raise ConfigError("grpo.stop_at_validation_threshold is required with grpo.stop_at_validation_metric")
             if g.stop_at_validation_metric == "pass_k" and g.val_num_generations_per_prompt < 2:
                 raise ConfigError("grpo.stop_at_validation_metric pass_k needs grpo.val_num_generations_per_prompt > 1")
+
+    def _check_dapo(self) -> None:
+        """Dynamic sampling and overlong reward shaping (`check`'s part)."""
+        g, rs = self.grpo, self.grpo.reward_shaping
+        if g.batch_multiplier < 1.0:
+            raise ConfigError("grpo.batch_multiplier must be >= 1.0")
+        if g.batch_multiplier != 1.0 and not g.use_dynamic_sampling:
+            raise ConfigError("grpo.batch_multiplier has an effect only with grpo.use_dynamic_sampling: true")
+        if g.dynamic_sampling_max_gen_batches < 1:
+            raise ConfigError("grpo.dynamic_sampling_max_gen_batches must be >= 1")
+        if rs.enabled:
+            max_len = rs.max_response_length or self.policy.max_total_sequence_length
+            if rs.overlong_buffer_length < 1 or rs.overlong_buffer_length > max_len:
+                raise ConfigError(
+                    "grpo.reward_shaping.overlong_buffer_length must be in [1, max_response_length] "
+                    f"({max_len}: grpo.reward_shaping.max_response_length, else policy.max_total_sequence_length)"
+                )
+            if rs.overlong_buffer_penalty < 0:
+                raise ConfigError("grpo.reward_shaping.overlong_buffer_penalty must be >= 0")
 
     def check_service(self, service: ServiceName) -> None:
         """What ``service`` itself reads, on top of `check`: each service requires only that (a

@@ -11,6 +11,11 @@ kept context as prompt, loss on the later generations) with the rollout's advant
 environment flagged (``mask_sample``, e.g. an iteration cap was hit) while
 ``env.should_mask_flagged_samples`` is on (``num_mask_sample_filtered``).
 
+Overlong handling (`services.trainer.reward_shaping`): with ``grpo.overlong_filtering`` a rollout
+that ran out of tokens without a natural end is masked too (``num_overlong_filtered``); with
+``grpo.reward_shaping`` the soft overlong penalty is added to the reward its advantage is computed
+from (``reward_penalty``; ``Row.reward`` stays the environment's).
+
 What a masked row contributes: its reward counts in its group's baseline and std (the other rows'
 advantages), but none of its tokens enter the loss or the normalising token count. Backfilled
 placeholders (failed rollouts) contribute nothing at all: no loss, and no part in the baselines.
@@ -25,7 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.trainer.advantages import batch_advantages
-from services.trainer.buffer import Group
+from services.trainer.buffer import Group, is_placeholder
+from services.trainer.reward_shaping import OverlongPenalty, hit_token_budget
 from shared.protocol import Trajectory
 from shared.records import BatchStats
 
@@ -44,7 +50,15 @@ class Row:
     prefix_break: bool = False
     truncated: bool = False
     env_flagged: bool = False
+    overlong: bool = False  # ran out of tokens without a natural end (reward_shaping.hit_token_budget)
+    overlong_filtered: bool = False  # masked for it (grpo.overlong_filtering)
+    reward_penalty: float = 0.0  # the overlong penalty (<= 0) added to reward for the advantage
     segments: list[Row] = field(default_factory=list)  # later samples of a rollout split at prefix breaks
+
+    @property
+    def shaped_reward(self) -> float:
+        """The reward the advantage is computed from: the environment's plus the overlong penalty."""
+        return self.reward + self.reward_penalty
 
 
 @dataclass
@@ -60,7 +74,7 @@ class StepBatch:
 def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_prefix_break: str = "mask") -> Row:
     """Rebuild one rollout's token sequence from its turns. With ``on_prefix_break="new_sample"``
     the turns from a break on become extra rows in ``row.segments`` (same reward and advantage)."""
-    if not traj.turns or traj.status == "failed":
+    if is_placeholder(traj):
         # A backfilled failure: kept for the batch shape, no loss, no part in the baselines.
         return Row(
             traj.task_id,
@@ -131,13 +145,17 @@ def build_step_batch(
     normalize: bool,
     mask_flagged: bool = True,
     on_prefix_break: str = "mask",
+    overlong_filtering: bool = False,
+    overlong_penalty: OverlongPenalty | None = None,
 ) -> StepBatch:
     trajs = [t for g in groups for t in g.ordered()]
     rows = [build_row(t, max_len, mask_flagged, on_prefix_break) for t in trajs]
+    for t, r in zip(trajs, rows, strict=True):
+        apply_overlong(t, r, filtering=overlong_filtering, penalty=overlong_penalty)
     group_size = groups[0].group_size if groups else 0
     adv = batch_advantages(
         [r.group_id for r in rows],
-        [r.reward for r in rows],
+        [r.shaped_reward for r in rows],
         group_size=group_size,
         leave_one_out=leave_one_out,
         normalize=normalize,
@@ -149,6 +167,20 @@ def build_step_batch(
             seg.advantage = float(a)
     segments = [seg for r in rows for seg in r.segments]
     return StepBatch(rows + segments, batch_stats(trajs, rows, adv, group_size, num_segments=len(segments)))
+
+
+def apply_overlong(traj: Trajectory, row: Row, *, filtering: bool, penalty: OverlongPenalty | None) -> None:
+    """Mark a rollout's row (and its later segments) that ran out of tokens, mask it when
+    ``filtering``, and set its overlong ``penalty``; placeholders are left alone."""
+    if row.placeholder:
+        return
+    row.overlong = hit_token_budget(traj, cut=row.truncated or any(seg.truncated for seg in row.segments))
+    if filtering and row.overlong:
+        row.overlong_filtered = True
+        for r in (row, *row.segments):
+            r.sample_mask = 0.0
+    if penalty is not None:
+        row.reward_penalty = penalty(traj.num_generated_tokens)
 
 
 def batch_stats(
@@ -184,4 +216,7 @@ def batch_stats(
         zero_advantage_groups=sum(all(abs(r.advantage) < 1e-9 for r in rows[i : i + group_size]) for i in groups),
         env={k: v / len(trajs) for k, v in sorted(env.items())},
         rollout_failures=failures,
+        num_overlong_filtered=sum(r.overlong_filtered for r in real),
+        num_overlong_penalized=sum(r.reward_penalty < 0 for r in real),
+        overlong_penalty_mean=float(np.mean([r.reward_penalty for r in rows])) if rows else 0.0,
     )

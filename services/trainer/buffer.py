@@ -3,6 +3,7 @@ training step they were issued for (their target step).
 
     trajectory --add--> PENDING group (k of G rows) --all G arrived--> STAGED[target]
     STAGED --sample(step)--> CONSUMED (ids go to the ledger)      STAGED --too old--> EVICTED
+    PENDING --all G arrived, rewards all tie, dynamic sampling--> FILTERED --take_filtered--> ledger
 
 ``sample(step)`` takes exactly ``n`` complete groups: those staged for ``step`` first, then late
 groups staged for earlier steps that are still fresh enough, then (``allow_future``) groups staged
@@ -13,6 +14,16 @@ before step s, so such a group comes from a run that crashed after a later refit
 from an earlier checkpoint, and its weights are gone. It
 never waits while ``n`` usable groups exist (the upstream stall), and it never hands out a
 trajectory id twice (the consumed-id ledger rejects duplicates that a reclaimed task may produce).
+
+With dynamic sampling (``grpo.use_dynamic_sampling``, DAPO) a group whose rewards all tie (over
+its rows that are not placeholders; fewer than two such rows tie too) carries no signal: every
+advantage would be 0. It is never staged, so the scheduler sees its target short and issues a new
+prompt in its place at its next top-up. The collector takes it with ``take_filtered``, which puts
+its ids in the ledger (a restart that delivers its rows again drops them as duplicates: never
+trained, never counted twice) and lists them in the step record; its entries are acknowledged
+with the step's once a checkpoint covers it. Its prompt counts as used, like a trained one (it
+comes back in the next epoch): giving it back would only replay a prompt the policy has just
+solved, or failed, every time.
 
 Owned by the trainer's control plane; the scheduler's plan reads its per-target counts.
 """
@@ -28,6 +39,11 @@ from shared.protocol import Trajectory
 from shared.run_config import RunConfig
 
 log = logging.getLogger(__name__)
+
+
+def is_placeholder(traj: Trajectory) -> bool:
+    """A backfilled failure (no turns, or status failed): no loss, no part in any baseline."""
+    return not traj.turns or traj.status == "failed"
 
 
 @dataclass
@@ -56,11 +72,19 @@ class Group:
     def ordered(self) -> list[Trajectory]:
         return [self.rows[i] for i in range(self.group_size)]
 
+    @property
+    def has_signal(self) -> bool:
+        """False when the environment's rewards of the rows that are not placeholders all tie
+        (or fewer than two such rows exist): every advantage of the group would be 0."""
+        rewards = [t.reward for t in self.rows.values() if not is_placeholder(t)]
+        return len(rewards) >= 2 and max(rewards) > min(rewards)
+
 
 @dataclass
 class SampleResult:
     groups: list[Group]
     evicted: list[Group]
+    filtered: list[Group] = field(default_factory=list)  # set by the collector: filtered since the last step
 
     @property
     def targets(self) -> list[int]:
@@ -71,13 +95,20 @@ class ReplayBuffer:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> ReplayBuffer:
         a = cfg.grpo.async_grpo
-        return cls(max_age=a.max_trajectory_age_steps, allow_future=a.allow_future_targets)
+        return cls(
+            max_age=a.max_trajectory_age_steps,
+            allow_future=a.allow_future_targets,
+            dynamic_sampling=cfg.grpo.use_dynamic_sampling,
+        )
 
-    def __init__(self, *, max_age: int, allow_future: bool = True) -> None:
+    def __init__(self, *, max_age: int, allow_future: bool = True, dynamic_sampling: bool = False) -> None:
         self.max_age = max_age
         self.allow_future = allow_future
+        self.dynamic_sampling = dynamic_sampling
         self._pending: dict[str, Group] = {}
         self._staged: dict[int, list[Group]] = defaultdict(list)
+        self._filtered: list[Group] = []  # complete groups without signal, not yet taken
+        self.filtered_total = 0
         self._consumed_ids: set[str] = set()
         self.evicted_total = 0
         self.duplicates_total = 0
@@ -85,9 +116,9 @@ class ReplayBuffer:
     # ---- intake -------------------------------------------------------------------------------
 
     def add(self, traj: Trajectory, entry_id: str) -> Group | None | Literal[False]:
-        """Stage one trajectory. Returns the group when this row completed it, None when the
-        group is still incomplete, False when the row is a duplicate (already held or consumed);
-        the caller acks duplicates at once."""
+        """Stage one trajectory. Returns the group when this row completed it (staged, or set
+        aside as filtered), None when the group is still incomplete, False when the row is a
+        duplicate (already held or consumed); the caller acks duplicates at once."""
         if traj.task_id in self._consumed_ids:
             self.duplicates_total += 1
             return False
@@ -105,8 +136,19 @@ class ReplayBuffer:
         if not group.complete:
             return None
         del self._pending[traj.group_id]
-        self._staged[group.target_step].append(group)
+        if self.dynamic_sampling and not group.has_signal:
+            self._filtered.append(group)
+            self.filtered_total += 1
+        else:
+            self._staged[group.target_step].append(group)
         return group
+
+    def take_filtered(self) -> list[Group]:
+        """The groups filtered since the last call; their ids join the consumed-id ledger."""
+        taken, self._filtered = self._filtered, []
+        for g in taken:
+            self._consumed_ids.update(t.task_id for t in g.rows.values())
+        return taken
 
     def drop_pending(self, group_ids: set[str]) -> list[str]:
         """Forget incomplete groups (cancelled rollouts); the stream entries of their rows, to ack."""

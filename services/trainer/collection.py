@@ -11,6 +11,14 @@
                             s0 + 1 (when the lag allows it)
     hold_while_paused():    a user pause holds the run at a step boundary
 
+With dynamic sampling every wait also takes the groups the buffer filtered (rewards all tie): their
+ids are in the ledger, their entries are acked with the step's once a checkpoint covers it, they
+go to the next batch's ``SampleResult.filtered`` (the step record), and their prompts count as
+used; the window's top-up issues new prompts in their place. A wait that is still short once the
+groups judged since the previous step exceed ``grpo.dynamic_sampling_max_gen_batches`` generation
+batches (``batch_multiplier x num_prompts_per_step`` groups each) fails the run loudly, as
+NeMo-RL's does, instead of generating for ever on prompts that are all solved or all failed.
+
 Every wait wakes when the intake stages a group (or after at most WAIT_S), raises the intake's
 failure at once, and fails loudly after ``trainer.data_timeout_s`` without data, a deadline that
 does not run while the run is paused by the user (gateways launch nothing then). Owned by the
@@ -26,8 +34,10 @@ from collections.abc import Callable
 from services.trainer.buffer import Group, ReplayBuffer, SampleResult
 from services.trainer.intake import RunFailed, TrajectoryIntake
 from services.trainer.scheduler import Scheduler
+from services.trainer.step_record import dynamic_sampling_stats
 from shared.pause import PauseControl, PauseReason
 from shared.protocol import Task
+from shared.records import DynamicSamplingStats
 from shared.run_config import RunConfig
 from shared.streams import StreamClient
 
@@ -73,6 +83,7 @@ class Collector:
         self.hold_acks = hold_acks  # acknowledge these entries once a checkpoint covers this step
         self.tasks_issued = tasks_issued  # a hook called after every publish of training tasks
         self.evicted_ids: list[str] = []  # task ids evicted during the last wait_for_batch
+        self.filtered: list[Group] = []  # groups dynamic sampling filtered since the last batch was taken
 
     async def hold_while_paused(self, on_pause: Callable[[], None]) -> None:
         """Return once no user pause is active; ``on_pause`` is called first if one is."""
@@ -111,11 +122,14 @@ class Collector:
         self.evicted_ids = []
         while True:
             self.intake.raise_if_failed()
+            self._take_filtered()
             sample = self.buffer.sample(step, n)
             if sample.evicted:
                 await self._evicted(sample.evicted)
             if sample.groups:
+                sample.filtered, self.filtered = self.filtered, []
                 return sample
+            self._check_refill_cap(f"step {step}", targets=1)
             # Short: top the window up (after evictions, or after a pause held back an issue; a
             # no-op when every group is staged or in flight, or while a pause stops task issue).
             # Never after a successful sample: the groups just taken no longer count for this
@@ -133,6 +147,49 @@ class Collector:
             self.scheduler.source.give_back(g.prompt_index)
             self.evicted_ids += [t.task_id for t in g.rows.values()]
 
+    def _take_filtered(self) -> None:
+        groups = self.buffer.take_filtered()
+        if not groups:
+            return
+        # Acknowledged with the step's entries once a checkpoint covers it (the ledger in that
+        # checkpoint holds their ids). No give_back: the prompt was used; the scheduler sees the
+        # target short and issues a new prompt at its next top-up.
+        self.hold_acks([e for g in groups for e in g.entry_ids])
+        self.filtered += groups
+        log.info(
+            "dynamic sampling filtered %d groups whose rewards all tie (%d since the last batch)",
+            len(groups),
+            len(self.filtered),
+        )
+
+    def dynamic_sampling_stats(self, sample: SampleResult) -> DynamicSamplingStats | None:
+        """The step record's dynamic-sampling figures for a batch this collector returned."""
+        g = self.cfg.grpo
+        if not g.use_dynamic_sampling:
+            return None
+        return dynamic_sampling_stats(
+            sample.filtered,
+            num_prompts=g.num_prompts_per_step,
+            groups_per_batch=self.scheduler.groups_per_target,
+            filtered_total=self.buffer.filtered_total,
+        )
+
+    def _check_refill_cap(self, what: str, *, targets: int) -> None:
+        """Fail once the groups judged for ``targets`` short batches exceed the refill cap."""
+        g = self.cfg.grpo
+        if not g.use_dynamic_sampling:
+            return
+        per_batch = self.scheduler.groups_per_target
+        allowed = targets * (g.dynamic_sampling_max_gen_batches * per_batch - g.num_prompts_per_step)
+        if len(self.filtered) > allowed:
+            raise RunFailed(
+                f"{what}: dynamic sampling filtered {len(self.filtered)} groups whose rewards all tie and the "
+                f"batch is still short of {g.num_prompts_per_step} groups with signal after "
+                f"{g.dynamic_sampling_max_gen_batches} generation batches of {per_batch} groups "
+                "(grpo.dynamic_sampling_max_gen_batches); the prompts are all solved or all failed by the policy: "
+                "raise grpo.batch_multiplier or grpo.num_generations_per_prompt, or revisit the data"
+            )
+
     async def lookahead_barrier(self, s0: int) -> None:
         """Wait for complete batches of targets s0 and s0+1 (when the lag allows s0+1), so the
         first steps are not served by a buffer that was filled only for s0."""
@@ -142,6 +199,8 @@ class Collector:
         deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause)
         while not all(self.buffer.count_usable(t) >= n for t in targets):
             self.intake.raise_if_failed()
+            self._take_filtered()
+            self._check_refill_cap(f"start-up (targets {targets})", targets=len(targets))
             await self.issue(s0)  # what a pause held back goes out once it ends (a no-op otherwise)
             if await deadline.passed():
                 raise RunFailed(f"start-up: no complete batches for targets {targets} within {self._timeout_hint()}")

@@ -11,7 +11,8 @@ coordination, checkpoints with their acknowledgements, and the metrics records; 
               complete batches staged for targets s0 and s0+1
            -> step s, until grpo.max_num_steps or an early stop:
                 hold while paused -> top up tasks for targets [s, s+L] -> wait for N usable groups
-                (stale ones evicted, their prompts reused) -> batch -> learner.train -> refit to
+                (stale ones evicted, their prompts reused; with dynamic sampling, groups whose
+                rewards all tie filtered and replaced) -> batch -> learner.train -> refit to
                 v=s+1 -> checkpoint, then ack what it made durable -> record -> validations due
            -> end: hold while paused -> validations still queued -> [validation at end] -> stop key
     close: intake stopped, records closed and plotted, heartbeat removed, Redis closed
@@ -39,6 +40,7 @@ from services.trainer.intake import TrajectoryIntake
 from services.trainer.learner import Learner, LearnerLost
 from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve
 from services.trainer.refit import RefitReport, WeightPublisher, check_refit_fidelity
+from services.trainer.reward_shaping import OverlongPenalty
 from services.trainer.scheduler import Scheduler
 from services.trainer.step_record import StepClock, build_step_record
 from services.trainer.validation import ValidationRunner
@@ -281,6 +283,8 @@ class ControlPlane:
             normalize=cfg.grpo.normalize_rewards,
             mask_flagged=cfg.env.should_mask_flagged_samples,
             on_prefix_break=cfg.env.on_prefix_break,
+            overlong_filtering=cfg.grpo.overlong_filtering,
+            overlong_penalty=OverlongPenalty.from_config(cfg),
         )
 
     def _write_step_record(
@@ -306,6 +310,7 @@ class ControlPlane:
             group_size=self.cfg.grpo.num_generations_per_prompt,
             received_total=self.intake.received_total,
             started_at=self.started_at,
+            dynamic_sampling=self.collector.dynamic_sampling_stats(sample),
         )
         self.last_record = record
         self.metrics.write(record)

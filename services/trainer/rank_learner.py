@@ -133,7 +133,13 @@ class RankedLearner:
         def run() -> LearnerMetrics:
             from services.trainer.step_plan import plan_step
 
-            shares = plan_step(batch, self.ranks.world_size, self.backend.policy.train_global_batch_size)
+            backend = self.backend
+            shares = plan_step(
+                batch,
+                self.ranks.world_size,
+                backend.policy.train_global_batch_size,
+                reward_kl=backend.loss_cfg.use_kl_in_reward,
+            )
             mine = _scatter(list(shares) if shares else [None] * self.ranks.world_size)
             return self.backend.train_share(mine)
 

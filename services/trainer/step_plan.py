@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from services.trainer.batch import Row, StepBatch
+from services.trainer.kl_reward import Rollout, rollouts_of
 from shared.run_config import OptimizerSection
 
 
@@ -38,17 +39,24 @@ class RankShare:
 
     updates: list[list[Row]]
     filler: Row
+    # Only with loss_fn.use_kl_in_reward (`services.trainer.kl_reward`): this rank's part of the
+    # rows out of the loss that still count in a baseline, and every rollout of the step.
+    baseline_rows: list[Row] = field(default_factory=list)
+    rollouts: list[Rollout] = field(default_factory=list)
 
     @property
     def rows(self) -> list[Row]:
         return [r for u in self.updates for r in u]
 
 
-def plan_step(batch: StepBatch, world_size: int, train_global_batch_size: int | None) -> list[RankShare]:
+def plan_step(
+    batch: StepBatch, world_size: int, train_global_batch_size: int | None, *, reward_kl: bool = False
+) -> list[RankShare]:
     """Split a step's trainable rows into optimizer updates (``train_global_batch_size`` rows of the
     whole batch each), and each update's rows across ``world_size`` ranks, balanced by tokens
     (longest first, each to the rank with the fewest tokens so far). Every rank's rows keep the
-    one-rank order (shortest first), which keeps padding small. Empty when nothing is trainable."""
+    one-rank order (shortest first), which keeps padding small. Empty when nothing is trainable.
+    ``reward_kl`` (``loss_fn.use_kl_in_reward``) adds what the KL reward penalty needs."""
     rows = sorted(batch.trainable, key=lambda r: len(r.input_ids))
     if not rows:
         return []
@@ -67,4 +75,21 @@ def plan_step(batch: StepBatch, world_size: int, train_global_batch_size: int | 
             tokens[k] += len(r.input_ids)
         for share, part in zip(shares, parts, strict=True):
             share.updates.append(sorted(part, key=lambda r: order[r.task_id]))
+    if reward_kl:
+        _add_baselines(batch, shares)
     return shares
+
+
+def _add_baselines(batch: StepBatch, shares: list[RankShare]) -> None:
+    """Every share gets the step's rollouts, and the rows with loss tokens that are out of the loss
+    but count in a baseline are spread over the ranks by tokens."""
+    trainable = {id(r) for r in batch.trainable}
+    extra = [r for r in batch.rows if id(r) not in trainable and not r.placeholder and r.token_mask.sum() > 0]
+    tokens = [sum(len(r.input_ids) for r in s.rows) for s in shares]
+    for r in sorted(extra, key=lambda r: -len(r.input_ids)):
+        k = tokens.index(min(tokens))
+        shares[k].baseline_rows.append(r)
+        tokens[k] += len(r.input_ids)
+    rollouts = rollouts_of(batch.rows)
+    for share in shares:
+        share.rollouts = rollouts

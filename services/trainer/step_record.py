@@ -6,14 +6,23 @@ metrics.jsonl, TensorBoard and the Prometheus metrics (`services.trainer.metrics
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from services.trainer.buffer import Group, ReplayBuffer, SampleResult
+from services.trainer.buffer import Group, ReplayBuffer, SampleResult, is_placeholder
 from services.trainer.refit import RefitReport
 from services.trainer.scheduler import Scheduler
-from shared.records import BatchStats, BufferSummary, LearnerMetrics, Staleness, StepRecord, StepTiming
+from shared.records import (
+    BatchStats,
+    BufferSummary,
+    DynamicSamplingStats,
+    LearnerMetrics,
+    Staleness,
+    StepRecord,
+    StepTiming,
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,22 @@ def staleness(step: int, sample: SampleResult) -> Staleness:
     )
 
 
+def dynamic_sampling_stats(
+    filtered: list[Group], *, num_prompts: int, groups_per_batch: int, filtered_total: int
+) -> DynamicSamplingStats:
+    """What dynamic sampling did for a step: ``filtered`` groups judged besides the ``num_prompts``
+    trained, in generation batches of ``groups_per_batch`` groups."""
+    rewards = [t.reward for g in filtered for t in g.rows.values() if not is_placeholder(t)]
+    judged = num_prompts + len(filtered)
+    return DynamicSamplingStats(
+        num_filtered_groups=len(filtered),
+        filtered_fraction=len(filtered) / judged,
+        num_gen_batches=math.ceil(judged / groups_per_batch),
+        filtered_reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+        filtered_total=filtered_total,
+    )
+
+
 def build_step_record(
     step: int,
     sample: SampleResult,
@@ -64,6 +89,7 @@ def build_step_record(
     group_size: int,
     received_total: int,
     started_at: float,
+    dynamic_sampling: DynamicSamplingStats | None = None,
 ) -> StepRecord:
     elapsed = time.time() - started_at
     return StepRecord(
@@ -88,6 +114,8 @@ def build_step_record(
         refit=refit.summary(),
         trajectories_received=received_total,
         trajectories_per_s=received_total / max(elapsed, 1e-6),
+        dynamic_sampling=dynamic_sampling,
         consumed_ids=sorted(t.task_id for g in sample.groups for t in g.rows.values()),
         evicted_ids=sorted(evicted_ids),
+        filtered_ids=sorted(t.task_id for g in sample.filtered for t in g.rows.values()),
     )

@@ -43,7 +43,8 @@ pytestmark = pytest.mark.integration
 
 class Peers:
     """A generator and a gateway, played through Redis. ``answer(task)`` decides whether the
-    gateway answers a task now (a task it may not answer yet is kept and offered again)."""
+    gateway answers a task now (a task it may not answer yet is kept and offered again);
+    ``reward(task)`` scores its rollout (1 for odd rows of a group)."""
 
     def __init__(self, redis_url: str, keys: K.RunKeys) -> None:
         self.redis = connect(redis_url)
@@ -51,6 +52,7 @@ class Peers:
         self.generator = StreamClient(self.redis, keys, "gen-peer")
         self.gateway = StreamClient(self.redis, keys, "gw-peer")
         self.answer = lambda task: True
+        self.reward = lambda task: float(task.index_in_group % 2)
         self.version = -1
         self.held: list = []
 
@@ -88,13 +90,17 @@ class Peers:
                 keep.append(d)
                 continue
             await self.gateway.publish_and_ack(
-                self.keys.trajectories, _trajectory(d.msg, self.version), self.keys.tasks, K.GATEWAYS_GROUP, d.entry_id
+                self.keys.trajectories,
+                _trajectory(d.msg, self.version, self.reward(d.msg)),
+                self.keys.tasks,
+                K.GATEWAYS_GROUP,
+                d.entry_id,
             )
         self.held = keep
 
 
-def _trajectory(task: Task, version: int) -> Trajectory:
-    """The gateway's own record of a one-turn rollout (reward 1 for odd rows of a group)."""
+def _trajectory(task: Task, version: int, reward: float) -> Trajectory:
+    """The gateway's own record of a one-turn rollout."""
     turn = make_turn(
         prompt_ids=[5, 6, 7],
         context_len=0,
@@ -103,7 +109,7 @@ def _trajectory(task: Task, version: int) -> Trajectory:
         weight_version=version,
     )
     session = Session("s", task.kind, task.sampling, "gen-peer", "http://peer", version, env=task.env, turns=[turn])
-    return assemble(task, session, Outcome(reward=float(task.index_in_group % 2)), None, "gw-peer", time.time())
+    return assemble(task, session, Outcome(reward=reward), None, "gw-peer", time.time())
 
 
 class PausingLearner:
@@ -176,6 +182,7 @@ def _config(tmp_path, redis_url, tiny_model_dir, prefix: str, *, steps: int, lag
         prefix,
         grpo={"max_num_steps": steps, "async_grpo": {"max_trajectory_age_steps": lag}},
         trainer={"data_timeout_s": data_timeout_s, "refit_timeout_s": 60.0, "startup_timeout_s": 60.0},
+        refit={"max_gen_kl_error": None},  # the played generator's logprobs are made up
         logger={"plot": False, "tensorboard": False},
     )
 

@@ -28,6 +28,11 @@ known. That count is only known after the sequence-level logprob-error mask
 forward pass. Weights are exported with ``save_pretrained`` as safetensors, which the
 generators load in place.
 
+With a reference policy (``loss_fn.reference_policy_kl_penalty`` > 0) a frozen copy of the initial
+policy scores every micro-batch for the loss's KL term; with ``loss_fn.use_kl_in_reward`` it
+scores the step's rows once before the updates instead, and the rows train on the advantages of
+the KL-shaped rewards (`services.trainer.kl_reward`).
+
 Called by the trainer loop (in a worker thread, so the event loop keeps serving REST and streams).
 """
 
@@ -37,7 +42,7 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -45,16 +50,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.trainer import mismatch, packing
+from services.trainer import kl_reward, mismatch, packing
 from services.trainer.batch import Row, StepBatch
-from services.trainer.loss import LossNormalizer, clipped_pg_loss
+from services.trainer.loss import LossNormalizer, clipped_pg_loss, kl_estimate
 from services.trainer.ranks import SINGLE, Ranks
 from services.trainer.sharding import shard_model
 from services.trainer.step_plan import RankShare, lr_schedule, plan_step
 from services.trainer.weight_export import DEFAULT_MAX_SHARD_BYTES, ShardWriter, rank_tensors
 from shared.nucleus import top_p_mask
 from shared.records import LearnerMetrics
-from shared.run_config import LossSection, PolicySection, RunConfig
+from shared.run_config import GrpoSection, LossSection, PolicySection, RunConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -93,6 +98,7 @@ class TorchBackend:
         threads: int | None = None,
         total_updates: int = 0,
         seq_logprob_error_threshold: float | None = None,
+        grpo: GrpoSection | None = None,
         ranks: Ranks = SINGLE,
         async_save: bool = False,
     ) -> None:
@@ -104,6 +110,7 @@ class TorchBackend:
         self.ranks = ranks
         self.async_save = async_save
         self.seq_error_threshold = seq_logprob_error_threshold
+        self.grpo = grpo or GrpoSection()  # the advantage estimator's settings (loss_fn.use_kl_in_reward)
         self.dtype = torch.float32 if policy.precision == "float32" else torch.bfloat16  # compute and publish
         self.device = ranks.device
         self.model = self._build_model()
@@ -146,6 +153,7 @@ class TorchBackend:
             threads=cfg.trainer.torch_threads,
             total_updates=cfg.grpo.max_num_steps * updates_per_step,
             seq_logprob_error_threshold=cfg.grpo.seq_logprob_error_threshold,
+            grpo=cfg.grpo,
             ranks=ranks,
             async_save=cfg.checkpointing.async_save,
         )
@@ -262,7 +270,7 @@ class TorchBackend:
 
     def train_step(self, batch: StepBatch) -> LearnerMetrics:
         """One step on one rank (the whole batch is this rank's share)."""
-        shares = plan_step(batch, 1, self.policy.train_global_batch_size)
+        shares = plan_step(batch, 1, self.policy.train_global_batch_size, reward_kl=self.loss_cfg.use_kl_in_reward)
         return self.train_share(shares[0] if shares else None)
 
     def train_share(self, share: RankShare | None) -> LearnerMetrics:
@@ -275,8 +283,11 @@ class TorchBackend:
             )
         num_updates = len(share.updates)
         micro = self.policy.train_micro_batch_size
-        prev = self._prev_logprobs(share.rows, micro, share.filler) if num_updates > 1 else None
         acc = _StepTotals()
+        if self.loss_cfg.use_kl_in_reward:
+            share = self._shape_rewards(share, acc)
+        needs_prev = num_updates > 1 and not self.loss_cfg.force_on_policy_ratio
+        prev = self._prev_logprobs(share.rows, micro, share.filler) if needs_prev else None
         for upd in share.updates:
             self._update(upd, prev, acc, share.filler)
         acc = self._global_totals(acc)
@@ -336,10 +347,15 @@ class TorchBackend:
         micro-batches than another so that its collectives line up with theirs."""
         mb = self._inputs([filler])
         curr = self._token_logprobs(self.model, mb)
-        if self.ref_model is not None:
+        if self._kl_in_loss:
             with torch.no_grad():
                 self._token_logprobs(self.ref_model, mb)
         return curr.sum() * 0.0
+
+    @property
+    def _kl_in_loss(self) -> bool:
+        """The loss has a KL term (a reference model, and the KL not moved into the rewards)."""
+        return self.ref_model is not None and not self.loss_cfg.use_kl_in_reward
 
     def _micro_batch_loss(
         self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: _StepTotals
@@ -350,7 +366,7 @@ class TorchBackend:
         prev_lp = curr.detach() if prev is None else self._stack(prev, rows, curr.shape)
         sample_mask = self._mask_by_seq_error(prev_lp, mb, acc.records)
         ref_lp = None
-        if self.ref_model is not None:
+        if self._kl_in_loss:
             with torch.no_grad():
                 ref_lp = self._token_logprobs(self.ref_model, mb)
         loss, m = clipped_pg_loss(
@@ -367,6 +383,51 @@ class TorchBackend:
         for k, v in m.items():
             acc.sums[k] = max(acc.sums.get(k, 0.0), v) if k.startswith("max_") else acc.sums.get(k, 0.0) + v
         return loss, (mb["token_mask"] * sample_mask[:, None]).sum(dim=1)
+
+    def _shape_rewards(self, share: RankShare, acc: _StepTotals) -> RankShare:
+        """``loss_fn.use_kl_in_reward``: the share with its rows' advantages recomputed from the
+        whole step's KL-shaped rewards (`services.trainer.kl_reward`)."""
+        assert share.rollouts, "plan_step(..., reward_kl=True) gives every share the step's rollouts"
+        mine, total, tokens = self._sequence_kl(share.rows + share.baseline_rows, share.filler)
+        acc.sums["reward_kl_sum"], acc.sums["reward_kl_tokens"] = total, tokens
+        g = self.grpo
+        adv = kl_reward.shaped_advantages(
+            share.rollouts,
+            kl_reward.merge_sums(self.ranks.gather(mine)),
+            self.loss_cfg.reference_policy_kl_penalty,
+            group_size=g.num_generations_per_prompt,
+            leave_one_out=g.use_leave_one_out_baseline,
+            normalize=g.normalize_rewards,
+        )
+        return replace(share, updates=[[replace(r, advantage=adv[r.task_id]) for r in u] for u in share.updates])
+
+    def _sequence_kl(self, rows: list[Row], filler: Row) -> tuple[dict[str, float], float, float]:
+        """The KL estimate to the reference summed over each rollout's loss tokens of ``rows`` (task
+        id -> sum), under the policy before this step's updates; and its token sum and count."""
+        assert self.ref_model is not None
+        sums: dict[str, float] = {}
+        total = tokens = 0.0
+        with torch.no_grad():
+            for mb_rows in self._in_step(self._micro_batches(rows, self.policy.train_micro_batch_size)):
+                mb = self._inputs([filler] if mb_rows is None else mb_rows)
+                lp, ref = self._token_logprobs(self.model, mb), self._token_logprobs(self.ref_model, mb)
+                if mb_rows is None:
+                    continue
+                per_row = (kl_estimate(lp, ref, self.loss_cfg) * mb["token_mask"]).sum(dim=1)
+                for r, v in zip(mb_rows, per_row.tolist(), strict=True):
+                    sums[r.task_id] = sums.get(r.task_id, 0.0) + v
+                total += float(per_row.sum())
+                tokens += float(mb["token_mask"].sum())
+        return sums, total, tokens
+
+    def _kl_penalty(self, sums: dict[str, float]) -> float | None:
+        """The step's mean per-token KL to the reference (None without one): the loss term's, or
+        with ``use_kl_in_reward`` the one that shaped the rewards."""
+        if self.ref_model is None:
+            return None
+        if self.loss_cfg.use_kl_in_reward:
+            return sums.get("reward_kl_sum", 0.0) / max(sums.get("reward_kl_tokens", 0.0), 1.0)
+        return sums.get("kl_penalty_sum", 0.0) / max(sums.get("tokens", 0.0), 1.0)
 
     def _global_totals(self, acc: _StepTotals) -> _StepTotals:
         """The step's totals over every rank (losses and norms are global already)."""
@@ -397,7 +458,7 @@ class TorchBackend:
             sampling_importance_ratio=sums.get("sampling_importance_ratio_sum", 0.0) / tokens,
             is_oob_ratio=sums.get("is_oob_sum", 0.0) / tokens,
             clip_fraction=sums.get("clip_fraction_sum", 0.0) / tokens,
-            kl_penalty=sums.get("kl_penalty_sum", 0.0) / tokens,
+            kl_penalty=self._kl_penalty(sums),
             max_abs_logprob_diff=sums.get("max_abs_logprob_diff", 0.0),
             num_masked_seqs_by_logprob_error=None if masked is None else int(masked),
             micro_batch_token_efficiency=self._token_efficiency(acc.shapes),
