@@ -66,6 +66,21 @@ class ToolCallFailed(RuntimeError):
         self.reason = failure_reason(errors[0].reason)
 
 
+def assistant_message(msg: ResponseMessage) -> dict[str, Any]:
+    """The model's answer as the assistant message of the conversation (its tool calls kept)."""
+    out: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+    if msg.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": tc.id,
+                "type": "function",
+                "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+            }
+            for tc in msg.tool_calls
+        ]
+    return out
+
+
 def tool_call_error_observation(msg: ResponseMessage) -> dict[str, Any] | None:
     """The environment's answer to tool calls the generator could not parse (their text stays in
     the assistant's content): a user message naming each error; None when every call parsed."""

@@ -23,7 +23,7 @@ import random
 import re
 from typing import Any
 
-from services.gym_gateway.envs.base import ModelClient, Outcome, tool_call_error_observation
+from services.gym_gateway.envs.base import ModelClient, Outcome, assistant_message, tool_call_error_observation
 from services.gym_gateway.tool_call_errors import arguments_error
 from shared.run_config import EnvSection
 
@@ -87,17 +87,7 @@ class CrossingEnv:
                     reward=1.0 if action == RULE[light] else 0.0,
                     metrics={"turns": turn + 1, "looked": float(looks > 0), "answered": float(action is not None)},
                 )
-            assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
-            if msg.tool_calls:
-                assistant["tool_calls"] = [
-                    {
-                        "id": tc.id,
-                        "type": "function",
-                        "function": {"name": tc.function.name, "arguments": tc.function.arguments},
-                    }
-                    for tc in msg.tool_calls
-                ]
-            messages.append(assistant)
+            messages.append(assistant_message(msg))
             for tc in msg.tool_calls or []:
                 result = run_tool_call(light, tc.function.name, tc.function.arguments)
                 looks += not result.startswith("error")

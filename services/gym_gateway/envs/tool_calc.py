@@ -23,7 +23,7 @@ import random
 import re
 from typing import Any
 
-from services.gym_gateway.envs.base import ModelClient, Outcome, tool_call_error_observation
+from services.gym_gateway.envs.base import ModelClient, Outcome, assistant_message, tool_call_error_observation
 from shared.run_config import EnvSection
 
 CALCULATOR_TOOL = {
@@ -120,17 +120,7 @@ class ToolCalcEnv:
         for turn in range(max_turns):
             resp = await llm.chat(messages, tools=[CALCULATOR_TOOL])
             msg = resp.choices[0].message
-            assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
-            if msg.tool_calls:
-                assistant["tool_calls"] = [
-                    {
-                        "id": tc.id,
-                        "type": "function",
-                        "function": {"name": tc.function.name, "arguments": tc.function.arguments},
-                    }
-                    for tc in msg.tool_calls
-                ]
-            messages.append(assistant)
+            messages.append(assistant_message(msg))
             parse_error = tool_call_error_observation(msg)
             if not msg.tool_calls and parse_error is None:
                 answer = final_answer(msg.content)

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.gym_gateway.envs.base import ModelClient, ModelRequestError, Outcome, tool_call_error_observation
+from services.gym_gateway.envs.base import (
+    ModelClient,
+    ModelRequestError,
+    Outcome,
+    assistant_message,
+    tool_call_error_observation,
+)
 from services.gym_gateway.envs.swe.evaluate import evaluate
 from services.gym_gateway.envs.swe.instance import Instance, InstanceError, instance_from_row, load_instances
 from services.gym_gateway.envs.swe.runtime import Workspace, make_runtime
@@ -47,20 +53,6 @@ class Episode:
     tool_errors: int = 0
     finished: bool = False  # the agent called finish or replied without a tool call
     context_full: bool = False  # the model refused a request (the conversation outgrew its context)
-
-
-def assistant_message(msg: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
-    if msg.tool_calls:
-        out["tool_calls"] = [
-            {
-                "id": tc.id,
-                "type": "function",
-                "function": {"name": tc.function.name, "arguments": tc.function.arguments},
-            }
-            for tc in msg.tool_calls
-        ]
-    return out
 
 
 async def run_agent(instance: Instance, ws: Workspace, llm: ModelClient, *, max_turns: int) -> Episode:
