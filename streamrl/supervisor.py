@@ -188,7 +188,10 @@ class Supervisor:
     def run(self) -> int:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the job as Ctrl-C does
+        # SIGTERM and SIGHUP stop the job as Ctrl-C does; SIGINT is set too, since a process started
+        # in the background of a non-interactive shell inherits it ignored and Python then installs
+        # no handler of its own.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, _interrupt)
         try:
             self._start_redis()
