@@ -141,7 +141,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         digests: list[bytes] = []
         try:
             for pairs, got in receive_buckets(self.group, metas, self.bucket_bytes, self._buffers):
-                self.model.load_weights([(n, t.to(self.device)) for n, t in pairs])
+                # Copies: the layer-wise reload keeps the tensors it is given until a layer is
+                # complete, and the receive buffer is reused for the next buckets.
+                self.model.load_weights([(n, t.to(self.device, copy=True)) for n, t in pairs])
                 digests.append(got)
         except Exception:
             self.shutdown()  # the group is unusable after a failed collective
