@@ -222,7 +222,9 @@ def test_rollouts_come_from_weights_inside_the_staleness_window(finished_run, re
     keys = K.RunKeys(run_id)
     r = redis.Redis.from_url(redis_url)
     trajs = [t for t in _entries(r, keys.trajectories, Trajectory) if t.kind == "train"]
-    assert trajs and all(t.status == "ok" for t in trajs)
+    # the demo ends a rollout at a malformed tool call as a policy failure (env.on_tool_call_error: end)
+    assert trajs and all(t.status == "ok" or t.failure_kind == "policy" for t in trajs)
+    assert not [t.task_id for t in trajs if t.status == "failed"]
     for t in trajs:
         assert t.target_step - 1 <= t.launch_version <= t.target_step, (t.task_id, t.launch_version, t.target_step)
         assert all(turn.weight_version >= t.launch_version for turn in t.turns)
