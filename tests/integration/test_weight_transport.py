@@ -43,6 +43,8 @@ def run_config(tiny_model_dir, redis_url, config_tree, transport: str, run_id: s
     tree["refit"] = {"transport": transport, "collective": {"master_address": "127.0.0.1", "bucket_mb": 1}}
     tree["policy"]["precision"] = "float32"
     tree["data"] = {"train_path": "unused.jsonl"}
+    # bounds the transfer group too: a broadcast to a generator that stopped taking part ends then
+    tree["trainer"] = {"refit_timeout_s": 20.0}
     return decode_tree(tree, RunConfig)
 
 
