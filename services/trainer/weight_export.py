@@ -38,7 +38,9 @@ DEFAULT_MAX_SHARD_BYTES = 2 << 30
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def _gathered(model: torch.nn.Module, skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def gathered(model: torch.nn.Module, skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every state-dict tensor of ``model`` (but ``skip``), whole, where and as it is (collective
+    when the model is sharded: every rank must drain the iterator)."""
     from torch.distributed.tensor import DTensor
 
     for name, t in model.state_dict().items():
@@ -55,7 +57,7 @@ def full_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every state-dict tensor of ``model`` (but ``skip``), whole, as ``dtype``, on the CPU.
     Collective when the model is sharded: every rank must drain the iterator."""
-    for name, whole in _gathered(model, skip):
+    for name, whole in gathered(model, skip):
         yield name, _on_cpu(whole, dtype)
 
 
@@ -79,7 +81,7 @@ def rank_tensors(
     like `full_tensors`: every rank must drain the iterator."""
     dealer = Dealer(ranks.world_size)
     item_bytes = torch.empty((), dtype=dtype).element_size()
-    for name, whole in _gathered(model, skip):
+    for name, whole in gathered(model, skip):
         if dealer.owner(whole.numel() * item_bytes) == ranks.rank:
             yield name, _on_cpu(whole, dtype)
 

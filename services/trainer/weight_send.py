@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.trainer.weight_export import full_tensors
+from services.trainer.weight_export import full_tensors, gathered
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
@@ -58,11 +58,7 @@ def _weight_source(model: torch.nn.Module, dtype: torch.dtype) -> Any:
         def iter_uncast(self) -> Iterator[tuple[str, torch.Tensor]]:
             """The same tensors before the cast to the declared dtype (the gloo engine casts them
             as it copies them into its bucket buffer, so no cast copy is made)."""
-            from torch.distributed.tensor import DTensor
-
-            for name, t in model.state_dict().items():
-                if name not in skip:
-                    yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+            return gathered(model, skip)
 
     return FullTensorSource()
 
