@@ -66,7 +66,7 @@ from shared.run_config import RunConfig
 cfg = load(RunConfig, "deploy/configs/compose.yaml", env={})
 rows = [json.loads(l) for l in open(cfg.run.output_dir + "/metrics.jsonl")]
 done = sorted({r["step"] for r in rows if r.get("kind") == "train"})
-print(len(done), cfg.grpo.max_num_steps)' 2>/dev/null | tail -n 1) || true
+print(len(done), '"${STREAMRL_STEPS:-}"' or cfg.grpo.max_num_steps)' 2>/dev/null | tail -n 1) || true
 echo "training steps recorded / configured: $steps"
 read -r got want <<<"${steps:-0 ?}"
 [ "$got" = "$want" ] || fail=1

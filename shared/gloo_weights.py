@@ -51,6 +51,7 @@ from shared.weight_wire import (
     plan_buckets,
     receive_buckets,
     transfer_checksum,
+    wait_all,
 )
 
 if TYPE_CHECKING:
@@ -280,8 +281,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 continue
             try:
                 if i in starts:  # this bucket's buffer was the one before last's: wait until it left
-                    for work in in_flight.pop(starts[i] - 2, []):
-                        work.wait()
+                    wait_all(in_flight.pop(starts[i] - 2, []))
                 k = starts.get(i, len(digests))
                 buf = self._buffers[k % 2]
                 m = metas[i]
@@ -299,13 +299,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 digests.append(d)
             except Exception as exc:  # a peer died or timed out: stop sending, keep draining
                 failure = exc
+                in_flight.clear()
                 self.shutdown()
         try:
-            for works in in_flight.values():
-                for work in works:
-                    work.wait()
+            while in_flight:
+                wait_all(in_flight.pop(min(in_flight)))
         except Exception as exc:
             failure = failure or exc
+            in_flight.clear()
             self.shutdown()
         if failure is not None:
             raise TransferError(f"weight broadcast failed: {failure}") from failure

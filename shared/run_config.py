@@ -677,6 +677,9 @@ class GatewaySection(_Section):
     reclaim_idle_s: Annotated[float, D("take over tasks a dead worker left pending this long")] = 900.0
     request_timeout_s: Annotated[float, D("deadline of one model call through the proxy")] = 300.0
     max_failovers: Annotated[int, D("other generators a session's call may move to when its generator is gone")] = 2
+    generator_wait_s: Annotated[
+        float, D("how long a new session waits for a serving generator before its rollout fails as infra")
+    ] = 30.0
     drain_timeout_s: Annotated[
         float, D("at SIGTERM or the run's end, deadline for running rollouts to finish; the rest go back to the group")
     ] = 30.0

@@ -64,7 +64,9 @@ class _Retry(Retry):
         return await super().call_with_retry(do, fail, is_retryable=retryable, with_failure_count=with_failure_count)
 
 
-def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 256) -> aioredis.Redis:
+def connect(
+    url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 256, ride_out_restarts: bool = True
+) -> aioredis.Redis:
     """An asyncio Redis client that retries transient connection errors with backoff.
 
     A command that meets a refused or dropped connection, or a socket timeout, is sent again on a
@@ -76,7 +78,8 @@ def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 
     Works with redis://, rediss:// (TLS) and unix:// URLs, with passwords and ACL users in the URL.
     The pool blocks (up to the socket timeout) when all ``max_connections`` are busy instead of
     failing the command: a burst of hundreds of rollouts opening sessions at once must queue, not
-    error.
+    error. A command line tool that only reads (``ride_out_restarts=False``) tries twice and
+    reports a wrong or dead URL at once instead.
     """
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
@@ -86,7 +89,7 @@ def connect(url: str, *, socket_timeout_s: float = 30.0, max_connections: int = 
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=5.0,
         health_check_interval=15,
-        retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=_RECONNECT_RETRIES),
+        retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=_RECONNECT_RETRIES if ride_out_restarts else 1),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it

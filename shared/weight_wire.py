@@ -132,8 +132,22 @@ class Group:
         return self.pg.broadcast([t], opts)
 
     def close(self) -> None:
-        self.pg = None  # dropping the group closes its connections: peers fail at once, not at the timeout
+        """Drop the group: its connections close and peers fail at once, not at the timeout. Only
+        when nothing else holds it: a posted broadcast's work keeps the group alive (and so the
+        peers waiting), which is why `wait_all` and `receive_buckets` drop their works on failure."""
+        self.pg = None
         self.store = None
+
+
+def wait_all(works: list[Any]) -> None:
+    """Wait for posted works in order. On failure the rest are dropped before the error rises:
+    the traceback keeps this frame alive, and a work it held would keep the group connected."""
+    try:
+        while works:
+            works.pop(0).wait()
+    except BaseException:
+        works.clear()
+        raise
 
 
 def max_bucket_bytes(metas: Sequence[Meta], bucket_bytes: int) -> int:
@@ -174,16 +188,15 @@ def receive_buckets(
         buf = buffers[k % 2][: sum(sizes[k])]
         return group.start_broadcast(buf), group.start_broadcast(digests[k % 2])
 
-    posted = post(0) if buckets else None
+    posted = list(post(0)) if buckets else []
     for k, bucket in enumerate(buckets):
-        assert posted is not None
-        posted[0].wait()
-        posted[1].wait()
+        wait_all(posted)
         buf = buffers[k % 2][: sum(sizes[k])]
         got = digest(buf)
         sent = bytes(digests[k % 2].numpy())
-        posted = post(k + 1) if k + 1 < len(buckets) else None  # the next bucket lands meanwhile
+        posted = list(post(k + 1)) if k + 1 < len(buckets) else []  # the next bucket lands meanwhile
         if got != sent:
+            posted.clear()
             first = metas[bucket[0]].name
             raise TransferError(f"a weight bucket arrived corrupted (digest mismatch; bucket starting at {first!r})")
         out: list[tuple[str, torch.Tensor]] = []

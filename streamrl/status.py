@@ -63,7 +63,7 @@ def resolve_redis_url(option: str | None, run_file: dict[str, Any]) -> str:
 async def gather(redis_url: str, run_id: str | None) -> RunSnapshot:
     from shared.streams import connect
 
-    redis = connect(redis_url, socket_timeout_s=5.0)
+    redis = connect(redis_url, socket_timeout_s=5.0, ride_out_restarts=False)
     try:
         if run_id is None:
             runs = await find_runs(redis)

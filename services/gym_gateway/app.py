@@ -109,6 +109,7 @@ def _build_worker(app: FastAPI, clients: _Clients) -> GatewayWorker:
         clients.http,
         request_timeout_s=gw.request_timeout_s,
         max_failovers=gw.max_failovers,
+        generator_wait_s=gw.generator_wait_s,
     )
     return GatewayWorker(
         StreamClient(clients.redis, keys, s.worker_id),

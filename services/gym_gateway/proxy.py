@@ -160,12 +160,19 @@ class GeneratorPool:
 
 class SessionProxy:
     def __init__(
-        self, pool: GeneratorPool, http: aiohttp.ClientSession, *, request_timeout_s: float, max_failovers: int = 2
+        self,
+        pool: GeneratorPool,
+        http: aiohttp.ClientSession,
+        *,
+        request_timeout_s: float,
+        max_failovers: int = 2,
+        generator_wait_s: float = 30.0,
     ) -> None:
         self.pool = pool
         self.http = http
         self.request_timeout_s = request_timeout_s
         self.max_failovers = max_failovers
+        self.generator_wait_s = generator_wait_s
         self.sessions: dict[str, Session] = {}
         self.prefix_breaks_total = 0
         self.prefix_breaks_by_env: dict[str, int] = {}
@@ -176,7 +183,7 @@ class SessionProxy:
         self._completion_decoder = msgspec.json.Decoder(CompletionResponse)
 
     async def open(self, session_id: str, kind: TaskKind, sampling: SamplingParams, env: str = "") -> Session:
-        gid, url, version = await self.pool.pick()
+        gid, url, version = await self.pool.pick(wait_s=self.generator_wait_s)
         s = Session(session_id, kind, sampling, gid, url, version, env=env)
         self.sessions[session_id] = s
         return s
@@ -293,7 +300,8 @@ class SessionProxy:
                 type_="upstream_unavailable",
             )
         try:
-            gid, url, _ = await self.pool.pick(wait_s=min(10.0, self.request_timeout_s), exclude=frozenset(tried))
+            wait_s = min(10.0, self.request_timeout_s, self.generator_wait_s)
+            gid, url, _ = await self.pool.pick(wait_s=wait_s, exclude=frozenset(tried))
         except NoGenerator as exc:
             raise HTTPError(
                 502,

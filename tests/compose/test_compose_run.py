@@ -123,7 +123,12 @@ def _generator_with_a_dead_engine(env: dict[str, str]) -> subprocess.CompletedPr
 def test_the_readme_compose_run_passes_while_the_gateway_scales(docker_host, tmp_path):
     api = DockerAPI(docker_host)
     env = _env(
-        docker_host, PROJECT=PROJECT, KEEP="1", STREAMRL_API_TOKEN=secrets.token_hex(16), STREAMRL_TRAINER_NPROC="2"
+        docker_host,
+        PROJECT=PROJECT,
+        KEEP="1",
+        STREAMRL_API_TOKEN=secrets.token_hex(16),
+        STREAMRL_TRAINER_NPROC="2",
+        STREAMRL_STEPS="12",
     )
     log = tmp_path / "compose_smoke.log"
     with open(log, "wb") as out:

@@ -80,7 +80,7 @@ async def test_a_session_fails_over_when_its_generator_dies(gateway_stack):
 async def test_a_rollout_whose_only_generator_dies_fails_as_infra(gateway_stack, registered_env):
     env = FlakyEnv()
     with registered_env(env):
-        async with gateway_stack(num_generators=1, gym_gateway={"max_failovers": 1}) as st:
+        async with gateway_stack(num_generators=1, gym_gateway={"max_failovers": 1, "generator_wait_s": 3.0}) as st:
             await st.stop_generator(0)
             await st.streams.publish(st.streams.keys.tasks, make_task(1, env="flaky", instance={"key": "a"}))
             (traj,) = await collect(st.streams, 1, timeout_s=90)
