@@ -9,7 +9,8 @@ Extensions, all optional for clients:
   * ``streamrl`` on a request tags it (train or validation) for the sampling gate;
   * responses carry ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` per
     choice (chat choices also vLLM's ``token_ids``) and the ``weight_version`` (at admission and
-    at the last token) that produced them;
+    at the last token) that produced them; a choice a refit split carries
+    ``weight_version_spans`` ([first token index, version] per segment);
   * an assistant message in a response carries ``tool_call_errors``: the tool calls the model
     wrote that could not be parsed (their text stays in ``content``), null when there were none.
 """
@@ -158,6 +159,8 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChoiceLogprobs | None = None
     # vLLM's field: NeMo-Gym's vllm_model expects it whenever prompt_token_ids is in the response.
     token_ids: list[int] | None = None
+    # [first generated token index, weight version] per segment when a refit split this choice.
+    weight_version_spans: list[list[int]] | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -192,6 +195,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     generation_token_ids: list[int] = msgspec.field(default_factory=list)
     generation_log_probs: list[float] = msgspec.field(default_factory=list)
+    weight_version_spans: list[list[int]] | None = None  # as ChatChoice's
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):

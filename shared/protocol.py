@@ -89,6 +89,13 @@ class Turn(msgspec.Struct, kw_only=True):
     finish_reason: str = "stop"
     generator_id: str = ""
     latency_s: float = 0.0
+    # (first generated token index, weight version) per segment when a refit split this call
+    # (the generator continued it on the new weights); empty: every token came from weight_version.
+    version_spans: list[tuple[int, int]] = msgspec.field(default_factory=list)
+
+    def versions(self) -> list[int]:
+        """The weight versions that generated this call's tokens, oldest first."""
+        return [v for _, v in self.version_spans] if self.version_spans else [self.weight_version]
 
     def prompt(self) -> np.ndarray:
         return unpack_ids(self.prompt_ids)
@@ -135,7 +142,8 @@ class Trajectory(_Message, tag="trajectory"):
 
     @property
     def versions(self) -> list[int]:
-        return sorted({v for t in self.turns for v in (t.weight_version, t.weight_version_end)})
+        """The weight versions that generated this rollout's tokens."""
+        return sorted({v for t in self.turns for v in t.versions()})
 
 
 WeightTransportName = Literal["filesystem", "collective"]

@@ -8,10 +8,11 @@
 
 A step record groups its figures by who produced them: ``batch`` (the control plane's batch builder:
 rewards, masks, environment metrics), ``learner`` (forward, backward, optimizer), ``staleness``,
-``buffer``, ``timing`` and ``refit``; plus the ledger of the trajectory ids the step consumed and
-evicted (no id may appear twice in a run). Written by the trainer (`services.trainer`); decoded by
-`read_records` in the CLI (`streamrl report`, `status`, the live display), the demo summary and
-the benchmarks. Nothing here is read by key from a dict.
+``buffer``, ``timing`` and ``refit``; ``nemo_rl`` gives them, and a few more, under NeMo-RL's
+names; plus the ledger of the trajectory ids the step consumed and evicted (no id may appear twice
+in a run). Written by the trainer (`services.trainer`); decoded by `read_records` in the CLI
+(`streamrl report`, `status`, the live display), the demo summary and the benchmarks. Nothing here
+is read by key from a dict.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class LearnerMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     clip_fraction: float | None = None
     kl_penalty: float | None = None
     max_abs_logprob_diff: float | None = None
+    # with top_p < 1 (a diagnostic): token_mult_prob_error and gen_kl_error against the old policy
+    # scored without the nucleus truncation, the bias the trainer's truncation removes
+    token_mult_prob_error_untruncated: float | None = None
+    gen_kl_error_untruncated: float | None = None
     # sequence-level logprob error; the *_after_mask figures only with grpo.seq_logprob_error_threshold
     max_seq_mult_prob_error: float | None = None
     mean_seq_mult_prob_error: float | None = None
@@ -98,6 +103,10 @@ class Staleness(msgspec.Struct, kw_only=True):
     max: int
     counts: dict[str, int]  # age -> trajectories
     sampled_target_offsets: dict[str, int]  # target step - step -> groups taken
+    # Weight versions that generated a trajectory's tokens -> trajectories: a multi-turn rollout
+    # whose turns met refits, or a call a refit split (partial rollouts), spans several.
+    trajectory_spans: dict[str, int] = msgspec.field(default_factory=dict)
+    multi_version_fraction: float = 0.0  # of the step's trajectories, those spanning more than one
 
 
 class BufferSummary(msgspec.Struct, kw_only=True):
@@ -122,8 +131,10 @@ class DynamicSamplingStats(msgspec.Struct, kw_only=True):
 
 class StepTiming(msgspec.Struct, kw_only=True):
     wait_data_s: float
-    train_s: float
+    train_s: float  # building the batch and training it
     step_s: float
+    batch_s: float = 0.0  # of train_s, building the batch (sequences, masks, advantages)
+    checkpoint_s: float = 0.0  # the checkpoint phase: a save when one is due, then its acknowledgements
 
 
 class RefitSummary(msgspec.Struct, kw_only=True):
@@ -140,6 +151,77 @@ class RefitSummary(msgspec.Struct, kw_only=True):
     attempts: int = 1  # a transfer that lost a generator is retried without it
 
 
+class MeanMaxMin(msgspec.Struct, kw_only=True):
+    mean: float
+    max: float
+    min: float
+
+
+class NemoRLTiming(msgspec.Struct, kw_only=True):
+    """NeMo-RL's ``timing/train/*``: seconds of the step's phases."""
+
+    total_step_time: float
+    exposed_generation: float  # waiting for the step's data
+    data_processing: float  # building the batch, advantages included
+    policy_training: float  # the learner's step, old-policy logprobs included
+    weight_sync: float  # the refit
+    checkpointing: float
+    valid_tokens_per_sec_per_gpu: float  # loss tokens / total_step_time / workers
+
+
+class NemoRLPerformance(msgspec.Struct, kw_only=True):
+    """NeMo-RL's ``performance/*`` throughputs; ``_per_gpu``: per worker (a trainer rank or a
+    generator), see docs/trainer.md."""
+
+    samples_per_sec: float
+    tokens_per_sec: float
+    samples_per_sec_per_gpu: float
+    tokens_per_sec_per_gpu: float
+    policy_training_tokens_per_sec_per_gpu: float
+    training_worker_group_tokens_per_sec: float
+    training_worker_group_tokens_per_sec_per_gpu: float
+    generation_tokens_per_sec: float
+    generation_tokens_per_sec_per_gpu: float
+
+
+class NemoRLTrain(msgspec.Struct, kw_only=True):
+    """NeMo-RL's ``train/*`` figures that streamrl names otherwise, or that only NeMo-RL's names carry."""
+
+    reward: float
+    buffer_size: int  # complete groups staged after the step took its batch
+    avg_trajectory_age: float
+    num_valid_samples: int  # training rows in the loss
+    total_num_tokens: int  # tokens of the step's training rows, prompts included
+    advantages: MeanMaxMin  # over every generated token of the batch
+    turns_per_sample: MeanMaxMin  # model calls per rollout
+    gen_tokens_per_sample: MeanMaxMin
+    natural_termination_rate: float
+    truncation_rate: float
+
+
+class NemoRLMetrics(msgspec.Struct, kw_only=True):
+    """A step's figures under NeMo-RL's names (`services.trainer.nemo_rl_metrics`): written to
+    TensorBoard as ``timing/train/total_step_time``, ``performance/tokens_per_sec``,
+    ``train/advantages/mean``, ..., so dashboards built on NeMo-RL's logs carry over."""
+
+    timing: NemoRLTiming = msgspec.field(name="timing/train")
+    performance: NemoRLPerformance
+    train: NemoRLTrain
+
+    def named(self) -> dict[str, float]:
+        """NeMo-RL's full name -> value of every figure (``timing/train/total_step_time``, ...)."""
+        names: dict[str, float] = {}
+        parts: list[tuple[str, dict[str, object]]] = [("", msgspec.to_builtins(self))]
+        while parts:
+            prefix, node = parts.pop()
+            for key, value in node.items():
+                if isinstance(value, dict):
+                    parts.append((f"{prefix}{key}/", value))
+                elif isinstance(value, int | float):
+                    names[prefix + key] = float(value)
+        return names
+
+
 class StepRecord(msgspec.Struct, kw_only=True, tag="train", tag_field="kind", omit_defaults=True):
     step: int
     weight_version: int  # the version the step trained (its trajectories' newest possible)
@@ -153,6 +235,7 @@ class StepRecord(msgspec.Struct, kw_only=True, tag="train", tag_field="kind", om
     trajectories_received: int
     trajectories_per_s: float
     dynamic_sampling: DynamicSamplingStats | None = None  # with grpo.use_dynamic_sampling
+    nemo_rl: NemoRLMetrics | None = None  # the figures under NeMo-RL's names (absent in older records)
     consumed_ids: list[str] = []  # the ledger; left out of /status
     evicted_ids: list[str] = []
     filtered_ids: list[str] = []  # rollouts of groups dynamic sampling filtered (never trained)

@@ -9,7 +9,9 @@ or `write`: raw model text parsed as the generator parses it, malformed tool cal
 raises `Refuse` to answer with an error status.
 
 Token ids are one per message, by role, and one generated id: a conversation that replays its
-turns continues its token history exactly (no prefix break), one that rewrites it does not.
+turns continues its token history exactly (no prefix break), one that rewrites it does not. The
+generated id's logprob is -0.5 unless the policy's turn sets ``generation_log_probs`` (e.g. NaN,
+which the answer carries as JSON ``null``, as the generator's encoder writes it).
 """
 
 from __future__ import annotations
@@ -94,7 +96,10 @@ class ScriptedGenerator:
             return JSONResponse(error, status_code=exc.status)
         prompt = [ROLE_IDS[m.role] for m in req.messages]
         turn = msgspec.structs.replace(
-            turn, prompt_token_ids=prompt, generation_token_ids=[ROLE_IDS["assistant"]], generation_log_probs=[-0.5]
+            turn,
+            prompt_token_ids=prompt,
+            generation_token_ids=[ROLE_IDS["assistant"]],
+            generation_log_probs=turn.generation_log_probs or [-0.5],
         )
         out = ChatCompletionResponse(
             id="chatcmpl-scripted",

@@ -21,7 +21,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from shared.run_config import RunConfig
 
 FinishReason = Literal["stop", "length", "abort"]
-PauseMode = Literal["drain", "keep"]
+# drain: running requests finish first; keep: they freeze and go on when resumed; interrupt: they
+# end at once with what they generated (finish reason "abort"), for the caller to continue.
+PauseMode = Literal["drain", "keep", "interrupt"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class ChoiceOutput:
     finish_reason: FinishReason
     # Per position: (token id, logprob) of the most likely tokens, best first; None if not asked.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # (first token index, weight version) per segment when a refit split the choice
+    # (`services.generator.partial`); empty: every token came from one version.
+    version_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,9 @@ class Engine(Protocol):
         ...
 
     async def pause(self, mode: PauseMode) -> None:
-        """Stop scheduling. ``drain``: return once in-flight requests finished; ``keep``: freeze them."""
+        """Stop scheduling. ``drain``: return once in-flight requests finished; ``keep``: freeze
+        them; ``interrupt``: end them now, each returning the tokens it generated so far with
+        finish reason ``abort`` (requests not started yet return none)."""
         ...
 
     async def resume(self) -> None:

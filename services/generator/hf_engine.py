@@ -12,6 +12,8 @@ Pause states (the sampling loop checks them between forward passes)::
 
     open --pause(drain)--> closed: no new request starts; returns when no generation is active
     open --pause(keep)---> closed + frozen: the active generation parks after its current step
+    open --pause(interrupt)--> closed: the active generation ends after its current step, its
+                               choices unfinished so far ending with finish reason "abort"
     closed/frozen --resume--> open
 
 Forward passes run in the engine's own worker thread so the event loop keeps serving HTTP.
@@ -54,6 +56,7 @@ class HfEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._waiting = 0
         self._active = 0
+        self._interrupted = False
         self._generated_tokens_total = 0
         self._group: Any = None  # the weight-transfer group joined (collective refits)
         self._bucket_bytes = 256 << 20
@@ -124,6 +127,10 @@ class HfEngine:
         next_input = torch.tensor([prompt_ids] * params.n, dtype=torch.long)
         for _ in range(params.max_tokens):
             await self._running.wait()
+            if self._interrupted:
+                for row in rows:
+                    row.finish_reason = row.finish_reason or "abort"
+                break
             self._quiet.clear()
             try:
                 logits, state = await loop.run_in_executor(self._executor, self._forward, next_input, state)
@@ -233,10 +240,13 @@ class HfEngine:
         if mode == "keep":
             self._running.clear()
             await self._quiet.wait()
-        else:
-            await self._idle.wait()
+            return
+        if mode == "interrupt":
+            self._interrupted = True  # the running generation ends after its current step
+        await self._idle.wait()
 
     async def resume(self) -> None:
+        self._interrupted = False
         self._running.set()
         self._open.set()
 

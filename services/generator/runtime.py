@@ -78,6 +78,7 @@ class Runtime:
         self.waiting = 0
         self.requests_total = 0
         self.prefix_cache_resets = 0
+        self.interrupts = 0  # refits that interrupted running generations (to be continued)
         self.last_refit_s = 0.0
         self._gate = asyncio.Event()
         self._gate.set()
@@ -207,12 +208,15 @@ class Runtime:
 
     async def pause(self, reason: LocalPause, mode: PauseMode) -> None:
         """Close the gate and pause the engine. ``drain`` waits up to drain_timeout_s for
-        in-flight requests, then freezes the rest (logged); ``keep`` freezes them at once."""
+        in-flight requests, then stops the rest; ``keep`` stops them at once. Stopping means
+        freezing them, except for a refit: the weights change under them, so they are
+        interrupted and continued on the new weights (`services.generator.partial`)."""
+        stop: PauseMode = "interrupt" if reason == LocalPause.REFIT else "keep"
         async with self._pause_lock:
             self._pause_reasons.add(reason)
             self._gate.clear()
-            if mode == "keep":
-                await self.engine.pause("keep")
+            if mode != "drain":
+                await self._stop_running(stop)
                 return
             t0 = time.monotonic()
             try:
@@ -227,7 +231,19 @@ class Runtime:
                     self.drain_timeout_s,
                     self.in_flight,
                 )
-                await self.engine.pause("keep")
+                await self._stop_running(stop)
+
+    async def _stop_running(self, mode: PauseMode) -> None:
+        if mode == "interrupt":
+            self.interrupts += 1  # before the engine ends them: their callers check it
+        await self.engine.pause(mode)
+
+    async def reopened(self, session_id: str | None = None) -> int:
+        """Wait until no pause holds the gate (an admitted request continuing after a refit);
+        the weight version then served. Raises like admission when the generator stopped serving."""
+        await self._gate.wait()
+        self.check_serving(session_id)
+        return self.weight_version
 
     async def resume(self, reason: LocalPause) -> bool:
         """End the pause for ``reason``; True when nothing else holds the engine paused."""

@@ -22,6 +22,7 @@ from services.generator import sampling as gate
 from services.generator.chat import STREAMRL_TAG, ChatRenderer
 from services.generator.engine import ChoiceOutput, GenerationParams
 from services.generator.metrics import GeneratorMetrics
+from services.generator.partial import continue_interrupted, was_interrupted
 from services.generator.runtime import Runtime, Ticket
 from services.generator.tool_calls import parse_turn
 from shared.http import HTTPError, bad_request
@@ -167,6 +168,7 @@ class GenerationService:
             finish_reason=finish,
             logprobs=_chat_logprobs(c) if logprobs else None,
             token_ids=c.token_ids,
+            weight_version_spans=_spans(c),
         )
 
     # -- completions ---------------------------------------------------------------------------
@@ -202,6 +204,7 @@ class GenerationService:
                 logprobs=_completion_logprobs(c) if req.logprobs is not None else None,
                 generation_token_ids=c.token_ids,
                 generation_log_probs=c.logprobs,
+                weight_version_spans=_spans(c),
             )
             for c in out.choices
         ]
@@ -262,7 +265,12 @@ class GenerationService:
         rt = self.runtime
         async with rt.admission(session_id) as ticket:
             try:
+                interrupts = rt.interrupts
                 choices = await rt.engine.generate(prompt_ids, params, request_id)
+                if any(was_interrupted(c, rt, interrupts) for c in choices):
+                    choices = await continue_interrupted(
+                        rt, prompt_ids, params, request_id, choices, interrupts, ticket.weight_version, session_id
+                    )
             except HTTPError:
                 raise
             except Exception as exc:
@@ -283,6 +291,10 @@ def _cut_at_stop(text: str, stop_texts: tuple[str, ...]) -> str:
     """``text`` up to the earliest stop string (OpenAI semantics: the stop is not returned)."""
     cuts = [i for i in (text.find(s) for s in stop_texts) if i >= 0]
     return text[: min(cuts)] if cuts else text
+
+
+def _spans(c: ChoiceOutput) -> list[list[int]] | None:
+    return [[start, version] for start, version in c.version_spans] or None
 
 
 def _usage(prompt_ids: list[int], choices: list[ChoiceOutput]) -> Usage:

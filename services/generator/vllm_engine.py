@@ -214,7 +214,10 @@ class VllmEngine:
         return bool(await self._llm.reset_prefix_cache())
 
     async def pause(self, mode: PauseMode) -> None:
-        await self._llm.pause_generation(mode="wait" if mode == "drain" else "keep", clear_cache=False)
+        # vLLM's "abort" ends the running requests with their partial outputs (the final output
+        # of a FINAL_ONLY request carries every token it generated, finish reason "abort").
+        vllm_mode = {"drain": "wait", "keep": "keep", "interrupt": "abort"}[mode]
+        await self._llm.pause_generation(mode=vllm_mode, clear_cache=False)
 
     async def resume(self) -> None:
         await self._llm.resume_generation()

@@ -18,7 +18,10 @@ can use a session without knowing about token ids. For each call the proxy
     means for training (mask the row, or train the turns after it as a new sample) is the
     trainer's ``env.on_prefix_break``,
   * counts the answer's tool calls that cannot be used, per reason
-    (`services.gym_gateway.tool_call_errors`); the answer goes back to the agent unchanged.
+    (`services.gym_gateway.tool_call_errors`); the answer goes back to the agent unchanged,
+  * refuses an answer with a generation logprob that is not a number: the session counts the call
+    and the agent gets a 502, and the worker fails the rollout as ``nan_generation_logprobs``
+    (`services.gym_gateway.nonfinite_logprobs`).
 
     open --> call* --> close          call: prepare -> POST (failover on a dead generator) -> record
 
@@ -33,12 +36,13 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
 import redis.asyncio as aioredis
 
+from services.gym_gateway.nonfinite_logprobs import NAN_GENERATION_LOGPROBS, finite, undecodable_nonfinite
 from services.gym_gateway.tool_call_errors import find_tool_call_errors
 from shared import keys as K
 from shared.http import HTTPError
@@ -53,6 +57,8 @@ from shared.protocol import Heartbeat, SamplingParams, TaskKind, Turn, make_turn
 from shared.registry import live_workers
 
 log = logging.getLogger(__name__)
+
+Answer = TypeVar("Answer", ChatCompletionResponse, CompletionResponse)
 
 
 @dataclass
@@ -70,6 +76,7 @@ class Session:
     calls: int = 0
     failovers: int = 0
     tool_call_errors: dict[str, int] = field(default_factory=dict)  # reason -> tool calls the model got wrong
+    nan_logprob_calls: int = 0  # calls answered with a generation logprob that is not a number: refused
 
 
 class NoGenerator(RuntimeError):
@@ -224,7 +231,7 @@ class SessionProxy:
         s = self.session(session_id)
         t0 = time.perf_counter()
         body = await self._post(s, "/v1/chat/completions", msgspec.json.encode(self._prepare(s, req)))
-        out = self._chat_decoder.decode(body)
+        out = self._decode(s, body, self._chat_decoder)
         c = out.choices[0]
         self._record(
             s,
@@ -235,6 +242,7 @@ class SessionProxy:
             out.weight_version_end,
             c.finish_reason,
             time.perf_counter() - t0,
+            c.weight_version_spans,
         )
         for e in find_tool_call_errors(c.message, req.tools):
             s.tool_call_errors[e.reason] = s.tool_call_errors.get(e.reason, 0) + 1
@@ -247,7 +255,7 @@ class SessionProxy:
         fwd = msgspec.structs.replace(req, **self._sampling_updates(s, req))
         t0 = time.perf_counter()
         body = await self._post(s, "/v1/completions", msgspec.json.encode(fwd))
-        out = self._completion_decoder.decode(body)
+        out = self._decode(s, body, self._completion_decoder)
         c = out.choices[0]
         self._record(
             s,
@@ -258,8 +266,28 @@ class SessionProxy:
             out.weight_version_end,
             c.finish_reason,
             time.perf_counter() - t0,
+            c.weight_version_spans,
         )
         return body
+
+    def _decode(self, s: Session, body: bytes, decoder: msgspec.json.Decoder[Answer]) -> Answer:
+        """The generator's answer. One holding a generation logprob that is not a number is never
+        recorded: the session counts it, so the worker fails the rollout, and the agent gets a 502."""
+        try:
+            out = decoder.decode(body)
+        except msgspec.MsgspecError:
+            if not undecodable_nonfinite(body):
+                raise
+        else:
+            if finite(_generation_logprobs(out)):
+                return out
+        s.nan_logprob_calls += 1
+        log.warning("session %s: generator %s answered NaN generation logprobs", s.session_id, s.generator_id)
+        raise HTTPError(
+            502,
+            f"generator {s.generator_id} answered generation logprobs that are not numbers (NaN)",
+            type_=NAN_GENERATION_LOGPROBS,
+        )
 
     async def _post(self, s: Session, path: str, payload: bytes) -> bytes:
         """POST to the session's generator; on a dead one, move the session to another and retry."""
@@ -325,6 +353,7 @@ class SessionProxy:
         version_end: int,
         finish_reason: str,
         latency_s: float,
+        spans: list[list[int]] | None = None,
     ) -> None:
         keep = common_prefix_len(s.context, prompt)
         if s.context and keep < len(s.context):
@@ -350,11 +379,18 @@ class SessionProxy:
                 finish_reason=finish_reason,
                 generator_id=s.generator_id,
                 latency_s=latency_s,
+                version_spans=[(int(start), int(v)) for start, v in spans or ()],
             )
         )
         s.context = list(prompt) + list(gen)
         s.calls += 1
         self.calls_total += 1
+
+
+def _generation_logprobs(out: ChatCompletionResponse | CompletionResponse) -> list[float]:
+    if isinstance(out, ChatCompletionResponse):
+        return [lp for c in out.choices for lp in c.message.generation_log_probs]
+    return [lp for c in out.choices for lp in c.generation_log_probs]
 
 
 def _error_message(status: int, body: bytes) -> str:

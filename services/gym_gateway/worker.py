@@ -15,7 +15,9 @@ is closed (`shared.pause.launch_gate_closed`) or all slots are busy, so backpres
 the stream.
 
 Failures are classified (`classify`). Infrastructure failures (``timeout``, ``transport``,
-``no_generator``, ``sandbox``, ``env_error``, ``unknown_env``) are retried here when
+``no_generator``, ``sandbox``, ``env_error``, ``unknown_env``, and ``nan_generation_logprobs``: a
+model call was answered with a generation logprob that is not a number, whatever the environment
+made of the refused call, `services.gym_gateway.nonfinite_logprobs`) are retried here when
 ``env.failure_policy`` is ``retry`` (up to ``env.max_rollout_retries``, except ``unknown_env``),
 then published as a zero-token ``failed`` placeholder carrying ``fallback_reason``: the trainer's
 failure policy stops the run or backfills. Policy failures (``model_refused``: the model's request
@@ -39,6 +41,7 @@ import msgspec
 
 from services.gym_gateway.envs import UnknownEnvironment, get_env
 from services.gym_gateway.envs.base import Environment, InfraError, ModelRequestError, Outcome, ToolCallFailed
+from services.gym_gateway.nonfinite_logprobs import NAN_GENERATION_LOGPROBS
 from services.gym_gateway.proxy import NoGenerator, Session, SessionProxy
 from services.gym_gateway.session_client import SessionClient
 from services.gym_gateway.tool_call_errors import failure_reason
@@ -94,6 +97,13 @@ def _tool_call_failure(session: Session) -> Failure:
     )
 
 
+def _nan_logprob_failure(session: Session) -> Failure:
+    """A rollout whose session refused answers with NaN generation logprobs: its tokens cannot be
+    trained, so it fails as an infrastructure failure (a rerun may get finite ones)."""
+    n = session.nan_logprob_calls
+    return Failure(NAN_GENERATION_LOGPROBS, f"{n} model call(s) answered generation logprobs that are not numbers")
+
+
 def assemble(
     task: Task,
     session: Session,
@@ -111,7 +121,7 @@ def assemble(
     record altogether."""
     infra = failure is not None and failure.kind == "infra"
     turns = [] if infra else session.turns
-    versions = [t.weight_version for t in session.turns]
+    versions = [v for t in session.turns for v in t.versions()]  # of every token: the oldest bounds staleness
     status: RolloutStatus = "failed" if infra else "truncated"
     if failure is None:
         assert outcome is not None, "a rollout without a failure has an outcome"
@@ -317,6 +327,8 @@ class GatewayWorker:
         self.proxy.close(session_id)
         if session is None:
             session = Session(session_id, task.kind, task.sampling, "", "", -1, env=task.env)
+        if session.nan_logprob_calls:  # whatever the environment made of the refused call
+            outcome, failure = None, _nan_logprob_failure(session)
         return session, outcome, failure
 
     async def _release(self, deliveries: list[Delivery[Task]]) -> None:

@@ -39,6 +39,8 @@ from services.trainer.collection import Collector
 from services.trainer.intake import TrajectoryIntake
 from services.trainer.learner import Learner, LearnerLost
 from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve
+from services.trainer.nemo_rl_metrics import nemo_rl_metrics
+from services.trainer.ranks import launched_world_size
 from services.trainer.refit import RefitReport, WeightPublisher, check_refit_fidelity
 from services.trainer.reward_shaping import OverlongPenalty
 from services.trainer.scheduler import Scheduler
@@ -247,6 +249,7 @@ class ControlPlane:
         t_data = time.perf_counter()
         self.state = TrainerState.TRAINING
         batch = self._batch(sample)
+        t_batch = time.perf_counter()
         learner_metrics = await self.learner.train(batch)
         self._check_refit_fidelity(sample, learner_metrics)
         t_train = time.perf_counter()
@@ -254,8 +257,10 @@ class ControlPlane:
         self.step = step + 1
         await self.redis.set(self.keys.trainer_step, str(self.step))
         self.checkpointer.hold([e for g in sample.groups for e in g.entry_ids])
+        t_save = time.perf_counter()
         saved = await self._checkpoint(force=False)
-        self._write_step_record(step, sample, batch, learner_metrics, report, StepClock(t0, t_data, t_train))
+        clock = StepClock(t0, t_data, t_batch, t_train, checkpoint_s=time.perf_counter() - t_save)
+        self._write_step_record(step, sample, batch, learner_metrics, report, clock)
         await self._hold_while_paused()
         for vid in self.validation.due(self.step):  # on the weights just published
             if self.validation.stop_hit(await self._validate(vid)):
@@ -312,6 +317,7 @@ class ControlPlane:
             started_at=self.started_at,
             dynamic_sampling=self.collector.dynamic_sampling_stats(sample),
         )
+        record.nemo_rl = nemo_rl_metrics(record, batch, sample.groups, trainer_ranks=launched_world_size())
         self.last_record = record
         self.metrics.write(record)
 

@@ -7,8 +7,10 @@ also goes to the record sinks (the trainer's Prometheus metrics) and, with ``log
 to a TensorBoard event file: every numeric figure as a scalar under ``train/`` or ``validation/``
 at the record's step. A step's ``batch.reward_mean`` is ``train/reward_mean`` and its
 ``learner.loss`` is ``train/loss``; other parts keep their name as a prefix
-(``train/staleness/mean``, ``train/env/turns``). Written by the control plane; read back with
-`shared.records.read_records`.
+(``train/staleness/mean``, ``train/env/turns``). Its ``nemo_rl`` part is written under NeMo-RL's
+own names (``timing/train/total_step_time``, ``performance/tokens_per_sec``,
+``train/buffer_size``), so dashboards built on NeMo-RL's logs carry over. Written by the control
+plane; read back with `shared.records.read_records`.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from typing import IO, Any
 
 import msgspec
 
-from shared.records import Record, ValidationRecord, encode_record, step_records, validation_records
+from shared.records import Record, StepRecord, ValidationRecord, encode_record, step_records, validation_records
 
 log = logging.getLogger(__name__)
 
 RecordSink = Callable[[Record], None]
 
-# Fields that are not scalars of the record's step (the step itself, wall time, id ledgers).
-_NOT_SCALARS = {"step", "time", "weight_version", "consumed_ids", "evicted_ids", "validation_id"}
+# Fields that are not scalars of the record's step (the step itself, wall time, id ledgers), or
+# whose scalars have names of their own (NeMo-RL's).
+_NOT_SCALARS = {"step", "time", "weight_version", "consumed_ids", "evicted_ids", "validation_id", "nemo_rl"}
 # Parts of a step record whose figures are written under their own names (``batch.reward_mean`` ->
 # ``reward_mean``, ``learner.loss`` -> ``loss``); every other mapping keeps its field name as a
 # prefix (``staleness/mean``, ``refit/total_s``, ``env/turns``).
@@ -73,14 +76,16 @@ class MetricsLog:
 
 def write_scalars(writer: Any, record: Record) -> None:
     """Every numeric figure of ``record`` at the record's step."""
-    prefix = "validation" if isinstance(record, ValidationRecord) else "train"
-    for key, value in scalars(record):
-        writer.add_scalar(f"{prefix}/{key}", value, global_step=record.step)
+    for tag, value in scalars(record):
+        writer.add_scalar(tag, value, global_step=record.step)
 
 
 def scalars(record: Record) -> Iterator[tuple[str, float]]:
-    """(name, value) of every numeric figure, named as the module docstring says."""
-    yield from _numeric(msgspec.to_builtins(record), "", top=True)
+    """(tag, value) of every numeric figure, named as the module docstring says."""
+    prefix = "validation/" if isinstance(record, ValidationRecord) else "train/"
+    yield from _numeric(msgspec.to_builtins(record), prefix, top=True)
+    if isinstance(record, StepRecord) and record.nemo_rl is not None:
+        yield from record.nemo_rl.named().items()
 
 
 def _numeric(node: dict[str, Any], prefix: str, *, top: bool = False) -> Iterator[tuple[str, float]]:
@@ -90,7 +95,7 @@ def _numeric(node: dict[str, Any], prefix: str, *, top: bool = False) -> Iterato
         if isinstance(value, bool | int | float):
             yield prefix + key, float(value)
         elif isinstance(value, dict):
-            yield from _numeric(value, "" if top and key in _FLAT else f"{prefix}{key}/")
+            yield from _numeric(value, prefix if top and key in _FLAT else f"{prefix}{key}/")
 
 
 def plot_reward_curve(records: list[Record], out: Path, title: str = "") -> Path | None:

@@ -4,7 +4,9 @@ Three sources:
 * each record (train step or validation) as the control plane writes it: `observe_record` is a
   record sink, so the staleness histogram (one observation per consumed trajectory: step minus
   the weight version it was launched on), refit phase and step phase durations are observed
-  exactly once per step, and the last step's reward, staleness and refit time are kept;
+  exactly once per step, and the last step's reward, staleness and refit time are kept, as are
+  its figures under NeMo-RL's names (``streamrl_trainer_nemo_rl{name="timing/train/total_step_time"}``:
+  Prometheus names cannot hold NeMo-RL's, so a label does);
 * the control plane's live state, read at scrape time (step, version, buffer, in-flight groups);
 * Redis, read at scrape time: every stream's length, pending entries per consumer group and per
   consumer (`shared.queue_stats`).
@@ -62,6 +64,9 @@ class TrainerMetrics(ServiceMetrics):
             "streamrl_trainer_deadlettered_total", "Entries dead-lettered by the trainer", registry=r
         )
         self.val_accuracy = Gauge("streamrl_trainer_validation_accuracy", "Accuracy of the last validation", registry=r)
+        self.nemo_rl = Gauge(
+            "streamrl_trainer_nemo_rl", "The last step's figures under NeMo-RL's names", ["name"], registry=r
+        )
         self.staleness = Histogram(
             "streamrl_trainer_trajectory_staleness_steps",
             "Per consumed trajectory: training step minus the weight version it was launched on",
@@ -134,6 +139,9 @@ class TrainerMetrics(ServiceMetrics):
         self.reward.set(record.batch.reward_mean)
         self.staleness_mean.set(record.staleness.mean)
         self.refit.set(refit.total_s)
+        if record.nemo_rl is not None:
+            for name, value in record.nemo_rl.named().items():
+                self.nemo_rl.labels(name=name).set(value)
 
     def update_from_control(self, control: ControlView) -> None:
         """The control plane's live state, read at scrape time."""

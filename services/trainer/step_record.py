@@ -27,11 +27,14 @@ from shared.records import (
 
 @dataclass(frozen=True)
 class StepClock:
-    """perf_counter readings of a step: start, batch ready, training done."""
+    """perf_counter readings of a step (start, data ready, batch built, training done) and the
+    seconds of its checkpoint phase."""
 
     start: float
     data_ready: float
+    batched: float
     trained: float
+    checkpoint_s: float
 
 
 def staleness_counts(step: int, groups: Iterable[Group]) -> dict[str, int]:
@@ -46,16 +49,33 @@ def staleness_counts(step: int, groups: Iterable[Group]) -> dict[str, int]:
     return counts
 
 
+def trajectory_spans(groups: Iterable[Group]) -> dict[str, int]:
+    """{number of weight versions that generated a trajectory's tokens: trajectories} (rows
+    without tokens are left out)."""
+    counts: dict[str, int] = {}
+    for g in groups:
+        for t in g.rows.values():
+            versions = {v for turn in t.turns for v in turn.versions()}
+            if versions:
+                counts[str(len(versions))] = counts.get(str(len(versions)), 0) + 1
+    return counts
+
+
 def staleness(step: int, sample: SampleResult) -> Staleness:
+    """Ages by the oldest weight version behind any token of a group (``max``: the worst)."""
     ages = [step - g.gen_version for g in sample.groups]
     offsets: dict[str, int] = {}
     for t in sample.targets:
         offsets[str(t - step)] = offsets.get(str(t - step), 0) + 1
+    spans = trajectory_spans(sample.groups)
+    spanning = sum(n for k, n in spans.items() if int(k) > 1)
     return Staleness(
         mean=sum(ages) / len(ages),
         max=max(ages),
         counts=staleness_counts(step, sample.groups),
         sampled_target_offsets=offsets,
+        trajectory_spans=spans,
+        multi_version_fraction=spanning / max(1, sum(spans.values())),
     )
 
 
@@ -110,6 +130,8 @@ def build_step_record(
             wait_data_s=clock.data_ready - clock.start,
             train_s=clock.trained - clock.data_ready,
             step_s=time.perf_counter() - clock.start,
+            batch_s=clock.batched - clock.data_ready,
+            checkpoint_s=clock.checkpoint_s,
         ),
         refit=refit.summary(),
         trajectories_received=received_total,

@@ -1,8 +1,9 @@
 """End to end: all services as processes (embedded run via `streamrl up`), the real vLLM engine on
 the tiny model, the trainer on two ranks (torchrun, FSDP2 over gloo), weights moved by the
 collective transport (vLLM's weight-transfer engine over gloo, from the sharded trainer into the
-running engine), nucleus sampling (top_p 0.9), a few asynchronous GRPO steps against an external
-Valkey the test can inspect.
+running engine), nucleus sampling (top_p 0.9), in-flight weight updates (a refit interrupts running
+generations and continues them on the new weights), a few asynchronous GRPO steps against an
+external Valkey the test can inspect.
 
 Asserts what a user of the run would check: it finishes, every step trained exactly
 num_prompts_per_step x num_generations_per_prompt trajectories, no trajectory id was consumed
@@ -83,6 +84,7 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
         "refit.collective.master_address=127.0.0.1",
         "refit.max_gen_kl_error=0.05",
         "policy.generation.top_p=0.9",
+        "grpo.async_grpo.in_flight_weight_updates=true",
     ]
     log = open(out / "up.log", "w")
     proc = subprocess.Popen(
@@ -148,6 +150,8 @@ def test_run_finishes_and_trains_every_step(finished_run):
     assert [s.step for s in steps] == list(range(STEPS))
     assert all(len(s.consumed_ids) == PROMPTS * GENS for s in steps)
     assert all(s.batch.num_prefix_breaks == 0 for s in steps)
+    # every trained trajectory is counted by the weight versions its tokens came from
+    assert all(sum(s.staleness.trajectory_spans.values()) == PROMPTS * GENS for s in steps), steps[0].staleness
     # Step 0 trains samples of v0 with the trainer at v0: under nucleus sampling (top_p 0.9) the
     # trainer scores tokens under the same truncated distribution vLLM sampled them from.
     assert abs(steps[0].learner.token_mult_prob_error - 1.0) < 1e-3, steps[0].learner
@@ -228,6 +232,11 @@ def test_rollouts_come_from_weights_inside_the_staleness_window(finished_run, re
     for t in trajs:
         assert t.target_step - 1 <= t.launch_version <= t.target_step, (t.task_id, t.launch_version, t.target_step)
         assert all(turn.weight_version >= t.launch_version for turn in t.turns)
+        # in-flight weight updates: a call a refit split names the version of each of its segments
+        for turn in t.turns:
+            starts = [start for start, _ in turn.version_spans]
+            assert starts == sorted(set(starts)) and (not starts or starts[0] == 0), turn.version_spans
+            assert turn.versions() == sorted(turn.versions()) and min(turn.versions()) >= t.launch_version
     assert max(t.launch_version for t in trajs) >= STEPS - 2  # the generator really served newer weights
 
 

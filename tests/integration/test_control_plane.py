@@ -33,7 +33,7 @@ from services.trainer.learner import Learner
 from shared import keys as K
 from shared.pause import PauseReason, launch_gate_closed
 from shared.protocol import Heartbeat, Task, Trajectory, WeightAck, WeightAnnouncement, make_turn
-from shared.records import LearnerMetrics, TrainerState, ValidationRecord, read_records, step_records
+from shared.records import LearnerMetrics, MeanMaxMin, TrainerState, ValidationRecord, read_records, step_records
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
 from tests.trainer_fixtures import control_plane, serving_app, trainer_config
@@ -264,6 +264,20 @@ async def test_a_pause_at_a_boundary_holds_the_next_issue_and_a_lag_0_run_contin
         assert control.step == 2 and control.state == TrainerState.FINISHED
         records = step_records(read_records(control.log_dir / "metrics.jsonl"))
         assert [r.step for r in records] == [0, 1] and all(len(r.consumed_ids) == 4 for r in records)
+        for r in records:  # the loop's records carry NeMo-RL's names too, agreeing with streamrl's
+            nemo = r.nemo_rl
+            assert nemo is not None and 0 < r.timing.batch_s < r.timing.train_s and r.timing.checkpoint_s >= 0
+            assert (nemo.timing.total_step_time, nemo.timing.exposed_generation) == (
+                r.timing.step_s,
+                r.timing.wait_data_s,
+            )
+            assert nemo.timing.weight_sync == r.refit.total_s and nemo.train.avg_trajectory_age == r.staleness.mean
+            assert nemo.timing.policy_training == pytest.approx(r.timing.train_s - r.timing.batch_s)
+            one_turn = MeanMaxMin(mean=1.0, max=1.0, min=1.0)  # the played gateway's rollouts: 1 turn, 2 tokens
+            assert nemo.train.turns_per_sample == one_turn and nemo.train.gen_tokens_per_sample.mean == 2.0
+            assert nemo.train.num_valid_samples == 4 and nemo.train.total_num_tokens == 4 * 5
+            assert nemo.train.natural_termination_rate == 1.0 and nemo.train.truncation_rate == 0.0
+            assert nemo.performance.tokens_per_sec == pytest.approx(20 / r.timing.step_s)
     finally:
         await _stop(control, peers, peer_task, run)
 

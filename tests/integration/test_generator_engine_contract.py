@@ -10,6 +10,7 @@ shares one event loop across tests is not.
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -210,3 +211,26 @@ async def test_keep_pause_holds_requests_until_resume(engine):
     await engine.resume()
     [c] = await asyncio.wait_for(task, 60)
     assert len(c.token_ids) == 3
+
+
+async def test_interrupt_pause_ends_running_requests_with_their_tokens(engine):
+    """What a refit with in-flight weight updates relies on: the running request ends at once,
+    finish reason ``abort``, with the tokens it generated (a prefix of what it would have
+    generated), so the generator can continue it on the new weights."""
+    n = 600
+    t0 = time.monotonic()
+    [whole] = await engine.generate(PROMPT, greedy(n), "i0")
+    took = time.monotonic() - t0
+    if whole.finish_reason != "length":
+        pytest.skip(f"greedy decoding of the prompt stops after {len(whole.token_ids)} tokens")
+    task = asyncio.create_task(engine.generate(PROMPT, greedy(n), "i1"))
+    await asyncio.sleep(took / 3)  # about a third of the way, on a machine of any speed
+    await engine.pause("interrupt")
+    try:
+        [c] = await asyncio.wait_for(task, 60)
+    finally:
+        await engine.resume()
+    assert c.finish_reason == "abort" and 0 < len(c.token_ids) == len(c.logprobs) < n
+    assert c.token_ids == whole.token_ids[: len(c.token_ids)]
+    after = await engine.generate(PROMPT, greedy(2), "i2")  # serving again after the resume
+    assert after[0].token_ids == whole.token_ids[:2]

@@ -176,18 +176,34 @@ async def test_bad_checksum_fails_the_generator_until_a_good_load(hf_generator, 
         assert (await chat(gen)).weight_version == 2
 
 
-async def test_keep_mode_refit_lets_a_running_request_finish_on_the_new_version(
-    hf_generator, streams, new_weights, until_generating
+async def test_keep_mode_refit_continues_a_running_request_on_the_new_version(
+    hf_generator, streams, new_weights, until_generating, tiny_model_dir, logprob_reference
 ):
+    """An in-flight weight update interrupts the running request and continues it on the new
+    weights with its prefix encoded again: each token's logprob is exactly one version's, and
+    the response says which tokens came from which version."""
     async with hf_generator(max_new_tokens=300) as gen:
         sc = streams(gen.cfg.run.run_id)
         engine = gen.runtime.engine
+        temperature = gen.cfg.policy.generation.temperature
         running = asyncio.create_task(chat(gen, max_tokens=300))
         await until_generating(engine, running)
         await sc.publish(sc.keys.weights, announcement(new_weights, 1, mode="keep"))
         assert (await wait_ack(sc, 1)).ok
         out = await asyncio.wait_for(running, 120)
         assert (out.weight_version, out.weight_version_end) == (-1, 1)
+        assert gen.runtime.interrupts == 1
+    c = out.choices[0]
+    ids, lps = c.message.generation_token_ids, c.message.generation_log_probs
+    assert c.weight_version_spans is not None, "the request finished before the refit"
+    [[first, old_version], [cut, new_version]] = c.weight_version_spans
+    assert (first, old_version, new_version) == (0, -1, 1) and 0 < cut < len(ids)
+    assert len(ids) == len(lps) and (c.finish_reason != "length" or len(ids) == 300)
+    prompt = out.prompt_token_ids
+    old = logprob_reference(tiny_model_dir, prompt, ids[:cut], temperature)
+    new = logprob_reference(new_weights, prompt + ids[:cut], ids[cut:], temperature)
+    assert max(abs(a - b) for a, b in zip(old, lps[:cut], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(new, lps[cut:], strict=True)) < 1e-4
 
 
 async def test_drain_mode_refit_waits_for_the_running_request(hf_generator, streams, new_weights, until_generating):

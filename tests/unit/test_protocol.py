@@ -44,10 +44,11 @@ def _traj(**kw) -> Trajectory:
             make_turn(
                 prompt_ids=[6],
                 context_len=5,
-                generated_ids=[7],
-                generated_logprobs=[-0.1],
+                generated_ids=[7, 8],
+                generated_logprobs=[-0.1, -0.2],
                 weight_version=2,
                 weight_version_end=3,
+                version_spans=[(0, 2), (1, 3)],  # a refit split this call
             ),
         ],
     )
@@ -63,7 +64,8 @@ def test_trajectory_round_trip_keeps_exact_tokens_and_logprobs():
     assert back.turns[0].generated().tolist() == [4, 5]
     np.testing.assert_array_equal(back.turns[0].logprobs(), np.array([-0.5, -1.25], dtype=np.float32))
     assert back.versions == [2, 3]
-    assert back.num_generated_tokens == 3
+    assert back.turns[1].version_spans == [(0, 2), (1, 3)]
+    assert back.num_generated_tokens == 4
 
 
 def test_token_arrays_are_packed_int32_little_endian():
