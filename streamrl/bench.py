@@ -21,9 +21,13 @@
    generator process, filesystem and collective transports side by side, for models of 0.1 to
    2 GiB, against a raw gloo broadcast and a raw safetensors save + load of the same bytes; and
    those per-byte costs scaled to a 397B-parameter run (a model, next to published figures).
+8. Demo variants (`streamrl.bench_demo_variants`): short demo runs at top_p 0.9 (the trainer's
+   mismatch figures with and without the nucleus truncation, from the same run) and with dynamic
+   sampling, against the demo's own settings.
 Every figure is reported against a baseline measured in the same run on the same machine (so
 noise from other load cancels out), as a ratio, or with its baseline named in its table.
-``--only generator|gateway|trainer|pipeline|refit`` runs one section and rewrites only it in BENCHMARKS.md.
+``--only generator|gateway|trainer|pipeline|refit|demo_variants`` runs one section and rewrites only
+it in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -47,12 +51,20 @@ from shared.protocol import Trajectory, encode, make_turn
 from shared.redis_replies import read_entries
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
-from streamrl import bench_gateway, bench_pipeline, bench_pipeline_report, bench_refit, bench_trainer
+from streamrl import (
+    bench_demo_variants,
+    bench_gateway,
+    bench_pipeline,
+    bench_pipeline_report,
+    bench_refit,
+    bench_trainer,
+)
 from streamrl.bench_generator import HEADING as GENERATOR_HEADING
 from streamrl.bench_generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
 
-SECTIONS = ("generator", "gateway", "trainer", "pipeline", "refit")
+SECTIONS = ("generator", "gateway", "trainer", "pipeline", "refit", "demo_variants")
+DEMO_HEADING = "## Demo run"
 
 
 def _trajectory(i: int, rng: np.random.Generator, prompt_len: int = 600, gen_len: int = 300) -> Trajectory:
@@ -205,7 +217,7 @@ def render_demo(demo: dict[str, Any]) -> str:
     s, timing = demo["summary"], demo["timing"]
     step = timing.get("step_s", {}).get("mean", 0.0)
     lines = [
-        "## Demo run (`streamrl demo`: crossing tool-use task, tiny Qwen3, 8 prompts x 8 rollouts per step, lag 1, "
+        f"{DEMO_HEADING} (`streamrl demo`: crossing tool-use task, tiny Qwen3, 8 prompts x 8 rollouts per step, lag 1, "
         "vLLM on CPU)",
         "",
         "| per-step wall time | mean (s) | p50 (s) | max (s) | mean / whole step (baseline) |",
@@ -294,6 +306,7 @@ def render(
     trainer: dict[str, Any],
     pipeline: dict[str, Any],
     refit: dict[str, Any],
+    variants: dict[str, Any],
 ) -> str:
     head = (
         f"# Benchmarks\n\nWritten by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to "
@@ -303,6 +316,8 @@ def render(
     return (
         head
         + render_demo(demo)
+        + "\n"
+        + bench_demo_variants.render_section(variants)
         + "\n"
         + render_streams(streams)
         + "\n"
@@ -325,6 +340,11 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}"
     tmp = Path("runs/bench")
     demo = demo_benchmark(tmp / "demo") if only is None else None
+    variants = (
+        bench_demo_variants.demo_variants_benchmark(tmp / "demo_variants", machine)
+        if only in (None, "demo_variants")
+        else None
+    )
     server = RedisServer(tmp / "redis", tied_to_parent=True)
     server.start()
     try:
@@ -342,10 +362,11 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     if only is None:
         # only=None ran every section
         assert demo is not None and streams is not None and generator is not None and gateway is not None
-        assert trainer is not None and pipeline is not None and refit is not None
-        text = render(demo, streams, machine, generator, gateway, trainer, pipeline, refit)
+        assert trainer is not None and pipeline is not None and refit is not None and variants is not None
+        text = render(demo, streams, machine, generator, gateway, trainer, pipeline, refit, variants)
         results = {
             "demo": demo,
+            "demo_variants": variants,
             "streams": streams,
             "generator": generator,
             "gateway": gateway,
@@ -355,6 +376,9 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
         }
     else:
         text = out.read_text() if out.is_file() else "# Benchmarks\n"
+        if variants is not None:
+            section = bench_demo_variants.render_section(variants)
+            text = replace_section(text, section, bench_demo_variants.HEADING, after=DEMO_HEADING)
         if generator is not None:
             text = replace_section(text, render_section(generator), GENERATOR_HEADING)
         if gateway is not None:
@@ -381,6 +405,7 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
                     ("trainer", trainer),
                     ("pipeline", pipeline),
                     ("refit", refit),
+                    ("demo_variants", variants),
                 )
                 if v is not None
             }
@@ -388,4 +413,6 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     out.write_text(text)
     results_path.write_text(json.dumps(results, indent=2))
     print(text)
-    return 0 if demo is None or demo["exit_code"] == 0 else 1
+    codes = [demo["exit_code"]] if demo is not None else []
+    codes += [r["exit_code"] for r in variants["runs"].values()] if variants is not None else []
+    return 0 if all(c == 0 for c in codes) else 1

@@ -9,7 +9,7 @@
     streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
     streamrl config check|explain          validate a config / list every key with its description
     streamrl bench [--only SECTION]        run the benchmarks and rewrite BENCHMARKS.md (or one section:
-                                           generator, gateway, trainer or pipeline)
+                                           generator, gateway, trainer, pipeline, refit, demo_variants)
     streamrl scale generator=N gym-gateway=M  resize a run's workers (--backend local|compose|k8s)
 
 Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant. Calls to
@@ -340,7 +340,7 @@ def config_explain() -> None:
 def bench(
     out: Path = typer.Option(Path("BENCHMARKS.md"), help="file to (re)write"),
     only: str | None = typer.Option(
-        None, help="run one section and rewrite only it in OUT: generator, gateway, trainer or pipeline"
+        None, help="run one section and rewrite only it in OUT (generator, gateway, trainer, pipeline, refit, ...)"
     ),
 ) -> None:
     """Run the benchmarks and write their tables to BENCHMARKS.md."""

@@ -20,8 +20,15 @@ masked (the kept set is empty)::
 
     [lp-mask-debug] masked(len,err,rew)=L1,E1,R1;... | kept_len mean=M p90=P max=X | masked_len mean=Q
 
-Called by the training backend per micro-batch (`seq_errors`, `apply_threshold`) and once per
-step (`summarize`, `debug_line`).
+With nucleus sampling (``policy.generation.top_p`` < 1) the trainer scores tokens under the
+truncated distribution they were sampled from (`shared.nucleus.sampled_logprobs`). As a diagnostic
+of the bias that removes, the step also reports ``token_mult_prob_error_untruncated`` and
+``gen_kl_error_untruncated``: the same figures as the loss's ``token_mult_prob_error`` and
+``gen_kl_error``, against the old policy's logprobs under the temperature-only softmax, from the
+same forward pass (`untruncated_sums`, `untruncated_means`). They are absent at top_p 1.
+
+Called by the training backend per micro-batch (`seq_errors`, `apply_threshold`,
+`untruncated_sums`) and once per step (`summarize`, `debug_line`, `untruncated_means`).
 """
 
 from __future__ import annotations
@@ -55,6 +62,23 @@ def apply_threshold(seq_err: torch.Tensor, sample_mask: torch.Tensor, threshold:
         return sample_mask
     keep = ~(seq_err > threshold)  # NaN compares False: rows without tokens are not "masked by error"
     return sample_mask * keep.to(sample_mask.dtype)
+
+
+def untruncated_sums(prev_untruncated: torch.Tensor, gen_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Sums over ``mask`` of exp|logp_gen - logp_old| and of the k3 estimate of KL(gen || old),
+    with the old policy's logprobs scored without the top-p truncation; no grad."""
+    with torch.no_grad():
+        log_w = (prev_untruncated - gen_lp) * mask
+        return {
+            "token_mult_prob_error_untruncated_sum": float((torch.exp(log_w.abs()) * mask).sum()),
+            "gen_kl_error_untruncated_sum": float(((torch.exp(log_w) - log_w - 1.0) * mask).sum()),
+        }
+
+
+def untruncated_means(sums: dict[str, float], tokens: float) -> dict[str, float]:
+    """The step's means of `untruncated_sums` over its ``tokens``; empty when none were measured."""
+    names = ("token_mult_prob_error_untruncated", "gen_kl_error_untruncated")
+    return {n: sums[f"{n}_sum"] / tokens for n in names if f"{n}_sum" in sums}
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """With nucleus sampling (top_p < 1) the trainer scores sampled tokens under the distribution the
 engine sampled them from: at equal weights ``token_mult_prob_error`` (mean exp|logp_gen - logp_train|)
 is 1 within 1e-3. The transformers engine samples with vLLM's rule; the real vLLM engine is checked
-by the end-to-end run (tests/e2e/test_run_e2e.py, top_p 0.9, the first step's error)."""
+by the end-to-end run (tests/e2e/test_run_e2e.py, top_p 0.9, the first step's error). A training
+step also reports the error against the untruncated logprobs (``token_mult_prob_error_untruncated``)."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from services.generator.engine import GenerationParams, build_engine
 from services.trainer.backends.torch_backend import TorchBackend
-from services.trainer.batch import Row
+from services.trainer.batch import Row, StepBatch
 from shared.config import decode_tree
 from shared.run_config import RunConfig
 
@@ -51,4 +52,10 @@ async def test_trainer_and_engine_agree_under_nucleus_sampling(tiny_model_dir, g
     backend = TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1)
     assert abs(_mult_prob_error(backend, rows) - 1.0) < 1e-3
     backend.top_p = 1.0  # scoring under the untruncated distribution: the bias this test guards against
-    assert _mult_prob_error(backend, rows) > 1.0 + 1e-3
+    biased = _mult_prob_error(backend, rows)
+    assert biased > 1.0 + 1e-3
+    # A training step at top_p 0.9 reports both: the error it trains with and the biased one.
+    backend.top_p = TOP_P
+    metrics = backend.train_step(StepBatch(rows))
+    assert abs(metrics.token_mult_prob_error - 1.0) < 1e-3
+    assert metrics.token_mult_prob_error_untruncated == pytest.approx(biased, rel=1e-4)

@@ -57,7 +57,7 @@ from services.trainer.ranks import SINGLE, Ranks
 from services.trainer.sharding import shard_model
 from services.trainer.step_plan import RankShare, lr_schedule, plan_step
 from services.trainer.weight_export import DEFAULT_MAX_SHARD_BYTES, ShardWriter, rank_tensors
-from shared.nucleus import top_p_mask
+from shared.nucleus import sampled_logprobs
 from shared.records import LearnerMetrics
 from shared.run_config import GrpoSection, LossSection, PolicySection, RunConfig
 
@@ -225,31 +225,26 @@ class TorchBackend:
             "rewards": [r.reward for r in rows],
         }
 
-    def _token_logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        """logprob of token t given tokens < t, at position t (position 0 gets 0), as [rows, T].
-        A packed micro-batch (``mb["pack"]``) runs as one sequence and is cut back into rows."""
+    def _token_logprobs(
+        self, model: torch.nn.Module, mb: dict[str, torch.Tensor], untruncated: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """logprob of token t given tokens < t, at position t (position 0 gets 0), as [rows, T], under
+        the distribution the generator sampled from (`shared.nucleus.sampled_logprobs`: temperature,
+        top-p nucleus). With top_p < 1, ``untruncated`` receives the same figures under the
+        temperature-only softmax. A packed micro-batch (``mb["pack"]``) runs as one sequence."""
         if "pack" in mb:
             ids, pos, starts = mb["pack"]
             logits = self._forward_logits(model, ids, position_ids=pos)[:, :-1].float()
-            lp = F.pad(self._gather(logits, ids)[0], (1, 0))
-            return packing.unpack_logprobs(lp, starts, mb["lengths"], mb["input_ids"].shape[1])
-        logits = self._forward_logits(model, mb["input_ids"], attention_mask=mb["attention_mask"])[:, :-1].float()
-        return F.pad(self._gather(logits, mb["input_ids"]), (1, 0))
-
-    def _gather(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Logprobs of the sampled tokens under the distribution they were sampled from: the
-        temperature-scaled softmax truncated to the top-p nucleus and renormalised, as vLLM's
-        sampler builds it (`shared.nucleus`), so the trainer and the generator's processed
-        logprobs describe the same distribution. The trainer applies the truncation rather than
-        both sides dropping it: the tokens were drawn from the truncated distribution, so that is
-        the behaviour policy the importance weights must divide by, and it is what vLLM reports.
-        The sampled token always stays in (the trainer's arithmetic may put a boundary token a
-        hair outside the engine's nucleus)."""
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        targets = ids[:, 1:]
-        logits = top_p_mask(logits, self.top_p, keep=targets)
-        return torch.gather(F.log_softmax(logits, dim=-1), 2, targets[:, :, None]).squeeze(-1)
+        else:
+            ids = mb["input_ids"]
+            logits = self._forward_logits(model, ids, attention_mask=mb["attention_mask"])[:, :-1].float()
+        both = sampled_logprobs(logits, ids[:, 1:], self.temperature, self.top_p, untruncated=untruncated is not None)
+        lps = [F.pad(lp, (1, 0)) for lp in both if lp is not None]
+        if "pack" in mb:
+            lps = [packing.unpack_logprobs(lp[0], starts, mb["lengths"], mb["input_ids"].shape[1]) for lp in lps]
+        if untruncated is not None:
+            untruncated += lps[1:]
+        return lps[0]
 
     def _micro_batches(self, rows: list[Row], micro: int) -> list[list[Row]]:
         """Consecutive rows ``micro`` at a time, or packs up to the token budget."""
@@ -362,9 +357,11 @@ class TorchBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's summed loss and its valid tokens per row (after sequence masking)."""
         mb = self._inputs(rows)
-        curr = self._token_logprobs(self.model, mb)
+        plain: list[torch.Tensor] | None = [] if self.top_p < 1.0 else None
+        curr = self._token_logprobs(self.model, mb, plain)
         prev_lp = curr.detach() if prev is None else self._stack(prev, rows, curr.shape)
         sample_mask = self._mask_by_seq_error(prev_lp, mb, acc.records)
+        mask = mb["token_mask"] * sample_mask[:, None]
         ref_lp = None
         if self._kl_in_loss:
             with torch.no_grad():
@@ -380,9 +377,11 @@ class TorchBackend:
             norm=_SUMS,
             ref_lp=ref_lp,
         )
+        if plain:  # the old policy's logprobs without the truncation, taken at this pass's weights
+            m.update(mismatch.untruncated_sums(prev_lp + (plain[0] - curr).detach(), mb["gen_lp"], mask))
         for k, v in m.items():
             acc.sums[k] = max(acc.sums.get(k, 0.0), v) if k.startswith("max_") else acc.sums.get(k, 0.0) + v
-        return loss, (mb["token_mask"] * sample_mask[:, None]).sum(dim=1)
+        return loss, mask.sum(dim=1)
 
     def _shape_rewards(self, share: RankShare, acc: _StepTotals) -> RankShare:
         """``loss_fn.use_kl_in_reward``: the share with its rows' advantages recomputed from the
@@ -463,6 +462,7 @@ class TorchBackend:
             num_masked_seqs_by_logprob_error=None if masked is None else int(masked),
             micro_batch_token_efficiency=self._token_efficiency(acc.shapes),
             **seq,
+            **mismatch.untruncated_means(sums, tokens),
         )
 
     def _lr(self) -> float:
