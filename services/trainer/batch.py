@@ -54,6 +54,13 @@ class Row:
     overlong_filtered: bool = False  # masked for it (grpo.overlong_filtering)
     reward_penalty: float = 0.0  # the overlong penalty (<= 0) added to reward for the advantage
     segments: list[Row] = field(default_factory=list)  # later samples of a rollout split at prefix breaks
+    segment: int = 0  # which sample of its rollout this row is (0: the head; segments 1, 2, ...)
+
+    @property
+    def key(self) -> str:
+        """This row's own id: the task id, and the segment for a rollout's later samples (they
+        share the task id, reward and advantage, not the tokens)."""
+        return self.task_id if self.segment == 0 else f"{self.task_id}#{self.segment}"
 
     @property
     def shaped_reward(self) -> float:
@@ -104,6 +111,8 @@ def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_pref
         ]
         context = np.concatenate([context, prompt, gen])
     rows = [_row(traj, parts, max_len, mask_flagged) for parts in pieces]
+    for k, r in enumerate(rows):
+        r.segment = k
     head = rows[0]
     head.prefix_break = prefix_break
     if prefix_break and on_prefix_break != "new_sample":

@@ -63,7 +63,7 @@ def plan_step(
     global_bs = train_global_batch_size or len(batch.rows)
     num_updates = max(1, math.ceil(len(batch.rows) / global_bs))
     per_update = math.ceil(len(rows) / num_updates)
-    order = {r.task_id: i for i, r in enumerate(rows)}
+    order = {r.key: i for i, r in enumerate(rows)}
     filler = replace(rows[0], sample_mask=0.0, segments=[])
     shares = [RankShare(updates=[], filler=filler) for _ in range(world_size)]
     for u in range(num_updates):
@@ -74,7 +74,7 @@ def plan_step(
             parts[k].append(r)
             tokens[k] += len(r.input_ids)
         for share, part in zip(shares, parts, strict=True):
-            share.updates.append(sorted(part, key=lambda r: order[r.task_id]))
+            share.updates.append(sorted(part, key=lambda r: order[r.key]))
     if reward_kl:
         _add_baselines(batch, shares)
     return shares

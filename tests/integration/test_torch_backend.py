@@ -7,6 +7,7 @@ import torch
 
 from services.trainer.backends.torch_backend import TorchBackend
 from services.trainer.batch import Row, StepBatch
+from services.trainer.step_plan import plan_step
 from shared.config import load
 from shared.run_config import RunConfig
 
@@ -131,3 +132,28 @@ def test_packed_and_unpacked_training_agree(tiny_model_dir):
     assert m_packed.grad_norm == pytest.approx(m_plain.grad_norm, abs=1e-5)
     assert _same_update(_grads(packed), _grads(plain))  # the same gradient went into the optimizer
     assert m_packed.micro_batch_token_efficiency > m_plain.micro_batch_token_efficiency
+
+
+def test_the_samples_of_a_rollout_split_at_a_prefix_break_keep_their_own_old_logprobs(tiny_model_dir):
+    """With ``env.on_prefix_break: new_sample`` a rollout becomes rows of different tokens that
+    share its task id; with several updates a step scores every row under the old policy once,
+    and each row must get its own scores back (they were keyed by task id: the head's were lost,
+    and a segment's scores did not even have its length)."""
+    head, _ = _rows(_backend(tiny_model_dir))
+    tail = Row("t0", "g0", head.input_ids[:9].copy(), head.token_mask[:9].copy(), head.gen_logprobs[:9].copy(), 1.0)
+    tail.segment, tail.advantage = 1, head.advantage
+    head.segments = [tail]
+    other, _ = _rows(_backend(tiny_model_dir))
+    other.task_id, other.advantage = "t2", -1.0
+    overrides = [f"policy.model_name={tiny_model_dir}", "data.train_path=t.jsonl", "policy.train_global_batch_size=1"]
+    cfg = load(RunConfig, None, overrides, env={})
+    backend = TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1)
+    shares = plan_step(StepBatch([head, other, tail]), 1, cfg.policy.train_global_batch_size)
+    [share] = shares
+    assert len(share.updates) == 3  # one row per update: the old-policy scores are taken first
+    prev = backend._prev_logprobs(share.rows, 4, share.filler)
+    assert set(prev) == {"t0", "t0#1", "t2"}
+    assert prev["t0"].shape[0] == len(head.input_ids) and prev["t0#1"].shape[0] == len(tail.input_ids)
+    torch.testing.assert_close(prev["t0#1"][:9], prev["t0"][:9])  # the same prefix scores the same
+    m = backend.train_share(share)
+    assert m.num_updates == 3 and np.isfinite(m.loss)

@@ -498,13 +498,13 @@ class TorchBackend:
                     continue
                 lp = self._token_logprobs(self.model, self._inputs(mb_rows))
                 for r, row_lp in zip(mb_rows, lp, strict=True):
-                    out[r.task_id] = row_lp[: len(r.input_ids)].clone()
+                    out[r.key] = row_lp[: len(r.input_ids)].clone()
         return out
 
     def _stack(self, prev: dict[str, torch.Tensor], rows: list[Row], shape: torch.Size) -> torch.Tensor:
         t = torch.zeros(shape, dtype=torch.float32, device=self.device)
         for i, r in enumerate(rows):
-            t[i, : len(r.input_ids)] = prev[r.task_id]
+            t[i, : len(r.input_ids)] = prev[r.key]
         return t
 
     # ---- weights and state --------------------------------------------------------------------
