@@ -42,6 +42,9 @@ class ControlState(msgspec.Struct, kw_only=True):
 
     scheduler: SchedulerState
     consumed_ids: list[str]
+    # groups a validation drain cancelled: their rollouts are dropped when they arrive, also after
+    # a restart (their prompts went back to the scheduler, whose state is saved alongside)
+    cancelled_groups: list[str] = msgspec.field(default_factory=list)
 
 
 class CheckpointMeta(msgspec.Struct, kw_only=True):

@@ -122,6 +122,7 @@ class ControlPlane:
             hold_acks=self.checkpointer.hold,
             tasks_issued=self.hooks.tasks_issued,
         )
+        self.intake.hold_acks = self.checkpointer.hold
         self.log_dir = Path(cfg.logger.log_dir or out)
         self.metrics = MetricsLog(
             self.log_dir / "metrics.jsonl",
@@ -174,6 +175,7 @@ class ControlPlane:
             control, meta = restored
             self.scheduler.restore(control.scheduler)
             self.buffer.restore_consumed(set(control.consumed_ids))
+            self.intake.cancel_groups(set(control.cancelled_groups))
             self.step = meta.step
         self.heartbeat.start()
 
@@ -369,7 +371,11 @@ class ControlPlane:
         return report
 
     async def _checkpoint(self, *, force: bool) -> bool:
-        control = ControlState(scheduler=self.scheduler.state(), consumed_ids=sorted(self.buffer.consumed_ids()))
+        control = ControlState(
+            scheduler=self.scheduler.state(),
+            consumed_ids=sorted(self.buffer.consumed_ids()),
+            cancelled_groups=sorted(self.intake.cancelled_groups),
+        )
         return await self.checkpointer.after_step(control, checkpoint_meta(self.step, self.weight_version), force=force)
 
     async def _validate(self, validation_id: str) -> ValidationRecord | None:

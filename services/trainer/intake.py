@@ -4,7 +4,8 @@
     each trajectory:
         validation                          -> the running validation (`deliver`), acked
         failed, and the failure policy is fail-fast  -> the intake fails (the run fails with the reason)
-        of a group cancelled by a validation drain   -> dropped, acked, counted
+        of a group cancelled by a validation drain   -> dropped, counted; acked once a checkpoint
+                                                        covers the cancel (saved with it)
         a duplicate (already staged or trained)      -> acked at once
         otherwise                                    -> staged in the buffer; a completed group
                                                         is reported to the scheduler and wakes the loop
@@ -59,8 +60,12 @@ class TrajectoryIntake:
         self.deliver_validation = deliver_validation
         self.observe = observe  # a hook called with every trajectory read (benchmarks)
         self.received_total = 0
-        self.cancelled_groups: set[str] = set()
+        self.cancelled_groups: set[str] = set()  # saved with every checkpoint
         self.cancelled_total = 0  # rollouts of cancelled groups dropped on arrival
+        # Acknowledges entries once a checkpoint covers the step that dropped them (the
+        # checkpointer's hold): until then a restart must see them again, as the scheduler state
+        # it restores still waits for their groups.
+        self.hold_acks: Callable[[list[str]], None] | None = None
         self.error: BaseException | None = None
         self._wakeup = Wakeup()
         self._stopping = False
@@ -92,6 +97,14 @@ class TrajectoryIntake:
     def cancel_groups(self, group_ids: set[str]) -> None:
         """Rollouts of these groups are dropped when they arrive (a validation drain cancelled them)."""
         self.cancelled_groups |= group_ids
+
+    async def drop(self, entry_ids: list[str]) -> None:
+        """Entries of cancelled groups: acknowledged once a checkpoint covers the cancel (at once
+        without a checkpointer)."""
+        if self.hold_acks is not None:
+            self.hold_acks(entry_ids)
+        else:
+            await self.streams.ack(self.streams.keys.trajectories, K.TRAINER_GROUP, entry_ids)
 
     async def _consume(self) -> None:
         keys = self.streams.keys
@@ -130,7 +143,7 @@ class TrajectoryIntake:
             self._fail(self._fail_fast_error(traj))
         elif traj.group_id in self.cancelled_groups:
             self.cancelled_total += 1
-            await self._ack(entry_id)
+            await self.drop([entry_id])
         else:
             result = self.buffer.add(traj, entry_id)
             if result is False:

@@ -27,7 +27,6 @@ from services.trainer.buffer import ReplayBuffer
 from services.trainer.intake import RunFailed, TrajectoryIntake
 from services.trainer.scheduler import Scheduler
 from services.trainer.validation import ValidationRunner, periodic_due
-from shared import keys as K
 from shared.pause import PauseControl, PauseReason
 from shared.records import ValidationAccepted, ValidationRecord, ValidationState, ValidationStatus
 from shared.run_config import RunConfig
@@ -191,7 +190,7 @@ class ValidationController:
         self.intake.cancel_groups(cancelled)
         dropped = self.buffer.drop_pending(cancelled)
         if dropped:
-            await self.intake.streams.ack(self.intake.streams.keys.trajectories, K.TRAINER_GROUP, dropped)
+            await self.intake.drop(dropped)
         log.warning(
             "drain before validation timed out after %.0fs: cancelled %d in-flight groups (their prompts go "
             "back; their results will be dropped)",

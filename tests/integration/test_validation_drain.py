@@ -23,11 +23,13 @@ import json
 import time
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from services.gym_gateway.envs.base import Outcome
 from services.gym_gateway.proxy import Session
 from services.gym_gateway.worker import assemble
+from services.trainer.checkpoint import ControlState
 from services.trainer.control_plane import ControlPlane
 from shared import keys as K
 from shared.pause import launch_gate_closed
@@ -318,5 +320,10 @@ async def test_at_the_drain_deadline_cancel_gives_the_prompts_back_and_drops_the
         assert {t.task_id for t in target2 if t.group_id in fresh} == set(trained[2])
         assert control.intake.cancelled_total == 2  # the stragglers, dropped on arrival
         assert control.scheduler.in_flight_count() == 0
+        # The cancel is saved with the checkpoints (a restart still drops the stragglers), and their
+        # entries were acknowledged by a checkpoint, not at once (check_exactly_once: none pending).
+        [last] = sorted((control.checkpointer.ckpt_dir).glob("step_*"))[-1:]
+        saved = msgspec.json.decode((last / "control.json").read_bytes(), type=ControlState)
+        assert set(saved.cancelled_groups) == cancelled
     finally:
         await run.stop()
