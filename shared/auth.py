@@ -5,7 +5,8 @@ The API token comes from the environment only (secrets never live in the run's Y
 Kubernetes or compose secret); setting both is an error. With a token set:
 
 * control routes (generator ``/admin/*``, trainer ``/pause``, ``/resume``, ``/validate``,
-  ``/validations/*``, ``/status``) require ``Authorization: Bearer <token>``; a missing or
+  ``/validations/*``, ``/status``, the gateway's session API for external agents ``POST /sessions``
+  and ``POST /sessions/<id>/complete``) require ``Authorization: Bearer <token>``; a missing or
   malformed header is a 401 with ``WWW-Authenticate: Bearer``, a wrong token a 403. Tokens are
   compared with `hmac.compare_digest` (constant time).
 * agent routes (generator ``/v1/*`` and ``/tokenize``, the gateway's session routes ``/sessions/*``

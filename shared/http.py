@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _AT = re.compile(r"^(.*) - at `\$((?:[.\[][^`]*)?)`$")
+_NAMED_FIELD = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]*)`")
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="streamrl"'}
 
 
@@ -63,14 +64,19 @@ def decode_body(body: bytes, cls: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as exc:
-        msg = str(exc)
-        m = _AT.match(msg)
-        if m:
-            param = m.group(2).lstrip(".") or None
-            raise bad_request(f"{m.group(1)} at field '{param}'", param=param) from None
-        raise bad_request(msg) from None
+        raise bad_request(*_field_error(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+
+
+def _field_error(msg: str) -> tuple[str, str | None]:
+    """msgspec's validation message and the field it is about (dotted from the body's root). A
+    missing or unknown field is named by the message itself, so it becomes the param too."""
+    m = _AT.match(msg)
+    what, at = (m.group(1), m.group(2).lstrip(".")) if m else (msg, "")
+    named = _NAMED_FIELD.match(what)
+    param = ".".join(p for p in (at, named.group(1) if named else "") if p) or None
+    return (f"{what} at field '{at}'" if at else what), param
 
 
 async def read_body(request: Request, cls: type[T]) -> T:

@@ -120,6 +120,15 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return id
 """
 
+# KEYS[1] stream; ARGV: group, entry id, consumer. XCLAIM ... JUSTID to the owner itself resets the
+# entry's idle time without counting a delivery.
+_TOUCH_IF_OWNED = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+if #p == 0 then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2], 'JUSTID')
+return 1
+"""
+
 
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
@@ -240,6 +249,15 @@ class StreamClient:
                 n += 1
         if n:
             log.info("released %d entries of %s back to %s", n, stream, group)
+        return n
+
+    async def touch(self, stream: str, group: str, entry_ids: Sequence[str]) -> int:
+        """Reset the idle time of the entries this consumer still holds pending, each checked and
+        touched atomically: a live holder of an entry that may wait long (an external task waiting
+        for an agent) keeps it from being reclaimed as abandoned. The number still held."""
+        n = 0
+        for entry_id in entry_ids:
+            n += int(await self.redis.eval(_TOUCH_IF_OWNED, 1, stream, group, entry_id, self.consumer))
         return n
 
     async def trim_acked(self, stream: str, *, retention_s: float = 0.0) -> int:

@@ -8,6 +8,8 @@ a per-rollout session proxy in front of the generators, and publishes token-exac
     session_client   the in-process model client the worker hands environments
     proxy            the session proxy: prepares, forwards (with failover) and records model calls
     session_routes   the session's HTTP routes, at every prefix; forwarding (cross-worker calls)
+    external         tasks of env "external", run by any agent through the session API
+                     (external_routes: POST /sessions, POST /sessions/<id>/complete)
     responses        Responses API <-> chat for the NeMo-Gym paths
     metrics          the gateway's Prometheus metrics
 """

@@ -2,12 +2,14 @@
 
 `build_app` makes what needs no I/O and keeps it on ``app.state``: the config, the advertised URL,
 the auth policy, the metrics (`services.gym_gateway.metrics`), the session forwarder and a
-`ServiceLifecycle`; it mounts the session routes (`services.gym_gateway.session_routes`) and the
+`ServiceLifecycle`; it mounts the session routes (`services.gym_gateway.session_routes`), the
+session API for external agents (`services.gym_gateway.external_routes`, control routes) and the
 probes. The lifespan then runs, in this order::
 
     open:      Redis client, HTTP client, generator pool + session proxy (``app.state.proxy``),
                task worker (``app.state.worker``), heartbeat, loop-lag probe
-    supervise: the worker loop, "gateway-worker" (ends_service: its return ends the service)
+    supervise: the worker loop, "gateway-worker" (ends_service: its return ends the service), and
+               the keep-alive of the external tasks it holds, "external-keepalive"
     yield      (the server drains the worker at SIGTERM or at the run's end, `__main__`)
     close:     the worker's drain (gym_gateway.drain_timeout_s), the tasks, the heartbeat
                (deregisters), the probe, the HTTP client, Redis; each bounded in time
@@ -30,6 +32,7 @@ import aiohttp
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI
 
+from services.gym_gateway.external_routes import router as external_router
 from services.gym_gateway.forwarding import SessionForwarder
 from services.gym_gateway.metrics import GatewayMetrics
 from services.gym_gateway.proxy import GeneratorPool, SessionProxy
@@ -48,6 +51,7 @@ from shared.streams import StreamClient, connect
 log = logging.getLogger(__name__)
 
 WORKER_TASK = "gateway-worker"
+KEEPALIVE_TASK = "external-keepalive"
 _CLOSE_TIMEOUT_S = 10.0
 
 
@@ -63,6 +67,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int) -> FastAPI:
     s.metrics = GatewayMetrics(lambda: app.state.worker)  # scraped only while the lifespan runs
     install_error_handlers(app)
     app.include_router(session_router, dependencies=[Depends(require_agent_token)])
+    app.include_router(external_router)  # control routes: the token, whatever protect_agent_routes says
     add_probe_routes(app, lambda: readiness(app), s.metrics.render_text)
     document_bodies(app)
     return app
@@ -153,6 +158,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     heartbeat.start()
     s.metrics.start_loop_lag_probe()
     lifecycle.supervise(WORKER_TASK, worker.run(), ends_service=True)
+    lifecycle.supervise(KEEPALIVE_TASK, worker.keep_external_tasks())
     log.info("gym gateway %s serving sessions at %s", s.worker_id, s.url)
     try:
         yield

@@ -5,9 +5,12 @@ the sessions of the rollouts it runs. A session route called for a session this 
 hold forwards the call as it came, once (``x-streamrl-forwarded``: a forwarded call is never sent
 on), to the other live gateway workers of the registry until one answers other than "unknown
 session"; the owner found is remembered (the last MAX_REMEMBERED_OWNERS sessions) for the
-session's next calls. No worker holding it: a 404 naming ``session_id``.
+session's next calls. No worker holding it: a 404 naming ``session_id``. The caller's
+``Authorization`` goes along: this worker checked it, and the owner checks it again (completing an
+external session is a control route, `services.gym_gateway.external_routes`).
 
-Built by `services.gym_gateway.app.build_app`; called by `services.gym_gateway.session_routes`.
+Built by `services.gym_gateway.app.build_app`; called by `services.gym_gateway.session_routes` and
+`services.gym_gateway.external_routes`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class SessionForwarder:
             raise unknown_session(session_id)
         body = await request.body()
         headers = {"content-type": request.headers.get("content-type", "application/json"), FORWARDED_HEADER: "1"}
+        if authorization := request.headers.get("authorization"):
+            headers["authorization"] = authorization
         for url in await self._candidates(session_id, proxy):
             try:
                 async with proxy.http.request(

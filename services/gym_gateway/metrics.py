@@ -9,6 +9,7 @@
     streamrl_gateway_rollouts_failed_total{reason}       failed rollouts by reason (timeout, transport, ...)
     streamrl_gateway_rollouts_retried_total{reason}      attempts run again by reason
     streamrl_gateway_tool_call_errors_total{reason}      tool calls the model wrote that cannot be used
+    streamrl_gateway_external_waiting                    external tasks waiting for an agent to claim them
     streamrl_stream_deadlettered_total{stream}, streamrl_event_loop_lag_seconds, ...  (`shared.metrics`)
 
 The worker and the proxy keep plain counts; `GatewayMetrics.render` copies them into the gauges and
@@ -79,6 +80,9 @@ class GatewayMetrics(ServiceMetrics):
             "streamrl_gateway_released_tasks_total", "Tasks handed back to the group on drain", registry=r
         )
         self.failovers = Gauge("streamrl_gateway_failovers_total", "Session moves off a dead generator", registry=r)
+        self.external_waiting = Gauge(
+            "streamrl_gateway_external_waiting", "External tasks waiting for an agent to claim them", registry=r
+        )
 
     async def render_text(self) -> bytes:
         """The exposition, with the gauges set from the worker and its proxy first."""
@@ -90,4 +94,5 @@ class GatewayMetrics(ServiceMetrics):
             self.prefix_breaks.labels(env=env).set(n)
         self.failovers.set(proxy.failovers_total)
         self.released.set(worker.released)
+        self.external_waiting.set(worker.external.waiting)
         return self.render()

@@ -5,10 +5,12 @@
         -> failed for an infra reason and retries left? -> run again (fresh session, same task)
         -> trajectory XADD + task XACK, atomically, only while this worker owns the task
     pending tasks of a dead worker --XAUTOCLAIM after reclaim_idle_s--> run here
+    env "external": the rollout first waits, outside its deadline, for an agent to claim it through
+        the session API (`services.gym_gateway.external`); its entry is kept fresh meanwhile
     the run's stop key set -> `run` returns (the app then stops the service, draining first)
     drain (SIGTERM or the run's end): stop reading -> running rollouts finish within
-        gym_gateway.drain_timeout_s -> the rest, and tasks read but not started, are released to
-        the group at once (re-added, old entry acked)
+        gym_gateway.drain_timeout_s -> the rest, and tasks read but not started (external ones no
+        agent claimed included), are released to the group at once (re-added, old entry acked)
 
 At most ``max_concurrent_rollouts`` rollouts run at once; no new task is read while the launch gate
 is closed (`shared.pause.launch_gate_closed`) or all slots are busy, so backpressure stays in
@@ -41,6 +43,7 @@ import msgspec
 
 from services.gym_gateway.envs import UnknownEnvironment, get_env
 from services.gym_gateway.envs.base import Environment, InfraError, ModelRequestError, Outcome, ToolCallFailed
+from services.gym_gateway.external import EXTERNAL_ENV, ExternalSessions
 from services.gym_gateway.nonfinite_logprobs import NAN_GENERATION_LOGPROBS
 from services.gym_gateway.proxy import NoGenerator, Session, SessionProxy
 from services.gym_gateway.session_client import SessionClient
@@ -185,6 +188,7 @@ class GatewayWorker:
         self.end_on_tool_call_error = env_cfg.on_tool_call_error == "end"
         self.max_retries = env_cfg.max_rollout_retries if env_cfg.failure_policy == "retry" else 0
         self._envs: dict[str, Environment] = {}  # one instance per environment name, built on first use
+        self.external = ExternalSessions()  # tasks of env "external", run by agents through the session API
         self.active: dict[str, asyncio.Task[None]] = {}
         self.deliveries: dict[str, Delivery[Task]] = {}  # task id -> the entry it came from (running)
         self.held: list[Delivery[Task]] = []  # read, not started yet (gate closed or no free slot)
@@ -233,6 +237,16 @@ class GatewayWorker:
                 await self._release(got)
             else:
                 self.held = got
+
+    async def keep_external_tasks(self) -> None:
+        """Keep the entries of the external tasks this worker holds from looking abandoned: one may
+        wait for an agent longer than ``reclaim_idle_s``, and another worker must not take it over
+        while this one is alive (a worker that dies stops touching, and its tasks are reclaimed)."""
+        keys = self.streams.keys
+        while True:
+            await asyncio.sleep(self.reclaim_idle_s / 4)
+            held = [d.entry_id for d in self.deliveries.values() if d.msg.env == EXTERNAL_ENV]
+            await self.streams.touch(keys.tasks, K.GATEWAYS_GROUP, held)
 
     def _env(self, name: str) -> Environment:
         env = self._envs.get(name)
@@ -295,14 +309,18 @@ class GatewayWorker:
         self.completed += 1
 
     async def _attempt(self, task: Task) -> tuple[Session, Outcome | None, Failure | None]:
-        """One run of the task's environment in a fresh session (URL-safe id: task ids contain "/")."""
+        """One run of the task's environment in a fresh session (URL-safe id: task ids contain "/").
+        An external task's session opens once an agent claimed it, and the agent plays the episode."""
         session_id = f"{task.group_id}.{task.index_in_group}.{uuid.uuid4().hex[:8]}"
+        external = task.env == EXTERNAL_ENV
         session: Session | None = None
         outcome: Outcome | None = None
         failure: Failure | None = None
         try:
+            if external:
+                await self.external.wait_claim(task, session_id)
             session = await self.proxy.open(session_id, task.kind, task.sampling, env=task.env)
-            env = self._env(task.env)
+            env = self.external if external else self._env(task.env)
             client = SessionClient(
                 self.proxy,
                 session_id,
@@ -319,6 +337,7 @@ class GatewayWorker:
                 outcome, failure = None, _tool_call_failure(session)
         except asyncio.CancelledError:
             self.proxy.close(session_id)
+            self.external.end(session_id, "the gateway worker stopped; the task goes back to the run")
             raise  # draining: the task is released by drain()
         except Exception as exc:
             failure = classify(exc)
@@ -329,6 +348,7 @@ class GatewayWorker:
             session = Session(session_id, task.kind, task.sampling, "", "", -1, env=task.env)
         if session.nan_logprob_calls:  # whatever the environment made of the refused call
             outcome, failure = None, _nan_logprob_failure(session)
+        self.external.end(session_id, failure.fallback_reason if failure else "completed")
         return session, outcome, failure
 
     async def _release(self, deliveries: list[Delivery[Task]]) -> None:
@@ -346,10 +366,14 @@ class GatewayWorker:
 
     async def drain(self, timeout_s: float) -> None:
         """Stop reading; let running rollouts finish within ``timeout_s``; release the rest, and
-        tasks read but never started, back to the group for another worker."""
+        tasks read but never started (external ones no agent claimed included), back to the group
+        for another worker."""
         self.stopping = True
         held, self.held = self.held, []
-        await self._release(held)
+        unclaimed = [self.deliveries[task_id] for task_id in self.external.close()]
+        for d in unclaimed:  # waiting for an agent, not started: released at once with the held ones
+            self.active[d.msg.task_id].cancel()
+        await self._release(held + unclaimed)
         if not self.active:
             return
         log.info("draining %d running rollouts (up to %.0fs)", len(self.active), timeout_s)

@@ -1,5 +1,6 @@
-"""Streams client against a real Valkey server: produce, consume, ack, reclaim, dead-letter."""
+"""Streams client against a real Valkey server: produce, consume, ack, reclaim, touch, dead-letter."""
 
+import asyncio
 import uuid
 
 import msgspec
@@ -87,6 +88,21 @@ async def test_a_result_is_published_once_even_when_its_task_was_taken_over(clie
     assert (await a.redis.xpending(keys.tasks, K.GATEWAYS_GROUP))["pending"] == 0
     # and a second publish for the same, now acked, entry does nothing
     assert await b.publish_and_ack(keys.trajectories, _task(103), keys.tasks, K.GATEWAYS_GROUP, theirs.entry_id) is None
+
+
+async def test_touch_keeps_only_the_holders_entries_fresh(clients):
+    a, b, keys = clients
+    await a.publish_many(keys.tasks, [_task(i) for i in range(2)])
+    held = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=2, block_ms=100)
+    ids = [d.entry_id for d in held]
+    await asyncio.sleep(0.3)
+    assert await b.touch(keys.tasks, K.GATEWAYS_GROUP, ids) == 0  # not b's: left as they are
+    assert await b.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task, min_idle_ms=250, count=1) != []  # b takes one
+    assert await a.touch(keys.tasks, K.GATEWAYS_GROUP, ids) == 1  # a still holds the other: fresh again
+    assert await b.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task, min_idle_ms=250) == []
+    info = await a.redis.xpending_range(keys.tasks, K.GATEWAYS_GROUP, "-", "+", 10)
+    assert sorted(i["consumer"] for i in info) == [b"worker-a", b"worker-b"]
+    assert {i["times_delivered"] for i in info if i["consumer"] == b"worker-a"} == {1}  # a touch is no delivery
 
 
 async def test_requeue_hands_held_entries_back_for_any_consumer(clients):
