@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/k8s_tools.sh  # kubectl (with kustomize) for the offline checks of deploy/k8s
 bash scripts/setup_openhands.sh  # the OpenHands driver's tests run a real agent in its own virtualenv
+bash scripts/setup_nemo_gym.sh  # the NeMo-Gym driver's tests run the nemo-gym package's servers in its own virtualenv
 
 .venv/bin/ruff check services shared streamrl tests scripts
 .venv/bin/ruff format --check services shared streamrl tests scripts

@@ -1,5 +1,8 @@
-"""A small NeMo-Gym deployment for tests, written to NeMo-Gym's HTTP protocol (the nemo-gym package
-needs Python >= 3.13 and Ray, so it is not installed here).
+"""Servers written to NeMo-Gym's HTTP protocol, for the driver's tests that need what the real
+package's servers do not offer: parts broken on purpose (a resources server that is down, an agent
+whose model server is not the gateway, a verify response forcing a failure kind) and an agent
+that keeps every model response it got. The real package (scripts/setup_nemo_gym.sh) is tested in
+tests/integration/test_nemo_gym_package.py.
 
 * ``head_server_app(config)``: ``GET /global_config_dict_yaml`` (the global config as YAML, sent as a
   JSON string, as NeMo-Gym's head server does).

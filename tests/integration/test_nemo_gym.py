@@ -1,6 +1,8 @@
-"""NeMo-Gym agents against streamrl: a head server, a resources server and a simple agent written to
-NeMo-Gym's protocol (tests/nemo_gym_servers.py), served on loopback ports, drive rollouts through a
-real gateway (worker, session proxy, NeMo-Gym routes) and a real generator (transformers engine).
+"""The NeMo-Gym driver's failure paths and protocol corners, against servers written to NeMo-Gym's
+protocol (tests/nemo_gym_servers.py) that can be broken on purpose: a head server, a resources
+server and a simple agent, served on loopback ports, drive rollouts through a real gateway (worker,
+session proxy, NeMo-Gym routes) and a real generator (transformers engine). The real nemo-gym
+package's servers, unbroken, are tested in test_nemo_gym_package.py.
 
 The policy is the tiny model fine-tuned to call the ``look`` tool for the row's prompt, and the
 tasks are validation tasks (greedy), so every episode is: model call 1 -> function_call ``look`` ->
@@ -151,6 +153,9 @@ def _task(gw, row: dict, i: int = 0) -> Task:
 
 
 async def test_a_nemo_gym_agent_rollout_is_recorded_token_exact(serve_app, gateway_stack, look_model):
+    """The real engine's tokens, compared with each model response as the agent got it (the
+    package's agent returns only the episode's output items: test_nemo_gym_package.py compares
+    those, on a scripted policy)."""
     async with nemo_gym(serve_app, gateway_stack, look_model) as (gw, apps):
         await gw.streams.publish(gw.streams.keys.tasks, _task(gw, _row("crossing_agent")))
         [traj] = await collect(gw.streams, 1, timeout_s=120)
