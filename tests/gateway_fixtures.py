@@ -114,6 +114,44 @@ async def collect(streams: StreamClient, n: int, timeout_s: float = 60) -> list[
     return out
 
 
+def crossing_task(head: str, i: int, env: str = "crossing") -> Task:
+    """A one-rollout training task named ``head-i`` (crossing: the green light)."""
+    return Task(
+        task_id=f"{head}-{i}/0",
+        group_id=f"{head}-{i}",
+        index_in_group=0,
+        group_size=1,
+        prompt_index=i,
+        env=env,
+        instance={"light": "green"} if env == "crossing" else {},
+        kind="train",
+        target_step=0,
+        sampling=SamplingParams(max_tokens=16),
+        deadline_s=60.0,
+    )
+
+
+async def run_tasks(stack: Stack, tasks: list[Task]) -> dict[str, Trajectory]:
+    """Publish ``tasks`` and collect one trajectory each, by the head of its group id."""
+    await stack.streams.publish_many(stack.streams.keys.tasks, tasks)
+    trajs = await collect(stack.streams, len(tasks), timeout_s=120)
+    assert len(trajs) == len(tasks)
+    return {t.group_id.split("-")[0]: t for t in trajs}
+
+
+async def counter_by_reason(stack: Stack, family: str) -> dict[str, float]:
+    """The Prometheus counter ``family`` by its ``reason`` label, from GET /metrics; and /ready
+    answers 200 (the worker still serves)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        assert (await http.get("/ready")).status_code == 200
+        text = (await http.get("/metrics")).text
+    [found] = [f for f in text_string_to_metric_families(text) if f.name == family]
+    return {s.labels["reason"]: s.value for s in found.samples if s.name.endswith("_total")}
+
+
 @dataclass
 class Stack:
     cfg: RunConfig

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.gym_gateway.envs.base import ChatClient, ModelClient, Outcome
 from services.gym_gateway.envs.crossing import LOOK_TOOL
 from shared.openai_api import ChatMessage, ResponseMessage
-from shared.protocol import SamplingParams, Task, Trajectory
-from tests.gateway_fixtures import collect
+from shared.protocol import Trajectory
+from tests.gateway_fixtures import counter_by_reason, crossing_task, run_tasks
 from tests.scripted_generator import Policy, call, say
 
 pytestmark = pytest.mark.integration
@@ -69,38 +67,6 @@ def nan_once() -> Policy:
     return play
 
 
-def _task(head: str, i: int, env: str = "crossing") -> Task:
-    return Task(
-        task_id=f"{head}-{i}/0",
-        group_id=f"{head}-{i}",
-        index_in_group=0,
-        group_size=1,
-        prompt_index=i,
-        env=env,
-        instance={"light": "green"} if env == "crossing" else {},
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(max_tokens=16),
-        deadline_s=60.0,
-    )
-
-
-async def _run(stack, tasks: list[Task]) -> dict[str, Trajectory]:
-    await stack.streams.publish_many(stack.streams.keys.tasks, tasks)
-    trajs = await collect(stack.streams, len(tasks), timeout_s=120)
-    assert len(trajs) == len(tasks)
-    return {t.group_id.split("-")[0]: t for t in trajs}
-
-
-async def _failed_counts(stack) -> dict[str, float]:
-    """streamrl_gateway_rollouts_failed_total by reason, from GET /metrics; and /ready is 200."""
-    async with httpx.AsyncClient(base_url=stack.url) as http:
-        assert (await http.get("/ready")).status_code == 200  # the worker still serves
-        text = (await http.get("/metrics")).text
-    [family] = [f for f in text_string_to_metric_families(text) if f.name == "streamrl_gateway_rollouts_failed"]
-    return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
-
-
 def _is_nan_failure(t: Trajectory) -> bool:
     return (
         t.status == "failed"
@@ -121,10 +87,12 @@ async def test_nan_generation_logprobs_end_the_rollout_as_an_infra_failure(scrip
     }
     with registered_env(agent):
         async with scripted_gateway(policies, env={"max_turns": 4}) as stack:
-            trajs = await _run(stack, [_task("nan", 0), _task("agent", 1, env=agent.name), _task("good", 2)])
-            counts = await _failed_counts(stack)
+            trajs = await run_tasks(
+                stack, [crossing_task("nan", 0), crossing_task("agent", 1, env=agent.name), crossing_task("good", 2)]
+            )
+            counts = await counter_by_reason(stack, "streamrl_gateway_rollouts_failed")
             worker = stack.gateway.state.worker
-            [after] = (await _run(stack, [_task("good", 3)])).values()  # the worker goes on serving
+            [after] = (await run_tasks(stack, [crossing_task("good", 3)])).values()  # the worker goes on serving
     assert _is_nan_failure(trajs["nan"]), trajs["nan"]
     assert _is_nan_failure(trajs["agent"]), trajs["agent"]  # the agent's own reward 1 does not stand
     [error] = agent.errors
@@ -138,7 +106,7 @@ async def test_nan_generation_logprobs_end_the_rollout_as_an_infra_failure(scrip
 async def test_a_nan_rollout_is_retried_under_the_retry_policy(scripted_gateway):
     env = {"max_turns": 4, "failure_policy": "retry", "max_rollout_retries": 1}
     async with scripted_gateway({"flaky": nan_once()}, env=env) as stack:
-        [t] = (await _run(stack, [_task("flaky", 0)])).values()
+        [t] = (await run_tasks(stack, [crossing_task("flaky", 0)])).values()
         worker = stack.gateway.state.worker
     assert t.status == "ok" and t.reward == 1.0 and t.metrics["attempts"] == 2.0
     assert worker.retried == {"nan_generation_logprobs": 1} and worker.failed == {}

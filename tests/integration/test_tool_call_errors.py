@@ -19,15 +19,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.gym_gateway.envs.base import ChatClient, ModelClient, Outcome
 from services.gym_gateway.envs.crossing import LOOK_TOOL, RULE
 from shared.openai_api import ChatMessage, FunctionCall, ResponseMessage, ToolCall
-from shared.protocol import SamplingParams, Task, Trajectory
-from tests.gateway_fixtures import collect
+from shared.protocol import Task
+from tests.gateway_fixtures import counter_by_reason, crossing_task, run_tasks
 from tests.scripted_generator import Policy, call, say, write
 
 pytestmark = pytest.mark.integration
@@ -80,22 +78,6 @@ class HttpAgent:
         return Outcome(reward=1.0)
 
 
-def _task(head: str, i: int, env: str = "crossing") -> Task:
-    return Task(
-        task_id=f"{head}-{i}/0",
-        group_id=f"{head}-{i}",
-        index_in_group=0,
-        group_size=1,
-        prompt_index=i,
-        env=env,
-        instance={"light": "green"} if env == "crossing" else {},
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(max_tokens=16),
-        deadline_s=60.0,
-    )
-
-
 def _policies(seen: dict[str, list[str]]) -> dict[str, Policy]:
     policies = {head: recovering(first, seen.setdefault(head, [])) for head, (first, _) in MALFORMED.items()}
     policies["good"] = recovering(call("look", {}), seen.setdefault("good", []))
@@ -104,23 +86,9 @@ def _policies(seen: dict[str, list[str]]) -> dict[str, Policy]:
 
 
 def _tasks() -> list[Task]:
-    return [_task(head, i) for i, head in enumerate([*MALFORMED, "good"])] + [_task("agent", 99, env="http_agent")]
-
-
-async def _run(stack, tasks: list[Task]) -> dict[str, Trajectory]:
-    await stack.streams.publish_many(stack.streams.keys.tasks, tasks)
-    trajs = await collect(stack.streams, len(tasks), timeout_s=120)
-    assert len(trajs) == len(tasks)
-    return {t.group_id.split("-")[0]: t for t in trajs}
-
-
-async def _counted(stack) -> dict[str, float]:
-    """streamrl_gateway_tool_call_errors_total by reason, from GET /metrics; and /ready is 200."""
-    async with httpx.AsyncClient(base_url=stack.url) as http:
-        assert (await http.get("/ready")).status_code == 200  # the worker still serves
-        text = (await http.get("/metrics")).text
-    [family] = [f for f in text_string_to_metric_families(text) if f.name == "streamrl_gateway_tool_call_errors"]
-    return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+    return [crossing_task(head, i) for i, head in enumerate([*MALFORMED, "good"])] + [
+        crossing_task("agent", 99, env="http_agent")
+    ]
 
 
 EXPECTED_COUNTS = {"invalid_json": 1, "invalid_arguments": 2, "missing_name": 1, "unclosed_tag": 2, "unknown_tool": 1}
@@ -130,8 +98,8 @@ async def test_by_default_the_agent_sees_an_error_and_the_rollout_goes_on(script
     seen: dict[str, list[str]] = {}
     with registered_env(HttpAgent()):
         async with scripted_gateway(_policies(seen), env={"max_turns": 4}) as stack:
-            trajs = await _run(stack, _tasks())
-            counts = await _counted(stack)
+            trajs = await run_tasks(stack, _tasks())
+            counts = await counter_by_reason(stack, "streamrl_gateway_tool_call_errors")
             worker = stack.gateway.state.worker
     for head, (_, reason) in MALFORMED.items():
         t = trajs[head]
@@ -153,10 +121,10 @@ async def test_on_tool_call_error_end_ends_the_rollout_as_a_policy_failure(scrip
     seen: dict[str, list[str]] = {}
     with registered_env(HttpAgent()):
         async with scripted_gateway(_policies(seen), env={"max_turns": 4, "on_tool_call_error": "end"}) as stack:
-            trajs = await _run(stack, _tasks())
-            counts = await _counted(stack)
+            trajs = await run_tasks(stack, _tasks())
+            counts = await counter_by_reason(stack, "streamrl_gateway_tool_call_errors")
             worker = stack.gateway.state.worker
-            [after] = (await _run(stack, [_task("good", 100)])).values()  # the worker goes on serving
+            [after] = (await run_tasks(stack, [crossing_task("good", 100)])).values()  # the worker goes on serving
     for head, (_, reason) in MALFORMED.items():
         t = trajs[head]
         assert t.status == "truncated" and t.reward == 0.0 and t.failure_kind == "policy", head
