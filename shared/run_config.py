@@ -452,6 +452,9 @@ class OpenHandsSection(_Section):
     mask_truncated: Annotated[
         bool, D("flag rollouts that end without the agent finishing (masked out of the loss)")
     ] = False
+    warm_runners: Annotated[
+        int, D("runners that import the SDK once and fork each episode; 0: a fresh process per rollout"), Meta(ge=0)
+    ] = 0
 
 
 class SweSection(_Section):

@@ -10,7 +10,8 @@
    the cost of the prefix splice, and refit latency against a plain safetensors save + load.
 4. The gym gateway (`streamrl.bench_gateway`): 256 concurrent multi-turn sessions through the
    session proxy against the same conversations sent straight to the generator: errors, latency,
-   proxy overhead per call, memory per session.
+   proxy overhead per call, memory per session; and the proxy alone at up to 4,096 sessions against
+   a stand-in generator of fixed latency (`streamrl.bench_gateway_scale`).
 5. The trainer (`streamrl.bench_trainer`): the torch backend's tokens/s against a bare torch loop
    of the same model, batch, loss and optimizer; two ranks against one; training state per rank
    at two ranks against one; asynchronous against synchronous sharded checkpoint saves.
@@ -24,10 +25,12 @@
 8. Demo variants (`streamrl.bench_demo_variants`): short demo runs at top_p 0.9 (the trainer's
    mismatch figures with and without the nucleus truncation, from the same run) and with dynamic
    sampling, against the demo's own settings.
+9. OpenHands runners (`streamrl.bench_openhands`): the OpenHands driver with warm runners against
+   a fresh runner process per rollout, rollouts per minute and CPU seconds per rollout.
 Every figure is reported against a baseline measured in the same run on the same machine (so
 noise from other load cancels out), as a ratio, or with its baseline named in its table.
-``--only generator|gateway|trainer|pipeline|refit|demo_variants`` runs one section and rewrites only
-it in BENCHMARKS.md.
+``--only generator|gateway|gateway_scale|trainer|pipeline|refit|demo_variants|openhands`` runs one
+section and rewrites only it in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from shared.streams import StreamClient, connect
 from streamrl import (
     bench_demo_variants,
     bench_gateway,
+    bench_gateway_scale,
+    bench_openhands,
     bench_pipeline,
     bench_pipeline_report,
     bench_refit,
@@ -63,7 +68,7 @@ from streamrl.bench_generator import HEADING as GENERATOR_HEADING
 from streamrl.bench_generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
 
-SECTIONS = ("generator", "gateway", "trainer", "pipeline", "refit", "demo_variants")
+SECTIONS = ("generator", "gateway", "gateway_scale", "trainer", "pipeline", "refit", "demo_variants", "openhands")
 DEMO_HEADING = "## Demo run"
 
 
@@ -303,10 +308,12 @@ def render(
     machine: str,
     generator: dict[str, Any],
     gateway: dict[str, Any],
+    gateway_scale: dict[str, Any],
     trainer: dict[str, Any],
     pipeline: dict[str, Any],
     refit: dict[str, Any],
     variants: dict[str, Any],
+    openhands: dict[str, Any],
 ) -> str:
     head = (
         f"# Benchmarks\n\nWritten by `streamrl bench` on {time.strftime('%Y-%m-%d')} ({machine}). Re-run it to "
@@ -324,6 +331,10 @@ def render(
         + render_section(generator)
         + "\n"
         + bench_gateway.render_section(gateway)
+        + "\n"
+        + bench_gateway_scale.render_section(gateway_scale)
+        + "\n"
+        + bench_openhands.render_section(openhands)
         + "\n"
         + bench_trainer.render_section(trainer)
         + "\n"
@@ -357,22 +368,31 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
     finally:
         server.stop()
     trainer = bench_trainer.trainer_benchmark(tmp / "trainer", machine) if only in (None, "trainer") else None
+    scale = (
+        bench_gateway_scale.gateway_scale_benchmark(tmp / "gateway_scale", machine)
+        if only in (None, "gateway_scale")
+        else None
+    )
+    openhands = bench_openhands.openhands_benchmark(tmp / "openhands", machine) if only in (None, "openhands") else None
     pipeline = bench_pipeline.run_pipeline_benchmark(tmp / "pipeline") if only in (None, "pipeline") else None
     results_path = tmp / "bench.json"
     if only is None:
         # only=None ran every section
         assert demo is not None and streams is not None and generator is not None and gateway is not None
         assert trainer is not None and pipeline is not None and refit is not None and variants is not None
-        text = render(demo, streams, machine, generator, gateway, trainer, pipeline, refit, variants)
+        assert openhands is not None and scale is not None
+        text = render(demo, streams, machine, generator, gateway, scale, trainer, pipeline, refit, variants, openhands)
         results = {
             "demo": demo,
             "demo_variants": variants,
             "streams": streams,
             "generator": generator,
             "gateway": gateway,
+            "gateway_scale": scale,
             "trainer": trainer,
             "pipeline": pipeline,
             "refit": refit,
+            "openhands": openhands,
         }
     else:
         text = out.read_text() if out.is_file() else "# Benchmarks\n"
@@ -384,6 +404,13 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
         if gateway is not None:
             text = replace_section(
                 text, bench_gateway.render_section(gateway), bench_gateway.HEADING, after=GENERATOR_HEADING
+            )
+        if scale is not None:
+            section = bench_gateway_scale.render_section(scale)
+            text = replace_section(text, section, bench_gateway_scale.HEADING, after=bench_gateway.HEADING)
+        if openhands is not None:
+            text = replace_section(
+                text, bench_openhands.render_section(openhands), bench_openhands.HEADING, after=bench_gateway.HEADING
             )
         if trainer is not None:
             text = replace_section(
@@ -402,10 +429,12 @@ def run_benchmarks(out: Path, only: str | None = None) -> int:
                 for k, v in (
                     ("generator", generator),
                     ("gateway", gateway),
+                    ("gateway_scale", scale),
                     ("trainer", trainer),
                     ("pipeline", pipeline),
                     ("refit", refit),
                     ("demo_variants", variants),
+                    ("openhands", openhands),
                 )
                 if v is not None
             }

@@ -9,7 +9,8 @@
     streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
     streamrl config check|explain          validate a config / list every key with its description
     streamrl bench [--only SECTION]        run the benchmarks and rewrite BENCHMARKS.md (or one section:
-                                           generator, gateway, trainer, pipeline, refit, demo_variants)
+                                           generator, gateway, trainer, pipeline, refit, demo_variants,
+                                           openhands)
     streamrl scale generator=N gym-gateway=M  resize a run's workers (--backend local|compose|k8s)
 
 Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant. Calls to

@@ -94,13 +94,19 @@ class _Clients:
         await bounded(self.redis.aclose(), "closing Redis", _CLOSE_TIMEOUT_S)
 
 
+def connector(max_concurrent_rollouts: int) -> aiohttp.TCPConnector:
+    """The gateway's connection pool. aiohttp, not httpx: httpx's pool scans every connection per
+    request, which took most of the gateway's CPU at 64 concurrent rollouts. Room for every
+    rollout's calls at once (aiohttp's default of 100 would queue the rest). Idle connections
+    expire well before the servers' keep-alive (120 s) closes them."""
+    return aiohttp.TCPConnector(limit=4 * max_concurrent_rollouts, keepalive_timeout=30.0)
+
+
 def _open_clients(cfg: RunConfig, auth: AuthPolicy) -> _Clients:
-    # aiohttp, not httpx: httpx's pool scans every connection per request, which took most of the
-    # gateway's CPU at 64 concurrent rollouts. Idle connections expire well before the servers'
-    # keep-alive (120 s) closes them. With protected agent routes the token goes with every call
-    # (generators, other gateway workers, agent servers that call back); otherwise it is never sent.
+    # With protected agent routes the token goes with every call (generators, other gateway
+    # workers, agent servers that call back); otherwise it is never sent.
     http = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=4 * cfg.gym_gateway.max_concurrent_rollouts, keepalive_timeout=30.0),
+        connector=connector(cfg.gym_gateway.max_concurrent_rollouts),
         headers=client_headers(auth.token) if auth.protect_agent_routes else None,
     )
     return _Clients(connect(cfg.redis.url or "redis://127.0.0.1:6379/0"), http)
@@ -166,6 +172,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         drain_s = s.cfg.gym_gateway.drain_timeout_s
         await bounded(worker.drain(drain_s), "draining the worker", drain_s + _CLOSE_TIMEOUT_S)
         await lifecycle.stop_tasks()
+        await bounded(worker.close_envs(), "closing the environments", _CLOSE_TIMEOUT_S)
         await bounded(heartbeat.aclose(s.worker_id), "deregistering", _CLOSE_TIMEOUT_S)
         await bounded(s.metrics.aclose(), "stopping the loop-lag probe", _CLOSE_TIMEOUT_S)
         await clients.aclose()

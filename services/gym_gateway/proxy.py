@@ -43,22 +43,18 @@ import msgspec
 import redis.asyncio as aioredis
 
 from services.gym_gateway.nonfinite_logprobs import NAN_GENERATION_LOGPROBS, finite, undecodable_nonfinite
+from services.gym_gateway.token_history import RecordedChat, RecordedCompletion, TokenHistory, common_prefix_len
 from services.gym_gateway.tool_call_errors import find_tool_call_errors
 from shared import keys as K
 from shared.http import HTTPError
-from shared.openai_api import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    RequestTag,
-)
+from shared.openai_api import ChatCompletionRequest, CompletionRequest, RequestTag
 from shared.protocol import Heartbeat, SamplingParams, TaskKind, Turn, make_turn
 from shared.registry import live_workers
 
 log = logging.getLogger(__name__)
 
-Answer = TypeVar("Answer", ChatCompletionResponse, CompletionResponse)
+Answer = TypeVar("Answer", RecordedChat, RecordedCompletion)
+__all__ = ["GeneratorPool", "NoGenerator", "Session", "SessionProxy", "common_prefix_len", "unknown_session"]
 
 
 @dataclass
@@ -70,7 +66,7 @@ class Session:
     generator_url: str
     open_version: int
     env: str = ""
-    context: list[int] = field(default_factory=list)
+    history: TokenHistory = field(default_factory=TokenHistory)  # every token so far: prompts and generations
     turns: list[Turn] = field(default_factory=list)
     prefix_breaks: int = 0
     calls: int = 0
@@ -85,23 +81,6 @@ class NoGenerator(RuntimeError):
 
 def unknown_session(session_id: str) -> HTTPError:
     return HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix. Slice comparisons run in C: one for the usual case
-    (``b`` continues ``a``), a binary search otherwise; a Python loop per token would cost
-    milliseconds per call at agent context lengths."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n - 1  # a[:lo] == b[:lo] holds; a[:hi + 1] != b[:hi + 1] is known
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class GeneratorPool:
@@ -186,8 +165,9 @@ class SessionProxy:
         self.calls_total = 0
         self.failovers_total = 0
         self.tool_call_errors_by_reason: dict[str, int] = {}
-        self._chat_decoder = msgspec.json.Decoder(ChatCompletionResponse)
-        self._completion_decoder = msgspec.json.Decoder(CompletionResponse)
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._chat_decoder = msgspec.json.Decoder(RecordedChat)
+        self._completion_decoder = msgspec.json.Decoder(RecordedCompletion)
 
     async def open(self, session_id: str, kind: TaskKind, sampling: SamplingParams, env: str = "") -> Session:
         gid, url, version = await self.pool.pick(wait_s=self.generator_wait_s)
@@ -223,8 +203,8 @@ class SessionProxy:
         updates = self._sampling_updates(s, req)
         updates["max_completion_tokens"] = None
         replays_history = any(m.role == "assistant" for m in req.messages)
-        if s.context and replays_history and req.required_prefix_token_ids is None:
-            updates["required_prefix_token_ids"] = list(s.context)
+        if s.history.length and replays_history and req.required_prefix_token_ids is None:
+            updates["required_prefix_token_ids"] = msgspec.Raw(s.history.json)  # the ids' JSON, as is
         return msgspec.structs.replace(req, **updates)
 
     async def chat(self, session_id: str, req: ChatCompletionRequest) -> bytes:
@@ -297,8 +277,8 @@ class SessionProxy:
                 async with self.http.post(
                     f"{s.generator_url}{path}",
                     data=payload,
-                    headers={"content-type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+                    headers=_JSON_HEADERS,
+                    timeout=self._timeout,
                 ) as resp:
                     status, body = resp.status, await resp.read()
             except aiohttp.ClientConnectionError as exc:  # refused, reset or dropped mid-request
@@ -346,7 +326,7 @@ class SessionProxy:
     def _record(
         self,
         s: Session,
-        prompt: list[int],
+        prompt: msgspec.Raw,
         gen: list[int],
         logprobs: list[float],
         version: int,
@@ -355,8 +335,8 @@ class SessionProxy:
         latency_s: float,
         spans: list[list[int]] | None = None,
     ) -> None:
-        keep = common_prefix_len(s.context, prompt)
-        if s.context and keep < len(s.context):
+        keep, new = s.history.split(prompt)
+        if s.history.length and keep < s.history.length:
             s.prefix_breaks += 1
             self.prefix_breaks_total += 1
             self.prefix_breaks_by_env[s.env] = self.prefix_breaks_by_env.get(s.env, 0) + 1
@@ -366,11 +346,11 @@ class SessionProxy:
                 s.env,
                 s.calls,
                 keep,
-                len(s.context),
+                s.history.length,
             )
         s.turns.append(
             make_turn(
-                prompt_ids=prompt[keep:],
+                prompt_ids=new,
                 context_len=keep,
                 generated_ids=gen,
                 generated_logprobs=logprobs,
@@ -382,15 +362,18 @@ class SessionProxy:
                 version_spans=[(int(start), int(v)) for start, v in spans or ()],
             )
         )
-        s.context = list(prompt) + list(gen)
+        s.history.advance(keep, new + gen)
         s.calls += 1
         self.calls_total += 1
 
 
-def _generation_logprobs(out: ChatCompletionResponse | CompletionResponse) -> list[float]:
-    if isinstance(out, ChatCompletionResponse):
+def _generation_logprobs(out: RecordedChat | RecordedCompletion) -> list[float]:
+    if isinstance(out, RecordedChat):
         return [lp for c in out.choices for lp in c.message.generation_log_probs]
     return [lp for c in out.choices for lp in c.generation_log_probs]
+
+
+_JSON_HEADERS = {"content-type": "application/json"}
 
 
 def _error_message(status: int, body: bytes) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.gym_gateway.token_history import RecordedMessage
 from shared.openai_api import ResponseMessage, ToolCallError
 
 
@@ -59,7 +60,9 @@ def arguments_error(name: str, arguments: str | dict[str, Any]) -> ToolCallError
     return None
 
 
-def find_tool_call_errors(message: ResponseMessage, tools: list[dict[str, Any]] | None) -> list[ToolCallError]:
+def find_tool_call_errors(
+    message: ResponseMessage | RecordedMessage, tools: list[dict[str, Any]] | None
+) -> list[ToolCallError]:
     """What the generator could not parse, then every parsed call that names a tool the request
     did not offer or whose arguments are not a JSON object."""
     errors = list(message.tool_call_errors or [])

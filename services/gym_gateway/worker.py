@@ -364,6 +364,13 @@ class GatewayWorker:
         except Exception as exc:  # Redis gone: they stay pending and are reclaimed later
             log.error("could not release %d tasks: %s; they stay pending for a reclaim", len(deliveries), exc)
 
+    async def close_envs(self) -> None:
+        """Stop what environments keep between rollouts (the OpenHands driver's warm runners)."""
+        for env in self._envs.values():
+            close = getattr(env, "aclose", None)
+            if close is not None:
+                await close()
+
     async def drain(self, timeout_s: float) -> None:
         """Stop reading; let running rollouts finish within ``timeout_s``; release the rest, and
         tasks read but never started (external ones no agent claimed included), back to the group

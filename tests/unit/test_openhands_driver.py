@@ -1,6 +1,7 @@
 """The OpenHands driver's plumbing without the SDK: the runner's job, the result -> outcome/error
 mapping, workspace set-up, the check command, and the runner process's group being killed at the
-agent time limit and on cancellation (with a stand-in runner executable, real processes)."""
+agent time limit and on cancellation (with a stand-in runner executable, real processes), and a
+warm runner (``env.openhands.warm_runners``) that cannot start."""
 
 from __future__ import annotations
 
@@ -293,3 +294,19 @@ async def test_swe_instance_is_scored_by_its_hidden_tests(tmp_path, fix):
     assert out.reward == (1.0 if fix else 0.0) and out.status == "ok"
     assert out.metrics["tests_expected"] == 3.0 and out.metrics["tests_matched"] == (3.0 if fix else 2.0)
     assert "cannot divide by zero" in prompt_file.read_text() and str(tmp_path) not in prompt_file.read_text()
+
+
+@pytest.mark.parametrize(
+    ("python", "message"),
+    [
+        ("nope/python", "env.openhands.python"),  # no interpreter at all
+        (sys.executable, "No module named 'openhands'"),  # one without the SDK: the runner's log says so
+    ],
+)
+async def test_a_warm_runner_that_cannot_start_is_a_sandbox_error(tmp_path, python, message):
+    env = OpenHandsEnv(OpenHandsSection(python=str(tmp_path / python), warm_runners=1))
+    try:
+        with pytest.raises(SandboxError, match=message):
+            await env.rollout({"prompt": "p", "check": "true"}, _client(), max_turns=1)
+    finally:
+        await env.aclose()

@@ -14,6 +14,8 @@ routes over HTTP. The process gets offline settings (``LITELLM_LOCAL_MODEL_COST_
 scrubbed environment, its own HOME and tmux socket folder. When the rollout is cancelled (its
 deadline) or ``env.openhands.timeout_s`` passes, the whole process group is killed, then every
 tmux server with a socket in the job's socket folder (tmux daemonises out of the group).
+With ``env.openhands.warm_runners`` > 0 the episode runs instead in a child forked by a warm
+runner that imported the SDK once (``openhands_pool.py``), with the same isolation.
 
 Task instances (``env: openhands`` rows):
   * ``prompt`` (the user message), ``check`` (a shell command run in the workspace afterwards),
@@ -39,14 +41,14 @@ import json
 import os
 import random
 import shutil
-import signal
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services.gym_gateway.envs.base import ModelClient, ModelRequestError, Outcome, SandboxError, TransportError
+from services.gym_gateway.envs.openhands_pool import RunnerPool, kill_group, log_tail
 from shared.run_config import EnvSection, OpenHandsSection, SweSection
 
 if TYPE_CHECKING:
@@ -62,7 +64,6 @@ OFFLINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 _PASS_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "SHELL", "TERM")
-_LOG_TAIL_CHARS = 3000
 # No workspace path: it differs per rollout, and a group's rollouts should share one prompt.
 SWE_PROMPT = (
     "The repository is the current folder. Make the smallest change to its non-test files that "
@@ -80,6 +81,18 @@ class AgentRun:
     timed_out: bool = False
 
 
+class AgentProcess(Protocol):
+    """An episode's process: a one-shot runner (``asyncio.subprocess.Process``) or a warm
+    runner's forked child (`PooledEpisode`); ``pid`` is its process group too."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
 class OpenHandsEnv:
     name = "openhands"
 
@@ -87,6 +100,7 @@ class OpenHandsEnv:
         self.cfg = cfg or OpenHandsSection()
         self.swe_cfg = swe_cfg or SweSection()
         self._swe_env: SweEnv | None = None  # built on the first SWE row
+        self.pool: RunnerPool | None = None  # warm runners, started on the first rollout
 
     @classmethod
     def from_config(cls, env_cfg: EnvSection) -> OpenHandsEnv:
@@ -96,6 +110,11 @@ class OpenHandsEnv:
     def python(self) -> Path:
         p = Path(self.cfg.python).expanduser()
         return p if p.is_absolute() else SOURCE_ROOT / p
+
+    async def aclose(self) -> None:
+        """Stop the warm runners (the gateway's shutdown)."""
+        if self.pool is not None:
+            await self.pool.aclose()
 
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         """Small file tasks: write the sum of two numbers into ``answer.txt``."""
@@ -159,9 +178,10 @@ class OpenHandsEnv:
 
     @contextlib.asynccontextmanager
     async def _scratch(self) -> AsyncIterator[Path]:
-        root = self.cfg.workspace_root
+        # absolute: the runner's paths are read from inside the workspace
+        root = Path(self.cfg.workspace_root).resolve() if self.cfg.workspace_root else None
         if root:
-            Path(root).mkdir(parents=True, exist_ok=True)
+            root.mkdir(parents=True, exist_ok=True)
         path = Path(tempfile.mkdtemp(prefix="openhands-", dir=root))
         try:
             yield path
@@ -201,10 +221,51 @@ class OpenHandsEnv:
         job_path.write_text(json.dumps(self.job(prompt, workspace, llm, max_turns=max_turns)))
         home = job_dir / "home"
         home.mkdir(exist_ok=True)
-        env = runner_env(home, job_dir / "tmux")
+        # A short socket folder: past 107 bytes of socket path the SDK's tmux falls back to a shared
+        # one, where `stop_tmux` would not find the job's servers (a deep workspace_root does it).
+        tmux_dir = Path(tempfile.mkdtemp(prefix="ohtmux-"))
+        env = runner_env(home, tmux_dir)
+        timed_out = False
+        try:
+            proc = await self._start(job_path, result_path, log_path, workspace, env)
+            try:
+                await asyncio.wait_for(proc.wait(), self.cfg.timeout_s)
+            except TimeoutError:
+                timed_out = True
+            finally:
+                # Cancelled (the rollout's deadline), timed out or done: nothing of the agent outlives it.
+                kill_group(proc.pid)
+                await asyncio.shield(stop_tmux(env))
+                with contextlib.suppress(ProcessLookupError, SandboxError):  # a dead warm runner: raised above
+                    await proc.wait()
+        finally:
+            shutil.rmtree(tmux_dir, ignore_errors=True)
+        if timed_out:
+            return AgentRun(
+                status="timeout", iterations=_read_result(result_path).get("iterations", 0), actions={}, timed_out=True
+            )
+        return parse_result(_read_result(result_path), proc.returncode, log_path)
+
+    async def _start(
+        self, job_path: Path, result_path: Path, log_path: Path, workspace: Path, env: dict[str, str]
+    ) -> AgentProcess:
+        """The episode's process: a child of a warm runner, or a one-shot runner of its own."""
+        if self.cfg.warm_runners > 0:
+            if self.pool is None:
+                self.pool = RunnerPool(
+                    self.python,
+                    RUNNER,
+                    self.cfg.tools,
+                    self.cfg.warm_runners,
+                    runner_env,
+                    self.cfg.workspace_root,
+                )
+            return await self.pool.start_episode(
+                job=job_path, result=result_path, log_path=log_path, cwd=workspace, env=env
+            )
         with open(log_path, "wb") as log:
             try:
-                proc = await asyncio.create_subprocess_exec(
+                return await asyncio.create_subprocess_exec(
                     str(self.python),
                     str(RUNNER),
                     str(job_path),
@@ -221,22 +282,6 @@ class OpenHandsEnv:
                     f"OpenHands runner could not start with env.openhands.python = {self.python} ({exc}); "
                     "run scripts/setup_openhands.sh"
                 ) from exc
-        timed_out = False
-        try:
-            await asyncio.wait_for(proc.wait(), self.cfg.timeout_s)
-        except TimeoutError:
-            timed_out = True
-        finally:
-            # Cancelled (the rollout's deadline), timed out or done: nothing of the agent outlives it.
-            kill_group(proc.pid)
-            await asyncio.shield(stop_tmux(env))
-            with contextlib.suppress(ProcessLookupError):
-                await proc.wait()
-        if timed_out:
-            return AgentRun(
-                status="timeout", iterations=_read_result(result_path).get("iterations", 0), actions={}, timed_out=True
-            )
-        return parse_result(_read_result(result_path), proc.returncode, log_path)
 
 
 def prepare_workspace(ws: Path, instance: dict[str, Any]) -> None:
@@ -293,7 +338,8 @@ def parse_result(result: dict[str, Any], returncode: int | None, log_path: Path)
     """The runner's result as an `AgentRun`, or the error it stands for."""
     if returncode != 0 or not result:
         raise SandboxError(
-            f"OpenHands runner exited with {returncode} and {'a result' if result else 'no result'}: {_tail(log_path)}"
+            f"OpenHands runner exited with {returncode} and {'a result' if result else 'no result'}: "
+            f"{log_tail(log_path)}"
         )
     kind, error = result.get("error_kind"), result.get("error")
     if kind == "model_refused":
@@ -319,11 +365,6 @@ def runner_env(home: Path, tmux_dir: Path) -> dict[str, str]:
     env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     return {**env, **OFFLINE_ENV, "HOME": str(home), "TMUX_TMPDIR": str(tmux_dir), "PYTHONUNBUFFERED": "1"}
-
-
-def kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 async def stop_tmux(env: dict[str, str]) -> None:
@@ -356,14 +397,6 @@ def _read_result(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _tail(path: Path) -> str:
-    try:
-        text = path.read_bytes()[-_LOG_TAIL_CHARS:].decode(errors="replace")
-    except OSError:
-        return "(no log)"
-    return text.strip() or "(empty log)"
 
 
 def _require_str(instance: dict[str, Any], key: str) -> str:

@@ -5,7 +5,18 @@ own dependency tree), never imported by the gateway: it uses only the standard l
 ``openhands`` packages. The driver (``envs/openhands.py``) writes the job, starts this script in
 its own process group and reads the result:
 
-    python openhands_runner.py JOB.json RESULT.json
+    python openhands_runner.py JOB.json RESULT.json     one episode, then exit
+    python openhands_runner.py --serve TOOL...          a warm runner (``env.openhands.warm_runners``)
+
+A warm runner imports the SDK (and the named tools) once, then runs episodes on request, each in
+a child forked after the import: the ~10 s of CPU the import costs is paid per runner, not per
+rollout. The child takes the episode's own working folder, environment (HOME, tmux socket folder)
+and log file, and its own process group, which the driver kills at the deadline as it kills a
+one-shot runner's. Protocol, one JSON object a line: the driver writes ``{"id", "job", "result",
+"log", "cwd", "env"}`` on stdin; the runner answers ``{"ready": pid}`` once imported, then
+``{"id", "pid"}`` when an episode's child started and ``{"id", "exit"}`` when it ended (the exit
+status as ``asyncio`` reports it: negative for a signal). At stdin's end (the gateway is gone) it
+kills its episodes' groups and exits.
 
 Job (JSON object):
     base_url            the rollout's session proxy, ``.../sessions/<id>/v1`` (OpenAI-compatible)
@@ -29,9 +40,12 @@ status 0 whenever a result was written; anything else is a harness crash.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import select
+import signal
 import sys
 import traceback
 from collections.abc import Iterable
@@ -182,16 +196,9 @@ def write_result(path: str, result: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        sys.stderr.write("usage: openhands_runner.py JOB.json RESULT.json\n")
-        return 2
-    # This script's folder holds the driver module ``openhands.py``, which would shadow the SDK.
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    for key, value in OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)
-    with open(argv[1]) as f:
+def run_episode(job_path: str, result_path: str) -> int:
+    """One episode from a job file to a result file; 0 once a result is written."""
+    with open(job_path) as f:
         job = json.load(f)
     try:
         result = run_job(job)
@@ -204,8 +211,100 @@ def main(argv: list[str]) -> int:
             "error_kind": "setup_error",
             "error": f"{type(exc).__name__}: {exc}"[:2000],
         }
-    write_result(argv[2], result)
+    write_result(result_path, result)
     return 0
+
+
+def _isolate() -> None:
+    """Drop this script's folder from ``sys.path`` (it holds the driver module ``openhands.py``,
+    which would shadow the SDK) and set the offline settings before LiteLLM is imported."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def _episode_child(req: dict[str, Any]) -> None:
+    """In the forked child: take the episode's log, folder and environment, run it, and leave
+    without returning into the runner's loop (``os._exit``: the parent's exit handlers are not
+    the child's)."""
+    code = 1
+    try:
+        with contextlib.suppress(OSError):  # the parent may have made it the group leader already
+            os.setpgid(0, 0)
+        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        code = run_episode(req["job"], req["result"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _say(msg: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def serve(tools: list[str]) -> int:
+    """The warm runner's loop: import once, then fork a child per episode request and report its
+    pid and exit status. Single-threaded (no reader thread), so forking is safe."""
+    importlib.import_module("openhands.sdk")
+    for name in tools:
+        with contextlib.suppress(ImportError):  # an unknown tool fails its episode, as one-shot
+            importlib.import_module(f"openhands.tools.{name}")
+    children: dict[int, str] = {}  # pid -> request id
+    _say({"ready": os.getpid()})
+    buf = b""
+    open_stdin = True
+    while open_stdin:
+        readable, _, _ = select.select([0], [], [], 0.2)
+        if readable:
+            chunk = os.read(0, 65536)
+            open_stdin = bool(chunk)
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.strip():
+                    req = json.loads(line)
+                    sys.stdout.flush()  # nothing buffered is copied into the child
+                    pid = os.fork()
+                    if pid == 0:
+                        _episode_child(req)
+                    with contextlib.suppress(OSError):  # its own group before the driver may kill it
+                        os.setpgid(pid, pid)
+                    children[pid] = req["id"]
+                    _say({"id": req["id"], "pid": pid})
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            rid = children.pop(pid, None)
+            if rid is not None:
+                _say({"id": rid, "exit": os.waitstatus_to_exitcode(status)})
+    for pid in children:  # the driver is gone: nothing of its episodes outlives the runner
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    _isolate()
+    if len(argv) >= 2 and argv[1] == "--serve":
+        return serve(argv[2:])
+    if len(argv) != 3:
+        sys.stderr.write("usage: openhands_runner.py JOB.json RESULT.json | --serve TOOL...\n")
+        return 2
+    return run_episode(argv[1], argv[2])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""The OpenHands driver's warm runners (``env.openhands.warm_runners``) with the real SDK in its
+own virtualenv.
+
+Covers: an episode from the tasks stream to a trajectory through a warm runner (the real gateway
+and generator, as in test_openhands_agent.py), the runners stopped with the gateway; episodes
+forked by one runner each in their own workspace, HOME and tmux socket folder, the SDK imported
+once; a runner killed while it runs an episode failing that episode as a sandbox error, its
+episode's processes killed, and the next episode running in a replacement; and the rollout's
+deadline (cancellation) and the agent time limit killing the episode's processes. The direct
+tests play the model with the bench's scripted endpoint (a terminal command and ``finish``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from services.gym_gateway.envs.base import SandboxError
+from services.gym_gateway.envs.openhands import OpenHandsEnv
+from shared.protocol import SamplingParams
+from shared.run_config import OpenHandsSection
+from streamrl.bench_openhands import ScriptedModel, scripted_client
+from tests.gateway_fixtures import collect
+from tests.integration.test_openhands_agent import OPENHANDS, _env_section, _task, openhands_venv
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
+__all__ = ["openhands_venv"]  # the module's fixture: the SDK's virtualenv must exist
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def _gone(pid: int, timeout_s: float = 30.0) -> bool:
+    for _ in range(int(timeout_s / 0.1)):
+        if not _alive(pid):
+            return True
+        await asyncio.sleep(0.1)
+    return not _alive(pid)
+
+
+async def _text(path: Path, timeout_s: float = 120.0) -> str:
+    for _ in range(int(timeout_s / 0.1)):
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        await asyncio.sleep(0.1)
+    raise TimeoutError(path)
+
+
+@pytest.fixture
+async def model():
+    scripted = ScriptedModel()
+    await scripted.start()
+    yield scripted
+    await scripted.aclose()
+
+
+def _env(**overrides) -> OpenHandsEnv:
+    return OpenHandsEnv(OpenHandsSection(**{**OPENHANDS, "warm_runners": 1, **overrides}))
+
+
+async def _episode(env: OpenHandsEnv, model: ScriptedModel, command: str, job_dir: Path):
+    """``command`` run by the agent in ``job_dir/ws``; the job's files stay in ``job_dir``."""
+    ws = job_dir / "ws"
+    ws.mkdir(parents=True)
+    return await env.run_agent(f"RUN: {command}", ws, scripted_client(model.url), max_turns=2, job_dir=job_dir)
+
+
+async def test_warm_runner_runs_an_episode_from_task_to_trajectory(gateway_stack, tmp_path):
+    scratch = tmp_path / "scratch"  # workspaces and the runners' folder; the system one is shared
+    async with gateway_stack(env=_env_section(warm_runners=1, workspace_root=str(scratch))) as st:
+        await st.streams.publish(st.streams.keys.tasks, _task(30, sampling=SamplingParams(max_tokens=8)))
+        [traj] = await collect(st.streams, 1, timeout_s=300)
+        env = st.gateway.state.worker._envs["openhands"]
+        assert isinstance(env, OpenHandsEnv) and env.pool is not None
+        runners = env.pool.pids
+    assert traj.status in ("ok", "truncated"), traj.fallback_reason
+    assert traj.turns and traj.metrics["model_calls"] == len(traj.turns) >= traj.metrics["iterations"] >= 1
+    assert traj.reward == 0.0 and traj.metrics["check_exit"] == 1.0  # the untrained model writes no answer
+    assert scratch.is_dir() and not any(scratch.iterdir())  # workspace, job and runners' folders removed
+    assert len(runners) == 1 and await _gone(runners[0])  # stopped with the gateway
+
+
+async def test_episodes_are_isolated_and_a_killed_runner_is_replaced(tmp_path, model):
+    env = _env()
+    probe = 'echo "$HOME" > home.txt; pwd > pwd.txt; echo "$TMUX_TMPDIR" > tmux.txt; ls -a "$HOME" > seen.txt'
+    probe += '; touch "$HOME/mark"'
+    try:
+        for name in ("a", "b"):
+            run = await _episode(env, model, probe, tmp_path / name)
+            assert run.status == "finished" and run.actions == {"terminal": 1, "finish": 1}
+        assert env.pool is not None and env.pool.started == 1  # one runner, the SDK imported once
+        tmux_dirs: set[str] = set()
+        for name in ("a", "b"):
+            ws = tmp_path / name / "ws"
+            assert (ws / "home.txt").read_text().strip() == str(tmp_path / name / "home")
+            assert (ws / "pwd.txt").read_text().strip() == str(ws)
+            tmux_dirs.add((ws / "tmux.txt").read_text().strip())
+            assert "mark" not in (ws / "seen.txt").read_text()  # b's HOME is not a's
+            assert (tmp_path / name / "home" / "mark").exists()
+        assert len(tmux_dirs) == 2 and not any(Path(d).exists() for d in tmux_dirs)  # each its own, removed
+
+        # killed while it runs an episode: that episode fails, its processes die with it
+        [runner] = env.pool.pids
+        pidfile = tmp_path / "sleeper.pid"
+        busy = asyncio.create_task(_episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c"))
+        sleeper = int(await _text(pidfile))
+        [episode] = [ep.pid for r in env.pool.runners for ep in r.episodes.values()]
+        os.kill(runner, signal.SIGKILL)
+        with pytest.raises(SandboxError, match="warm OpenHands runner exited"):
+            await asyncio.wait_for(busy, 60)
+        assert await _gone(episode) and await _gone(sleeper)
+
+        # the next episode gets a new runner
+        run = await _episode(env, model, "echo ok > ok.txt", tmp_path / "d")
+        assert run.status == "finished" and (tmp_path / "d" / "ws" / "ok.txt").read_text().strip() == "ok"
+        assert env.pool.started == 2 and env.pool.pids != [runner]
+    finally:
+        await env.aclose()
+
+
+async def test_deadline_and_time_limit_kill_the_episodes_processes(tmp_path, model):
+    env = _env(timeout_s=5.0)
+    try:
+        await _episode(env, model, "true", tmp_path / "warmup")  # the runner's start is not the episode's
+        assert env.pool is not None
+
+        # the rollout's deadline: the rollout is cancelled
+        pidfile = tmp_path / "cancelled.pid"
+        task = asyncio.create_task(_episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c"))
+        sleeper = int(await _text(pidfile))
+        [episode] = [ep.pid for r in env.pool.runners for ep in r.episodes.values()]
+        assert os.getpgid(episode) == episode  # the episode leads its own group
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _gone(episode) and await _gone(sleeper)
+
+        # env.openhands.timeout_s: stopped, reported as timed out
+        pidfile = tmp_path / "late.pid"
+        run = await _episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "t")
+        assert run.timed_out and run.status == "timeout"
+        assert await _gone(int(await _text(pidfile)))
+        assert env.pool.started == 1  # episodes ended, the runner stays
+    finally:
+        await env.aclose()
