@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.faults.harness import alive, start_job, valkey_pid, write_config
+from tests.faults.harness import start_job, valkey_pid, write_config
+from tests.pids import alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 

@@ -350,14 +350,6 @@ def start_job(config: Path, log: Path) -> subprocess.Popen:
         )
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie has exited; its parent has not reaped it yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def valkey_pid(redis_url: str) -> int | None:
     """The Valkey serving ``redis_url`` on this machine (its process title names its port)."""
     port = redis_url.rsplit(":", 1)[1].split("/")[0]

@@ -26,7 +26,8 @@ import yaml
 from shared import keys as K
 from shared.protocol import Trajectory, decode
 from streamrl.redis_server import RedisServer
-from tests.faults.harness import alive, assert_every_step_trained_once, ledger, start_job, valkey_pid, write_config
+from tests.faults.harness import assert_every_step_trained_once, ledger, start_job, valkey_pid, write_config
+from tests.pids import alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 

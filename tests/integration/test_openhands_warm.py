@@ -26,35 +26,11 @@ from shared.run_config import OpenHandsSection
 from streamrl.bench_openhands import ScriptedModel, scripted_client
 from tests.gateway_fixtures import collect
 from tests.integration.test_openhands_agent import OPENHANDS, _env_section, _task, openhands_venv
+from tests.pids import gone, text_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
 __all__ = ["openhands_venv"]  # the module's fixture: the SDK's virtualenv must exist
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-async def _gone(pid: int, timeout_s: float = 30.0) -> bool:
-    for _ in range(int(timeout_s / 0.1)):
-        if not _alive(pid):
-            return True
-        await asyncio.sleep(0.1)
-    return not _alive(pid)
-
-
-async def _text(path: Path, timeout_s: float = 120.0) -> str:
-    for _ in range(int(timeout_s / 0.1)):
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        await asyncio.sleep(0.1)
-    raise TimeoutError(path)
 
 
 @pytest.fixture
@@ -88,7 +64,7 @@ async def test_warm_runner_runs_an_episode_from_task_to_trajectory(gateway_stack
     assert traj.turns and traj.metrics["model_calls"] == len(traj.turns) >= traj.metrics["iterations"] >= 1
     assert traj.reward == 0.0 and traj.metrics["check_exit"] == 1.0  # the untrained model writes no answer
     assert scratch.is_dir() and not any(scratch.iterdir())  # workspace, job and runners' folders removed
-    assert len(runners) == 1 and await _gone(runners[0])  # stopped with the gateway
+    assert len(runners) == 1 and await gone(runners[0])  # stopped with the gateway
 
 
 async def test_episodes_are_isolated_and_a_killed_runner_is_replaced(tmp_path, model):
@@ -114,12 +90,12 @@ async def test_episodes_are_isolated_and_a_killed_runner_is_replaced(tmp_path, m
         [runner] = env.pool.pids
         pidfile = tmp_path / "sleeper.pid"
         busy = asyncio.create_task(_episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c"))
-        sleeper = int(await _text(pidfile))
+        sleeper = int(await text_of(pidfile))
         [episode] = [ep.pid for r in env.pool.runners for ep in r.episodes.values()]
         os.kill(runner, signal.SIGKILL)
         with pytest.raises(SandboxError, match="warm OpenHands runner exited"):
             await asyncio.wait_for(busy, 60)
-        assert await _gone(episode) and await _gone(sleeper)
+        assert await gone(episode) and await gone(sleeper)
 
         # the next episode gets a new runner
         run = await _episode(env, model, "echo ok > ok.txt", tmp_path / "d")
@@ -138,19 +114,19 @@ async def test_deadline_and_time_limit_kill_the_episodes_processes(tmp_path, mod
         # the rollout's deadline: the rollout is cancelled
         pidfile = tmp_path / "cancelled.pid"
         task = asyncio.create_task(_episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c"))
-        sleeper = int(await _text(pidfile))
+        sleeper = int(await text_of(pidfile))
         [episode] = [ep.pid for r in env.pool.runners for ep in r.episodes.values()]
         assert os.getpgid(episode) == episode  # the episode leads its own group
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await _gone(episode) and await _gone(sleeper)
+        assert await gone(episode) and await gone(sleeper)
 
         # env.openhands.timeout_s: stopped, reported as timed out
         pidfile = tmp_path / "late.pid"
         run = await _episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "t")
         assert run.timed_out and run.status == "timeout"
-        assert await _gone(int(await _text(pidfile)))
+        assert await gone(int(await text_of(pidfile)))
         assert env.pool.started == 1  # episodes ended, the runner stays
     finally:
         await env.aclose()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import stat
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from services.gym_gateway.envs.openhands import (
 )
 from shared.protocol import SamplingParams
 from shared.run_config import EnvSection, OpenHandsSection
+from tests.pids import gone, text_of
 
 pytestmark = pytest.mark.unit
 
@@ -194,33 +194,6 @@ def _fake_runner(tmp_path: Path, body: str) -> Path:
     return exe
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
-async def _gone(pid: int, timeout_s: float = 10.0) -> bool:
-    """Whether ``pid`` is gone within ``timeout_s`` (a killed process takes a moment to exit on a
-    loaded machine)."""
-    for _ in range(int(timeout_s / 0.05)):
-        if not _alive(pid):
-            return True
-        await asyncio.sleep(0.05)
-    return not _alive(pid)
-
-
-async def _wait_for_file(path: Path, timeout_s: float = 10.0) -> str:
-    for _ in range(int(timeout_s / 0.05)):
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        await asyncio.sleep(0.05)
-    raise TimeoutError(path)
-
-
 async def test_agent_time_limit_kills_the_whole_process_group(tmp_path):
     pidfile = tmp_path / "child.pid"
     exe = _fake_runner(tmp_path, f"sleep 300 & echo $! > {pidfile}; wait")
@@ -230,7 +203,7 @@ async def test_agent_time_limit_kills_the_whole_process_group(tmp_path):
     run = await env.run_agent("x", tmp_path, _client(), max_turns=1, job_dir=job_dir)
     assert run.timed_out and run.status == "timeout"
     child = int(pidfile.read_text())
-    assert await _gone(child)
+    assert await gone(child)
 
 
 async def test_cancelling_the_rollout_kills_the_runner_and_its_children(tmp_path):
@@ -240,11 +213,11 @@ async def test_cancelling_the_rollout_kills_the_runner_and_its_children(tmp_path
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     task = asyncio.create_task(env.run_agent("x", tmp_path, _client(), max_turns=1, job_dir=job_dir))
-    child = int(await _wait_for_file(pidfile))
+    child = int(await text_of(pidfile))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await _gone(child)
+    assert await gone(child)
 
 
 async def test_the_runner_gets_the_job_and_its_result_is_read(tmp_path):

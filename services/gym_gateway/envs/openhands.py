@@ -48,7 +48,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
 from services.gym_gateway.envs.base import ModelClient, ModelRequestError, Outcome, SandboxError, TransportError
-from services.gym_gateway.envs.openhands_pool import RunnerPool, kill_group, log_tail
+from services.gym_gateway.envs.openhands_pool import RunnerPool, kill_group, log_tail, runner_start_error
 from shared.run_config import EnvSection, OpenHandsSection, SweSection
 
 if TYPE_CHECKING:
@@ -278,10 +278,7 @@ class OpenHandsEnv:
                     start_new_session=True,
                 )
             except OSError as exc:
-                raise SandboxError(
-                    f"OpenHands runner could not start with env.openhands.python = {self.python} ({exc}); "
-                    "run scripts/setup_openhands.sh"
-                ) from exc
+                raise runner_start_error(self.python, exc) from exc
 
 
 def prepare_workspace(ws: Path, instance: dict[str, Any]) -> None:

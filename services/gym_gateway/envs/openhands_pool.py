@@ -34,6 +34,13 @@ READY_TIMEOUT_S = 600.0  # importing the SDK on a loaded machine; the rollout de
 _LOG_TAIL_CHARS = 3000
 
 
+def runner_start_error(python: Path, exc: OSError) -> SandboxError:
+    """The error of a runner that could not start (its interpreter is missing or not runnable)."""
+    return SandboxError(
+        f"OpenHands runner could not start with env.openhands.python = {python} ({exc}); run scripts/setup_openhands.sh"
+    )
+
+
 class PooledEpisode:
     """One episode in a warm runner's forked child; ``pid`` is also its process group. Shaped like
     ``asyncio.subprocess.Process`` where the driver uses it (``pid``, ``returncode``, ``wait``)."""
@@ -214,10 +221,7 @@ class RunnerPool:
                     start_new_session=True,
                 )
             except OSError as exc:
-                raise SandboxError(
-                    f"OpenHands runner could not start with env.openhands.python = {self.python} ({exc}); "
-                    "run scripts/setup_openhands.sh"
-                ) from exc
+                raise runner_start_error(self.python, exc) from exc
         runner = WarmRunner(proc, log_path)
         try:
             await asyncio.wait_for(asyncio.shield(runner.ready), READY_TIMEOUT_S)
