@@ -87,7 +87,7 @@ async def test_second_turn_keeps_first_turn_tokens(gen):
     [
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [USER], "n": "two"}, "n"),
-        ({"messages": [{"content": "no role"}]}, "messages[0]"),
+        ({"messages": [{"content": "no role"}]}, "messages[0].role"),
         ({}, None),
         ({"messages": [USER], "temperature": 0.3}, "temperature"),
         ({"messages": [USER], "top_k": 20}, "top_k"),

@@ -26,7 +26,7 @@ def _tree(tmp_path: Path, failing: str | None = None) -> Path:
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
     log = tmp_path / "calls.log"
-    stubs = {f"scripts/{s}.sh": s for s in ("setup", "k8s_tools", "setup_openhands")}
+    stubs = {f"scripts/{s}.sh": s for s in ("setup", "k8s_tools", "setup_openhands", "setup_nemo_gym")}
     stubs.update({f".venv/bin/{t}": t for t in ("ruff", "mypy", "python")})
     for rel, name in stubs.items():
         path = tmp_path / rel
@@ -50,6 +50,7 @@ def test_set_up_then_the_gates_then_pytest_with_the_arguments(tmp_path):
         "setup",
         "k8s_tools",
         "setup_openhands",
+        "setup_nemo_gym",
         *GATES,
         "python -m pytest -m unit",
     ]
