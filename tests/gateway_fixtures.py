@@ -28,7 +28,7 @@ import yaml
 
 from shared import keys as K
 from shared.config import load
-from shared.protocol import SamplingParams, Task, Trajectory, WeightAck, WeightAnnouncement
+from shared.protocol import SamplingParams, Task, TaskKind, Trajectory, WeightAck, WeightAnnouncement
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
 from shared.weights_format import checksum_dir, dir_num_bytes
@@ -114,21 +114,35 @@ async def collect(streams: StreamClient, n: int, timeout_s: float = 60) -> list[
     return out
 
 
-def crossing_task(head: str, i: int, env: str = "crossing") -> Task:
-    """A one-rollout training task named ``head-i`` (crossing: the green light)."""
+def single_task(
+    group_id: str,
+    env: str,
+    instance: dict[str, Any],
+    *,
+    prompt_index: int = 0,
+    kind: TaskKind = "train",
+    sampling: SamplingParams | None = None,
+    deadline_s: float = 60.0,
+) -> Task:
+    """A group of one rollout (task id ``group_id/0``) for target step 0."""
     return Task(
-        task_id=f"{head}-{i}/0",
-        group_id=f"{head}-{i}",
+        task_id=f"{group_id}/0",
+        group_id=group_id,
         index_in_group=0,
         group_size=1,
-        prompt_index=i,
+        prompt_index=prompt_index,
         env=env,
-        instance={"light": "green"} if env == "crossing" else {},
-        kind="train",
+        instance=instance,
+        kind=kind,
         target_step=0,
-        sampling=SamplingParams(max_tokens=16),
-        deadline_s=60.0,
+        sampling=sampling or SamplingParams(max_tokens=16),
+        deadline_s=deadline_s,
     )
+
+
+def crossing_task(head: str, i: int, env: str = "crossing") -> Task:
+    """A one-rollout training task named ``head-i`` (crossing: the green light)."""
+    return single_task(f"{head}-{i}", env, {"light": "green"} if env == "crossing" else {}, prompt_index=i)
 
 
 async def run_tasks(stack: Stack, tasks: list[Task]) -> dict[str, Trajectory]:

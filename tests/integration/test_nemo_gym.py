@@ -28,7 +28,7 @@ from services.gym_gateway.responses import chat_request
 from shared.protocol import Task
 from shared.responses_api import ResponsesRequest
 from streamrl.redis_server import free_port
-from tests.gateway_fixtures import collect
+from tests.gateway_fixtures import collect, single_task
 from tests.nemo_gym_servers import (
     canned_model_app,
     crossing_resources_app,
@@ -136,20 +136,9 @@ async def nemo_gym(serve_app, gateway_stack, model_dir):
 
 
 def _task(gw, row: dict, i: int = 0) -> Task:
+    sampling = gw.cfg.policy.generation.sampling("validation")
     gid = f"ng{i}-{uuid.uuid4().hex[:6]}"
-    return Task(
-        task_id=f"{gid}/0",
-        group_id=gid,
-        index_in_group=0,
-        group_size=1,
-        prompt_index=i,
-        env="nemo_gym",
-        instance=row,
-        kind="validation",
-        target_step=0,
-        sampling=gw.cfg.policy.generation.sampling("validation"),
-        deadline_s=120.0,
-    )
+    return single_task(gid, "nemo_gym", row, prompt_index=i, kind="validation", sampling=sampling, deadline_s=120.0)
 
 
 async def test_a_nemo_gym_agent_rollout_is_recorded_token_exact(serve_app, gateway_stack, look_model):

@@ -38,7 +38,7 @@ import yaml
 
 from shared.openai_api import ChatMessage, ResponseMessage
 from shared.protocol import SamplingParams, Task
-from tests.gateway_fixtures import collect
+from tests.gateway_fixtures import collect, single_task
 from tests.ports import HeldPorts
 from tests.scripted_generator import call, say
 
@@ -166,20 +166,7 @@ async def deployment(scripted_gateway, readme: Readme, workdir: Path):
 
 
 def _task(policy: str, i: int, row: dict) -> Task:
-    gid = f"{policy}-{i}"
-    return Task(
-        task_id=f"{gid}/0",
-        group_id=gid,
-        index_in_group=0,
-        group_size=1,
-        prompt_index=i,
-        env="nemo_gym",
-        instance=row,
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(max_tokens=16),
-        deadline_s=120.0,
-    )
+    return single_task(f"{policy}-{i}", "nemo_gym", row, prompt_index=i, deadline_s=120.0)
 
 
 async def test_the_package_s_agent_and_verifier_drive_rollouts_token_exact(
