@@ -19,18 +19,16 @@ and a complete sent elsewhere is forwarded to it (`services.gym_gateway.forwardi
 
 from __future__ import annotations
 
-import aiohttp
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from services.gym_gateway.external import CompleteRequest, ExternalSessions
-from services.gym_gateway.forwarding import FORWARDED_HEADER, SessionForwarder
+from services.gym_gateway.forwarding import FORWARDED_HEADER, SessionForwarder, ask_peer, peer_urls
 from services.gym_gateway.proxy import SessionProxy
 from services.gym_gateway.worker import GatewayWorker
 from shared.auth import AuthPolicy, client_headers
 from shared.http import MsgspecJSON, read_body, require_control_token
 from shared.openapi import json_body
-from shared.registry import live_workers
 
 router = APIRouter(dependencies=[Depends(require_control_token)])
 _NO_TASK = {"description": "no external task waits for an agent (or the launch gate is closed): ask again later"}
@@ -63,20 +61,10 @@ async def _claim_elsewhere(request: Request) -> Response | None:
     proxy: SessionProxy = request.app.state.proxy
     auth: AuthPolicy = request.app.state.auth
     headers = {FORWARDED_HEADER: "1", **client_headers(auth.token)}
-    for peer in await live_workers(proxy.pool.redis, proxy.pool.keys, "gym_gateway"):
-        if peer.worker_id == request.app.state.worker_id:
-            continue
-        try:
-            async with proxy.http.post(
-                f"{peer.url.rstrip('/')}/sessions",
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=proxy.request_timeout_s),
-            ) as resp:
-                status, body = resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError):
-            continue  # a worker that went away holds no task we can reach
-        if status == 200:
-            return Response(body, media_type="application/json")
+    for url in await peer_urls(proxy, request.app.state.worker_id):
+        got = await ask_peer(proxy, "POST", f"{url.rstrip('/')}/sessions", headers)
+        if got is not None and got[0] == 200:  # unreachable: a worker that went away holds no task
+            return Response(got[1], media_type="application/json")
     return None
 
 

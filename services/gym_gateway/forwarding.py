@@ -28,6 +28,25 @@ FORWARDED_HEADER = "x-streamrl-forwarded"
 MAX_REMEMBERED_OWNERS = 4096
 
 
+async def peer_urls(proxy: SessionProxy, worker_id: str) -> list[str]:
+    """Base URLs of the run's other live gateway workers."""
+    gateways = await live_workers(proxy.pool.redis, proxy.pool.keys, "gym_gateway")
+    return [w.url for w in gateways if w.worker_id != worker_id]
+
+
+async def ask_peer(
+    proxy: SessionProxy, method: str, url: str, headers: dict[str, str], body: bytes | None = None
+) -> tuple[int, bytes] | None:
+    """(status, body) of another gateway worker's answer; None when it cannot be reached."""
+    try:
+        async with proxy.http.request(
+            method, url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=proxy.request_timeout_s)
+        ) as resp:
+            return resp.status, await resp.read()
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+
+
 class SessionForwarder:
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -42,17 +61,10 @@ class SessionForwarder:
         if authorization := request.headers.get("authorization"):
             headers["authorization"] = authorization
         for url in await self._candidates(session_id, proxy):
-            try:
-                async with proxy.http.request(
-                    request.method,
-                    f"{url.rstrip('/')}{request.url.path}",
-                    data=body,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=proxy.request_timeout_s),
-                ) as resp:
-                    status, answer = resp.status, await resp.read()
-            except (TimeoutError, aiohttp.ClientError):
+            got = await ask_peer(proxy, request.method, f"{url.rstrip('/')}{request.url.path}", headers, body)
+            if got is None:
                 continue  # a worker that went away holds no session we can reach
+            status, answer = got
             if status == 404 and b'"session_id"' in answer:
                 continue
             self._remember(session_id, url)
@@ -63,8 +75,7 @@ class SessionForwarder:
     async def _candidates(self, session_id: str, proxy: SessionProxy) -> list[str]:
         if session_id in self.owners:
             return [self.owners[session_id]]
-        gateways = await live_workers(proxy.pool.redis, proxy.pool.keys, "gym_gateway")
-        return [w.url for w in gateways if w.worker_id != self.worker_id]
+        return await peer_urls(proxy, self.worker_id)
 
     def _remember(self, session_id: str, url: str) -> None:
         self.owners[session_id] = url
