@@ -1,0 +1,96 @@
+"""The torch backend's weights and state: the policy published for the generators (gathered one
+tensor at a time, each rank writing its share of the files) and the learner's checkpoints (a
+Distributed Checkpoint of model and optimizer, any world size; the schedule and RNG from rank 0).
+Mixed into `services.trainer.backends.torch_backend.TorchBackend`, which owns the attributes."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.trainer.ranks import Ranks
+from services.trainer.weight_export import DEFAULT_MAX_SHARD_BYTES, ShardWriter, rank_tensors
+
+
+class TorchState:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # torch.optim.lr_scheduler.LRScheduler
+    ranks: Ranks
+    dtype: torch.dtype
+    async_save: bool
+    updates: int
+    _pending_save: Future[Any] | Any | None
+
+    # Tests lower it to spread a tiny model over many files.
+    max_weight_file_bytes: int = DEFAULT_MAX_SHARD_BYTES
+
+    def save_weights(self, out_dir: Path) -> dict[str, str]:
+        """Publish the policy in the compute precision, gathered one tensor at a time; every rank
+        calls it and writes its share of the files (`services.trainer.weight_export`). The files'
+        digests (file name -> digest): this rank's, and on rank 0 every rank's."""
+        writer = ShardWriter(out_dir, self.max_weight_file_bytes, ranks=self.ranks)
+        for name, tensor in rank_tensors(self.model, self.dtype, self.ranks, skip=self._tied_keys()):
+            writer.add(name, tensor)
+        writer.close()
+        if self.ranks.is_root:
+            self.model.config.save_pretrained(out_dir)
+            gen_config = getattr(self.model, "generation_config", None)
+            if gen_config is not None:
+                gen_config.save_pretrained(out_dir)
+        return writer.manifest
+
+    def _tied_keys(self) -> frozenset[str]:
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        return frozenset({"lm_head.weight"}) if tied else frozenset()
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Model and optimizer as a Distributed Checkpoint (every rank writes its shard; any world
+        size reads it back), the schedule and RNG from rank 0. With ``async_save`` this returns
+        once the shards are staged in memory; `wait_for_save` returns once they are on disk."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait_for_save()
+        state = self._dcp_state()
+        if self.ranks.is_root:
+            torch.save(self._trainer_state(), path / "trainer_state.pt")
+        where = str(path / "shards")
+        if self.async_save:
+            group = self.ranks.checkpoint_group
+            self._pending_save = dcp.async_save(state, checkpoint_id=where, process_group=group, no_dist=group is None)
+        else:
+            dcp.save(state, checkpoint_id=where, no_dist=not self.ranks.sharded)
+
+    def wait_for_save(self) -> None:
+        """Block until the last asynchronous checkpoint write is on disk (raises its error)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            getattr(pending, "upload_completion", pending).result()
+
+    def load_checkpoint(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(path / "shards"), no_dist=not self.ranks.sharded)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        extra = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.updates = int(extra["updates"])
+        torch.set_rng_state(extra["torch_rng"])
+
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "updates": self.updates,
+            "torch_rng": torch.get_rng_state(),
+        }
