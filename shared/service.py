@@ -29,6 +29,7 @@ then shuts down as uvicorn does. A second signal skips the rest of the drain.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -131,6 +132,17 @@ class ServiceLifecycle:
             _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
             for task in stuck:
                 log.warning("%s: task %s did not stop within %.0fs", self.name, task.get_name(), timeout_s)
+
+
+def freeze_startup_objects() -> int:
+    """Exempt what exists once a service has started (modules, classes, functions, its clients:
+    about 100,000 objects in the gym gateway) from every later garbage collection, and return how
+    many. Each full collection otherwise walks them all again: 50-70 ms of a stalled event loop,
+    measured at 1,024 sessions, every call in flight waiting on it. Objects freed by their last
+    reference still go at once; only cycles among them would stay."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 async def bounded(coro: Awaitable[Any], what: str, timeout_s: float) -> None:

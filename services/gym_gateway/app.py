@@ -36,6 +36,7 @@ from services.gym_gateway.external_routes import router as external_router
 from services.gym_gateway.forwarding import SessionForwarder
 from services.gym_gateway.metrics import GatewayMetrics
 from services.gym_gateway.proxy import GeneratorPool, SessionProxy
+from services.gym_gateway.session_calls import SessionCalls
 from services.gym_gateway.session_routes import router as session_router
 from services.gym_gateway.worker import GatewayWorker
 from shared import keys as K
@@ -45,7 +46,14 @@ from shared.openapi import document_bodies
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
-from shared.service import Readiness, ServiceLifecycle, add_probe_routes, advertised_url, bounded
+from shared.service import (
+    Readiness,
+    ServiceLifecycle,
+    add_probe_routes,
+    advertised_url,
+    bounded,
+    freeze_startup_objects,
+)
 from shared.streams import StreamClient, connect
 
 log = logging.getLogger(__name__)
@@ -66,11 +74,18 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int) -> FastAPI:
     s.forwarder = SessionForwarder(worker_id)
     s.metrics = GatewayMetrics(lambda: app.state.worker)  # scraped only while the lifespan runs
     install_error_handlers(app)
-    app.include_router(session_router, dependencies=[Depends(require_agent_token)])
+    mount_session_routes(app)
     app.include_router(external_router)  # control routes: the token, whatever protect_agent_routes says
     add_probe_routes(app, lambda: readiness(app), s.metrics.render_text)
     document_bodies(app)
     return app
+
+
+def mount_session_routes(app: FastAPI) -> None:
+    """The session routes behind the agent token, and in front of them the held sessions' model
+    calls without the framework's per-call work (`services.gym_gateway.session_calls`)."""
+    app.include_router(session_router, dependencies=[Depends(require_agent_token)])
+    app.add_middleware(SessionCalls)
 
 
 def readiness(app: FastAPI) -> Readiness:
@@ -165,7 +180,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     s.metrics.start_loop_lag_probe()
     lifecycle.supervise(WORKER_TASK, worker.run(), ends_service=True)
     lifecycle.supervise(KEEPALIVE_TASK, worker.keep_external_tasks())
-    log.info("gym gateway %s serving sessions at %s", s.worker_id, s.url)
+    frozen = freeze_startup_objects()
+    log.info(
+        "gym gateway %s serving sessions at %s (%d start-up objects out of the collector)", s.worker_id, s.url, frozen
+    )
     try:
         yield
     finally:

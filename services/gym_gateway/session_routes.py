@@ -32,6 +32,10 @@ agent token when ``auth.protect_agent_routes`` is set.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
 import aiohttp
 import msgspec
 from fastapi import APIRouter, Request
@@ -40,7 +44,7 @@ from fastapi.responses import Response
 from services.gym_gateway.forwarding import SessionForwarder
 from services.gym_gateway.proxy import Session, SessionProxy
 from services.gym_gateway.responses import build_response, chat_request
-from shared.http import HTTPError, MsgspecJSON, read_body
+from shared.http import HTTPError, MsgspecJSON, decode_body, read_body
 from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, TokenizeRequest
 from shared.openapi import json_body
 from shared.responses_api import ResponsesRequest
@@ -94,29 +98,54 @@ async def _to_generator(proxy: SessionProxy, s: Session, method: str, path: str,
         raise HTTPError(502, f"generator {s.generator_id} unreachable: {type(exc).__name__}: {exc}") from exc
 
 
-@session_router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
-async def chat(session_id: str, request: Request) -> Response:
-    req = await read_body(request, ChatCompletionRequest)
-    if (elsewhere := await _elsewhere(request, session_id)) is not None:
-        return elsewhere
-    return _json(await _proxy(request).chat(session_id, req))
+async def _chat(proxy: SessionProxy, session_id: str, req: ChatCompletionRequest) -> bytes:
+    return await proxy.chat(session_id, req)
 
 
-@session_router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
-async def completions(session_id: str, request: Request) -> Response:
-    req = await read_body(request, CompletionRequest)
-    if (elsewhere := await _elsewhere(request, session_id)) is not None:
-        return elsewhere
-    return _json(await _proxy(request).completion(session_id, req))
+async def _completions(proxy: SessionProxy, session_id: str, req: CompletionRequest) -> bytes:
+    return await proxy.completion(session_id, req)
 
 
-@session_router.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
-async def responses(session_id: str, request: Request) -> Response:
-    req = await read_body(request, ResponsesRequest)
-    if (elsewhere := await _elsewhere(request, session_id)) is not None:
-        return elsewhere
-    body = await _proxy(request).chat(session_id, chat_request(req))
-    return MsgspecJSON(build_response(req, _chat_decoder.decode(body)))
+async def _responses(proxy: SessionProxy, session_id: str, req: ResponsesRequest) -> bytes:
+    body = await proxy.chat(session_id, chat_request(req))
+    return msgspec.json.encode(build_response(req, _chat_decoder.decode(body)))
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """A recorded model call under a session prefix: its body's type and what answers it."""
+
+    request: type[Any]
+    answer: Callable[[SessionProxy, str, Any], Awaitable[bytes]]
+
+
+# Path (relative to the session prefix) -> the call; served by these routes and, for a session
+# this worker holds, by `services.gym_gateway.session_calls` in front of the framework.
+MODEL_CALLS: dict[str, ModelCall] = {
+    "/v1/chat/completions": ModelCall(ChatCompletionRequest, _chat),
+    "/v1/completions": ModelCall(CompletionRequest, _completions),
+    "/v1/responses": ModelCall(ResponsesRequest, _responses),
+}
+
+
+def _model_route(call: ModelCall) -> Callable[[str, Request], Awaitable[Response]]:
+    async def route(session_id: str, request: Request) -> Response:
+        req = decode_body(await request.body(), call.request)
+        if (elsewhere := await _elsewhere(request, session_id)) is not None:
+            return elsewhere
+        return _json(await call.answer(_proxy(request), session_id, req))
+
+    return route
+
+
+for _path, _call in MODEL_CALLS.items():
+    session_router.add_api_route(
+        _path,
+        _model_route(_call),
+        methods=["POST"],
+        openapi_extra=json_body(_call.request),
+        name=_call.answer.__name__.lstrip("_"),
+    )
 
 
 @session_router.get("/v1/models")

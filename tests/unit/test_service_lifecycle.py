@@ -88,3 +88,21 @@ async def test_probes_answer_and_a_failed_service_is_not_ready():
     doc = app.openapi()["paths"]
     assert list(doc["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert "application/json" in doc["/ready"]["get"]["responses"]["200"]["content"]
+
+
+def test_start_up_objects_are_left_out_of_later_collections():
+    import gc
+
+    from shared.service import freeze_startup_objects
+
+    class Kept:
+        pass
+
+    kept = Kept()
+    try:
+        frozen = freeze_startup_objects()
+        assert frozen == gc.get_freeze_count() > 1000  # the interpreter's and the test's modules
+        assert not any(o is kept for o in gc.get_objects())  # a later collection never walks it
+    finally:
+        gc.unfreeze()
+    assert any(o is kept for o in gc.get_objects())
