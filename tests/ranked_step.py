@@ -8,8 +8,10 @@ as ``python -m services.trainer`` under torchrun wires them, minus the control p
 writes OUT/metrics.json (each step's LearnerMetrics), OUT/weights (the published weights, float32,
 in files of at most --max-weight-file-bytes) with OUT/manifest.json (what `export_weights`
 returned), and with --save OUT/ckpt (a learner checkpoint after the last step). Every rank R
-writes OUT/manifest-rankR.json, what its backend's `save_weights` returned. --load restores a learner
-checkpoint (written at any world size) before training. --kill-rank R --kill-step S: rank R
+writes OUT/manifest-rankR.json, what its backend's `save_weights` returned, and
+OUT/load-rankR.json, the bytes it read of the checkpoint when it read only its shards (null when
+it loaded it whole). --load restores a learner checkpoint (written at any world size) before
+training. --kill-rank R --kill-step S: rank R
 kills itself (SIGKILL) inside step S's first forward pass.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -110,6 +113,7 @@ def main() -> int:
         if args.max_weight_file_bytes is not None:
             backend.max_weight_file_bytes = args.max_weight_file_bytes
         _record_manifest(backend, out / f"manifest-rank{ranks.rank}.json")
+        (out / f"load-rank{ranks.rank}.json").write_text(json.dumps({"bytes_read": backend.checkpoint_bytes_read}))
         return backend
 
     try:

@@ -227,3 +227,19 @@ def test_a_killed_rank_fails_its_partner_within_the_collective_timeout(tiny_mode
     assert waited < TIMEOUT_S + 30
     if killed == 1:
         assert "trainer ranks lost during train" in output, output[-3000:]
+
+
+def test_each_rank_reads_only_its_shards_of_the_checkpoint(tiny_model_dir, tmp_path):
+    """At two ranks the policy is built on the meta device, sharded, then filled from the
+    safetensors file, each rank reading its own rows: about half the bytes each, the whole model
+    between them, and the model is the checkpoint exactly (exported without a step)."""
+    double = two_ranks(tiny_model_dir, tmp_path / "ws2", "--steps", "0", *SMALL_FILES)
+    start = load_file(tiny_model_dir / "model.safetensors")
+    exported = weights(double)
+    assert sorted(exported) == sorted(start)
+    assert all(torch.equal(exported[k], start[k].float()) for k in start)
+    read = [json.loads((double / f"load-rank{r}.json").read_text())["bytes_read"] for r in (0, 1)]
+    total = sum(t.numel() * t.element_size() for t in start.values())
+    assert sum(read) == total and max(read) < 0.6 * total
+    single = one_rank(tiny_model_dir, tmp_path / "ws1", "--steps", "0")
+    assert json.loads((single / "load-rank0.json").read_text())["bytes_read"] is None  # one rank: loaded whole

@@ -54,6 +54,7 @@ from services.trainer.backends.torch_state import TorchState
 from services.trainer.batch import Row, StepBatch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss, kl_estimate
 from services.trainer.ranks import SINGLE, Ranks
+from services.trainer.sharded_load import can_load_sharded, load_sharded
 from services.trainer.sharding import shard_model
 from services.trainer.step_plan import RankShare, lr_schedule, plan_step
 from shared.nucleus import sampled_logprobs
@@ -112,6 +113,7 @@ class TorchBackend(TorchState):
         self.grpo = grpo or GrpoSection()  # the advantage estimator's settings (loss_fn.use_kl_in_reward)
         self.dtype = torch.float32 if policy.precision == "float32" else torch.bfloat16  # compute and publish
         self.device = ranks.device
+        self.checkpoint_bytes_read: int | None = None  # by this rank when it read only its shards
         self.model = self._build_model()
         self.model.train()
         self.pad_id = self._pad_token_id()
@@ -162,13 +164,22 @@ class TorchBackend(TorchState):
     def _build_model(self) -> torch.nn.Module:
         """The policy as a trainable module on ``self.device`` (float32 master weights), sharded
         over the ranks when there are several."""
-        model = _load_model(self.policy.model_name, torch.float32)
-        if self.policy.dtensor_cfg.activation_checkpointing:
+        path, dtensor = self.policy.model_name, self.policy.dtensor_cfg
+        if self.ranks.sharded and can_load_sharded(path):  # each rank reads only its shards
+            model, self.checkpoint_bytes_read = load_sharded(
+                path,
+                self.ranks,
+                self.dtype,
+                activation_checkpointing=dtensor.activation_checkpointing,
+                cpu_offload=dtensor.cpu_offload,
+            )
+            return model
+        model = _load_model(path, torch.float32)
+        if dtensor.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.ranks.sharded:
             return model.to(self.device)
-        offload = self.policy.dtensor_cfg.cpu_offload
-        return shard_model(model.to(self.device), self.ranks, self.dtype, cpu_offload=offload)
+        return shard_model(model.to(self.device), self.ranks, self.dtype, cpu_offload=dtensor.cpu_offload)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bfloat16 compute over float32 weights on one rank (FSDP2 casts on its own)."""
