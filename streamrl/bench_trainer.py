@@ -136,6 +136,10 @@ def trainer_benchmark(work: Path, machine: str) -> dict[str, Any]:
     compare = run_worker("compare", small, work / "compare.json", [*rounds, "--threads", "1", *THROUGHPUT_ROWS])
     scale = run_worker("scale", small, work / "scale.json", [*rounds, *THROUGHPUT_ROWS], WORLD_SIZE)
     state = run_worker("state", large, work / "state.json", ["--saves", str(SAVES), *STATE_ROWS], WORLD_SIZE)
+    loading = {
+        how: run_worker("load", large, work / f"load-{how}.json", flags, WORLD_SIZE)["ranks"]
+        for how, flags in (("whole", ["--whole"]), ("shards", []))
+    }
     return {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine,
@@ -150,6 +154,7 @@ def trainer_benchmark(work: Path, machine: str) -> dict[str, Any]:
         "scaling": paired(scale["rounds"], "ranked", "single", scale["tokens"]),
         "memory": memory(state),
         "checkpoint": checkpoints(state["saves"]),
+        "loading": loading,
         "load_avg": {
             name: _range([r["load_avg"] for r in w["rounds"]])
             for name, w in (("throughput", compare), ("scaling", scale))
@@ -165,6 +170,31 @@ def _range(values: list[float]) -> list[float]:
 
 def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
+
+
+def _loading_lines(t: dict[str, Any]) -> list[str]:
+    """Building the policy at many ranks: the whole checkpoint on every rank against each rank
+    reading its own shards (the largest rank's figures)."""
+    loading = t.get("loading")
+    if not loading:
+        return []
+    worst = {how: {k: max(r[k] or 0 for r in ranks) for k in ranks[0]} for how, ranks in loading.items()}
+    w, sh = worst["whole"], worst["shards"]
+    return [
+        f"| building the policy at {t['world_size']} ranks, same model (float32 master weights) | peak memory "
+        "growth (MiB) | checkpoint bytes read (MiB) | seconds |",
+        "|---|---|---|---|",
+        f"| the whole checkpoint loaded on every rank, then sharded | {w['peak_growth'] / 2**20:.0f} | whole file "
+        f"| {w['seconds']:.1f} |",
+        f"| each rank reads its own rows (`services.trainer.sharded_load`) | {sh['peak_growth'] / 2**20:.0f} | "
+        f"{sh['bytes_read'] / 2**20:.0f} | {sh['seconds']:.1f} |",
+        f"| own rows / whole | {sh['peak_growth'] / max(w['peak_growth'], 1):.2f} | | "
+        f"{sh['seconds'] / w['seconds']:.2f} |",
+        "",
+        "Per rank, the largest of the ranks: the growth of its peak resident memory while the backend builds "
+        "the policy, from before to after (each way in fresh processes).",
+        "",
+    ]
 
 
 def render_section(t: dict[str, Any]) -> str:
@@ -232,6 +262,7 @@ def render_section(t: dict[str, Any]) -> str:
         f"| asynchronous / synchronous | {asyn['blocking_s'] / sync['blocking_s']:.2f} | "
         f"{asyn['on_disk_s'] / sync['on_disk_s']:.2f} |",
         "",
+        *_loading_lines(t),
         f"The section took {t['section_s'] / 60:.1f} min, model builds and process starts included.",
         "",
     ]

@@ -3,6 +3,7 @@
     python -m streamrl.bench_trainer_worker compare MODEL OUT.json --rounds R --threads T
     torchrun --nproc-per-node N -m streamrl.bench_trainer_worker scale MODEL OUT.json --rounds R
     torchrun --nproc-per-node N -m streamrl.bench_trainer_worker state MODEL OUT.json --saves S
+    torchrun --nproc-per-node N -m streamrl.bench_trainer_worker load MODEL OUT.json [--whole]
 
 * ``compare`` (one rank): the real backend (`TorchBackend.train_step`) against `BareLoop`, the same
   model, batch, loss and AdamW written plainly in torch, alternated step by step for R rounds.
@@ -14,6 +15,9 @@
   backend after the same step; then S synchronous and S asynchronous `save_checkpoint` calls,
   alternated: the time until it returns and until the checkpoint is on disk (`wait_for_save`),
   the slowest rank's.
+* ``load``: each rank's peak memory growth, seconds and checkpoint bytes read while it builds the
+  policy: reading only its shards (`services.trainer.sharded_load`), or with ``--whole`` loading
+  the whole checkpoint and then sharding it.
 
 Rank 0 writes OUT.json. The batch is fixed by a seed, so every rank and every process builds the same.
 """
@@ -252,6 +256,29 @@ def state(cfg: RunConfig, ranks: Ranks, batch: StepBatch, saves: int, work: Path
     return out if ranks.is_root else None
 
 
+def building(cfg: RunConfig, ranks: Ranks, whole: bool) -> dict[str, Any] | None:
+    """Under torchrun: what building the policy costs each rank: the growth of its peak resident
+    memory, the seconds, and the checkpoint bytes it read. ``whole``: as every rank did before
+    reading only its shards (the whole checkpoint loaded, then sharded)."""
+    import resource
+
+    import torch.distributed.fsdp  # noqa: F401  (imports are not what is measured)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    TorchBackend.read_own_shards = not whole
+    with torch.device("meta"):  # the model's code imported, nothing allocated
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.policy.model_name))
+    gc.collect()
+    before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    t0 = time.perf_counter()
+    backend = TorchBackend.from_config(cfg, ranks)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    row = {"peak_growth": max(0, peak - before), "seconds": seconds, "bytes_read": backend.checkpoint_bytes_read}
+    rows = ranks.gather(row)
+    return {"ranks": rows} if ranks.is_root else None
+
+
 def _save(backend: TorchBackend, ranks: Ranks, path: Path) -> dict[str, float]:
     """Seconds until `save_checkpoint` returns and until the checkpoint is on disk, the slowest rank's."""
     import torch.distributed as dist
@@ -274,7 +301,7 @@ def _save(backend: TorchBackend, ranks: Ranks, path: Path) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("compare", "scale", "state"))
+    p.add_argument("mode", choices=("compare", "scale", "state", "load"))
     p.add_argument("model")
     p.add_argument("out")
     p.add_argument("--threads", type=int, default=1)
@@ -283,6 +310,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--whole", action="store_true", help="load: the whole checkpoint on every rank")
     p.add_argument("--set", action="append", default=[], help="config override key=value")
     args = p.parse_args()
     out = Path(args.out)
@@ -295,8 +323,10 @@ def main() -> int:
             result: dict[str, Any] | None = compare(cfg, batch, args.rounds)
         elif args.mode == "scale":
             result = scale(cfg, ranks, batch, args.rounds)
-        else:
+        elif args.mode == "state":
             result = state(cfg, ranks, batch, args.saves, out.parent / f"{out.stem}-ckpt")
+        else:
+            result = building(cfg, ranks, args.whole)
     finally:
         leave()
     if result is not None:

@@ -31,7 +31,9 @@ generators load in place.
 With a reference policy (``loss_fn.reference_policy_kl_penalty`` > 0) a frozen copy of the initial
 policy scores every micro-batch for the loss's KL term; with ``loss_fn.use_kl_in_reward`` it
 scores the step's rows once before the updates instead, and the rows train on the advantages of
-the KL-shaped rewards (`services.trainer.kl_reward`).
+the KL-shaped rewards (`services.trainer.kl_reward`). Mixed in: the weights and checkpoints
+(`torch_state`), the step's figures (`torch_metrics`) and the KL-shaped rewards (`torch_kl_reward`);
+at many ranks the policy is read shard by shard (`services.trainer.sharded_load`).
 
 Called by the trainer loop (in a worker thread, so the event loop keeps serving REST and streams).
 """
@@ -42,17 +44,18 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.trainer import kl_reward, mismatch, packing
+from services.trainer import mismatch, packing
+from services.trainer.backends.torch_kl_reward import KLRewardShaping
+from services.trainer.backends.torch_metrics import StepTotals, TorchStepMetrics
 from services.trainer.backends.torch_state import TorchState
 from services.trainer.batch import Row, StepBatch
-from services.trainer.loss import LossNormalizer, clipped_pg_loss, kl_estimate
+from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from services.trainer.ranks import SINGLE, Ranks
 from services.trainer.sharded_load import can_load_sharded, load_sharded
 from services.trainer.sharding import shard_model
@@ -71,24 +74,13 @@ log = logging.getLogger(__name__)
 _SUMS = LossNormalizer(valid_tokens=1.0, valid_sequences=1.0)
 
 
-@dataclass
-class _StepTotals:
-    """What a step's updates and micro-batches add up."""
-
-    sums: dict[str, float] = field(default_factory=dict)
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    records: list[mismatch.SeqRecord] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)  # row lengths of each micro-batch run
-
-
 def _load_model(path: str, dtype: torch.dtype) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
-class TorchBackend(TorchState):
+class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
     def __init__(
         self,
         policy: PolicySection,
@@ -142,6 +134,9 @@ class TorchBackend(TorchState):
         )
 
     name = "torch"
+    # At many ranks each rank reads only its shards of the checkpoint when it can; the trainer
+    # benchmark turns it off to compare with loading the whole checkpoint on every rank.
+    read_own_shards = True
 
     @classmethod
     def from_config(cls, cfg: RunConfig, ranks: Ranks = SINGLE) -> Self:
@@ -165,7 +160,7 @@ class TorchBackend(TorchState):
         """The policy as a trainable module on ``self.device`` (float32 master weights), sharded
         over the ranks when there are several."""
         path, dtensor = self.policy.model_name, self.policy.dtensor_cfg
-        if self.ranks.sharded and can_load_sharded(path):  # each rank reads only its shards
+        if self.ranks.sharded and self.read_own_shards and can_load_sharded(path):
             model, self.checkpoint_bytes_read = load_sharded(
                 path,
                 self.ranks,
@@ -288,7 +283,7 @@ class TorchBackend(TorchState):
             )
         num_updates = len(share.updates)
         micro = self.policy.train_micro_batch_size
-        acc = _StepTotals()
+        acc = StepTotals()
         if self.loss_cfg.use_kl_in_reward:
             share = self._shape_rewards(share, acc)
         needs_prev = num_updates > 1 and not self.loss_cfg.force_on_policy_ratio
@@ -308,7 +303,7 @@ class TorchBackend(TorchState):
         most = int(self.ranks.all_max([float(len(mbs))])[0])
         return [*mbs, *[None] * (most - len(mbs))]
 
-    def _update(self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: _StepTotals, filler: Row) -> None:
+    def _update(self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: StepTotals, filler: Row) -> None:
         """One optimizer update over ``rows`` (this rank's share of it), accumulated over
         micro-batches; the gradients, summed over ranks, are normalised once the update's global
         valid-token (or sequence) count is known."""
@@ -363,7 +358,7 @@ class TorchBackend(TorchState):
         return self.ref_model is not None and not self.loss_cfg.use_kl_in_reward
 
     def _micro_batch_loss(
-        self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: _StepTotals
+        self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: StepTotals
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's summed loss and its valid tokens per row (after sequence masking)."""
         mb = self._inputs(rows)
@@ -392,101 +387,6 @@ class TorchBackend(TorchState):
         for k, v in m.items():
             acc.sums[k] = max(acc.sums.get(k, 0.0), v) if k.startswith("max_") else acc.sums.get(k, 0.0) + v
         return loss, mask.sum(dim=1)
-
-    def _shape_rewards(self, share: RankShare, acc: _StepTotals) -> RankShare:
-        """``loss_fn.use_kl_in_reward``: the share with its rows' advantages recomputed from the
-        whole step's KL-shaped rewards (`services.trainer.kl_reward`)."""
-        assert share.rollouts, "plan_step(..., reward_kl=True) gives every share the step's rollouts"
-        mine, total, tokens = self._sequence_kl(share.rows + share.baseline_rows, share.filler)
-        acc.sums["reward_kl_sum"], acc.sums["reward_kl_tokens"] = total, tokens
-        g = self.grpo
-        adv = kl_reward.shaped_advantages(
-            share.rollouts,
-            kl_reward.merge_sums(self.ranks.gather(mine)),
-            self.loss_cfg.reference_policy_kl_penalty,
-            group_size=g.num_generations_per_prompt,
-            leave_one_out=g.use_leave_one_out_baseline,
-            normalize=g.normalize_rewards,
-        )
-        return replace(share, updates=[[replace(r, advantage=adv[r.task_id]) for r in u] for u in share.updates])
-
-    def _sequence_kl(self, rows: list[Row], filler: Row) -> tuple[dict[str, float], float, float]:
-        """The KL estimate to the reference summed over each rollout's loss tokens of ``rows`` (task
-        id -> sum), under the policy before this step's updates; and its token sum and count."""
-        assert self.ref_model is not None
-        sums: dict[str, float] = {}
-        total = tokens = 0.0
-        with torch.no_grad():
-            for mb_rows in self._in_step(self._micro_batches(rows, self.policy.train_micro_batch_size)):
-                mb = self._inputs([filler] if mb_rows is None else mb_rows)
-                lp, ref = self._token_logprobs(self.model, mb), self._token_logprobs(self.ref_model, mb)
-                if mb_rows is None:
-                    continue
-                per_row = (kl_estimate(lp, ref, self.loss_cfg) * mb["token_mask"]).sum(dim=1)
-                for r, v in zip(mb_rows, per_row.tolist(), strict=True):
-                    sums[r.task_id] = sums.get(r.task_id, 0.0) + v
-                total += float(per_row.sum())
-                tokens += float(mb["token_mask"].sum())
-        return sums, total, tokens
-
-    def _kl_penalty(self, sums: dict[str, float]) -> float | None:
-        """The step's mean per-token KL to the reference (None without one): the loss term's, or
-        with ``use_kl_in_reward`` the one that shaped the rewards."""
-        if self.ref_model is None:
-            return None
-        if self.loss_cfg.use_kl_in_reward:
-            return sums.get("reward_kl_sum", 0.0) / max(sums.get("reward_kl_tokens", 0.0), 1.0)
-        return sums.get("kl_penalty_sum", 0.0) / max(sums.get("tokens", 0.0), 1.0)
-
-    def _global_totals(self, acc: _StepTotals) -> _StepTotals:
-        """The step's totals over every rank (losses and norms are global already)."""
-        if not self.ranks.sharded:
-            return acc
-        out = _StepTotals(losses=acc.losses, grad_norms=acc.grad_norms)
-        for sums, records, shapes in self.ranks.gather((acc.sums, acc.records, acc.shapes)):
-            for k, v in sums.items():
-                out.sums[k] = max(out.sums.get(k, 0.0), v) if k.startswith("max_") else out.sums.get(k, 0.0) + v
-            out.records += records
-            out.shapes += shapes
-        return out
-
-    def _step_metrics(self, acc: _StepTotals, num_updates: int, train_time_s: float) -> LearnerMetrics:
-        sums = acc.sums
-        tokens = max(sums.get("tokens", 0.0), 1.0)
-        seq = mismatch.summarize(acc.records, self.seq_error_threshold)
-        masked = seq.pop("num_masked_seqs_by_logprob_error", None)
-        return LearnerMetrics(
-            loss=float(np.mean(acc.losses)),
-            grad_norm=float(np.mean(acc.grad_norms)),
-            num_updates=num_updates,
-            train_tokens=int(sums.get("tokens", 0.0)),
-            lr=self._lr(),
-            train_time_s=train_time_s,
-            token_mult_prob_error=sums.get("token_mult_prob_error_sum", 0.0) / tokens,
-            gen_kl_error=sums.get("gen_kl_error_sum", 0.0) / tokens,
-            sampling_importance_ratio=sums.get("sampling_importance_ratio_sum", 0.0) / tokens,
-            is_oob_ratio=sums.get("is_oob_sum", 0.0) / tokens,
-            clip_fraction=sums.get("clip_fraction_sum", 0.0) / tokens,
-            kl_penalty=self._kl_penalty(sums),
-            max_abs_logprob_diff=sums.get("max_abs_logprob_diff", 0.0),
-            num_masked_seqs_by_logprob_error=None if masked is None else int(masked),
-            micro_batch_token_efficiency=self._token_efficiency(acc.shapes),
-            **seq,
-            **mismatch.untruncated_means(sums, tokens),
-        )
-
-    def _lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
-
-    def _token_efficiency(self, shapes: list[list[int]]) -> float:
-        """Real tokens / tokens computed: packs against their budget, or padding to the longest row."""
-        real = sum(sum(s) for s in shapes)
-        sp = self.policy.sequence_packing
-        if sp.enabled:
-            computed = sum(max(sp.train_mb_tokens, sum(s)) for s in shapes)
-        else:
-            computed = sum(len(s) * max(s) for s in shapes)
-        return real / computed if computed else 1.0
 
     def _mask_by_seq_error(
         self, prev_lp: torch.Tensor, mb: dict[str, torch.Tensor], records: list[mismatch.SeqRecord]
