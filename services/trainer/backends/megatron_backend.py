@@ -1,4 +1,4 @@
-"""The megatron-core training backend (``trainer.backend: megatron``; the ``megatron`` extra, GPUs).
+"""The megatron-core training backend (``trainer.backend: megatron``; the ``megatron`` extra).
 
 The policy is a megatron-core ``GPTModel`` built from the Hugging Face config of a Qwen3-family
 checkpoint (RMSNorm, QK-norm, SwiGLU, RoPE, grouped-query attention, untied embeddings), wrapped
@@ -17,8 +17,9 @@ saved, and how gradients are gathered (the DDP grad buffers). One process for no
 refuses WORLD_SIZE > 1 until its learner spans ranks), with DDP set up the way one rank per GPU
 under torchrun needs it; tensor, pipeline and expert parallelism and sequence packing are not
 wired yet (`check_supported` refuses them, naming the key).
-The conversion and config plumbing are tested on CPU; a forward pass needs CUDA
-(scripts/gpu_check_megatron.sh checks logits against transformers and trains a few steps).
+It runs on CPU too (`services.trainer.backends.megatron_cpu`: megatron-core's CUDA-only calls),
+where the backend contract test trains, checkpoints and resumes it and checks it trains the same
+steps as the torch backend; scripts/gpu_check_megatron.sh checks it on a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from services.trainer.backends import megatron_cpu
 from services.trainer.backends.torch_backend import TorchBackend
 from shared.config_error import ConfigError
 from shared.run_config import MegatronSection, PolicySection
@@ -173,8 +175,9 @@ def check_supported(policy: PolicySection) -> None:
         raise ConfigError("policy.sequence_packing.enabled is not supported by the megatron backend yet")
 
 
-def init_distributed(tensor_parallel: int) -> None:
-    """torch.distributed (torchrun's environment, or a single local rank) and Megatron's groups."""
+def init_distributed(tensor_parallel: int, seed: int) -> None:
+    """torch.distributed (torchrun's environment, or a single local rank), Megatron's groups and
+    its model-parallel RNG (`services.trainer.backends.megatron_cpu`: on CPU too)."""
     from megatron.core import parallel_state
 
     if tensor_parallel != 1:
@@ -190,6 +193,7 @@ def init_distributed(tensor_parallel: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    megatron_cpu.prepare(seed)
 
 
 def build_gpt_model(hf: dict[str, Any], dtype: torch.dtype, *, cpu_init: bool = False) -> GPTModel:
@@ -230,7 +234,7 @@ class MegatronBackend(TorchBackend):
         from megatron.core.distributed import DistributedDataParallel
 
         check_supported(self.policy)
-        init_distributed(self.policy.megatron_cfg.tensor_model_parallel_size)
+        init_distributed(self.policy.megatron_cfg.tensor_model_parallel_size, self.seed)
         self.hf_config = json.loads((Path(self.policy.model_name) / "config.json").read_text())
         model = build_gpt_model(self.hf_config, self.dtype).to(self.device)
         megatron_state = hf_to_megatron(read_hf_state(self.policy.model_name), self.hf_config)
@@ -246,6 +250,10 @@ class MegatronBackend(TorchBackend):
     def _pad_token_id(self) -> int:
         return int(self.hf_config.get("pad_token_id") or 0)
 
+    def _checkpointed_module(self) -> torch.nn.Module:
+        module: torch.nn.Module = self.model.module  # DDP's state dict is its module's, unprefixed
+        return module
+
     def _forward_logits(
         self,
         model: torch.nn.Module,
@@ -256,7 +264,8 @@ class MegatronBackend(TorchBackend):
         # Right padding only follows real tokens, so the causal mask alone keeps real tokens exact.
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+        mask = megatron_cpu.causal_mask(input_ids.shape[1], input_ids.device)
+        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
 
     def _zero_grads(self) -> None:
         self.model.zero_grad_buffer()

@@ -97,6 +97,7 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
+        self.seed = seed
         self.policy = policy
         self.loss_cfg = loss
         self.ranks = ranks

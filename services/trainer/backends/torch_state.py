@@ -76,7 +76,12 @@ class TorchState:
 
         state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(path / "shards"), no_dist=not self.ranks.sharded)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self._checkpointed_module(),
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
         extra = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.updates = int(extra["updates"])
@@ -85,8 +90,12 @@ class TorchState:
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self._checkpointed_module(), self.optimizer)
         return {"model": model_state, "optimizer": optim_state}
+
+    def _checkpointed_module(self) -> torch.nn.Module:
+        """The module whose parameter names the checkpoint keeps (a wrapper's inner module)."""
+        return self.model
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
