@@ -5,8 +5,11 @@ and a checkpoint restores model, optimizer and schedule so the next step is the 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
+import torch
 
 from services.trainer.backends import BACKENDS, backend_class, build_backend
 from services.trainer.batch import Row, StepBatch
@@ -47,6 +50,17 @@ def _batch(seed: int) -> StepBatch:
 @pytest.fixture(params=sorted(BACKENDS))
 def backend_name(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """The megatron backend joins a one-rank process group and Megatron's groups in this process;
+    later tests start from none."""
+    yield
+    if "megatron.core.parallel_state" in sys.modules:
+        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def test_every_backend_trains_exports_and_resumes_the_same_step(backend_name, tiny_model_dir, tmp_path):

@@ -74,7 +74,8 @@ def cpu_gpt(hf):
     if not torch.distributed.is_initialized():
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
     yield build_gpt_model(hf, torch.float32, cpu_init=True)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
