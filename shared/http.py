@@ -96,14 +96,17 @@ def error_payload(status: int, message: str, param: str | None, type_: str) -> d
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
+def answer_error(exc: HTTPError) -> dict[str, Any]:
+    """The error body for ``exc`` (a server error is logged): what every route answers with."""
+    if exc.status >= 500:
+        log.error("request failed: %s", exc.message)
+    return error_payload(exc.status, exc.message, exc.param, exc.type)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
-        if exc.status >= 500:
-            log.error("request failed: %s", exc.message)
-        return JSONResponse(
-            error_payload(exc.status, exc.message, exc.param, exc.type), status_code=exc.status, headers=exc.headers
-        )
+        return JSONResponse(answer_error(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

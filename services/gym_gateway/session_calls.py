@@ -8,7 +8,7 @@ is a pure ASGI middleware that answers ``POST <session prefix>/v1/chat/completio
 ``/v1/completions`` and ``/v1/responses`` itself when this worker holds the session, with what the
 routes do: the agent token (`shared.http.verify_bearer`), the body decoded into its type (a 400
 naming the field), the same answer (`services.gym_gateway.session_routes.MODEL_CALLS`) and the
-same error bodies (`shared.http.error_payload`). Everything else goes on to the app unchanged: a
+same error bodies (`shared.http.answer_error`). Everything else goes on to the app unchanged: a
 session held by another worker (forwarded by the routes), an unknown session (their 404), a
 forwarded call, every other route.
 
@@ -18,7 +18,6 @@ outermost error layer, which still turns an unexpected exception into a 500).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import msgspec
@@ -28,9 +27,7 @@ from services.gym_gateway.forwarding import FORWARDED_HEADER
 from services.gym_gateway.proxy import SessionProxy
 from services.gym_gateway.session_routes import MODEL_CALLS, ModelCall
 from shared.auth import AuthPolicy
-from shared.http import HTTPError, decode_body, error_payload, verify_bearer
-
-log = logging.getLogger(__name__)
+from shared.http import HTTPError, answer_error, decode_body, verify_bearer
 
 _JSON = (b"content-type", b"application/json")
 _FORWARDED = FORWARDED_HEADER.encode()
@@ -89,11 +86,8 @@ class SessionCalls:
                 verify_bearer(header.decode("latin-1") if header is not None else None, auth.token)
             answer = await call.answer(proxy, session_id, decode_body(body, call.request))
         except HTTPError as exc:
-            if exc.status >= 500:
-                log.error("request failed: %s", exc.message)
             extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
-            payload = msgspec.json.encode(error_payload(exc.status, exc.message, exc.param, exc.type))
-            await _send(send, exc.status, payload, extra)
+            await _send(send, exc.status, msgspec.json.encode(answer_error(exc)), extra)
             return
         await _send(send, 200, answer)
 

@@ -53,15 +53,16 @@ def checkpoint_files(path: str) -> dict[str, Path] | None:
     return None
 
 
-def can_load_sharded(path: str) -> bool:
-    """Whether `load_sharded` can read ``path``: a local safetensors folder of a model whose
-    embeddings are not tied (a tied output layer shares its parameter, which is sharded once)."""
+def shard_readable(path: str) -> dict[str, Path] | None:
+    """The checkpoint's files (`checkpoint_files`) when `load_sharded` can read ``path`` shard by
+    shard: a local safetensors folder of a model whose embeddings are not tied (a tied output
+    layer shares its parameter, which is sharded once); else None."""
     from transformers import AutoConfig
 
-    if checkpoint_files(path) is None:
-        return False
-    config = AutoConfig.from_pretrained(path)
-    return not getattr(config.get_text_config(), "tie_word_embeddings", False)
+    files = checkpoint_files(path)
+    if files is None or getattr(AutoConfig.from_pretrained(path).get_text_config(), "tie_word_embeddings", False):
+        return None
+    return files
 
 
 @contextlib.contextmanager
@@ -82,15 +83,19 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def load_sharded(
-    path: str, ranks: Ranks, dtype: torch.dtype, *, activation_checkpointing: bool, cpu_offload: bool
+    path: str,
+    files: dict[str, Path],
+    ranks: Ranks,
+    dtype: torch.dtype,
+    *,
+    activation_checkpointing: bool,
+    cpu_offload: bool,
 ) -> tuple[torch.nn.Module, int]:
     """The policy at ``path`` as a sharded module on ``ranks.device`` with float32 master weights
-    (``dtype`` compute), each rank having read only its own shards; and the bytes this rank read."""
+    (``dtype`` compute), each rank having read only its own shards from ``files`` (`shard_readable`);
+    and the bytes this rank read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    files = checkpoint_files(path)
-    if files is None:
-        raise ValueError(f"{path} is not a folder of safetensors files ({SINGLE_FILE} or {INDEX})")
     config = AutoConfig.from_pretrained(path)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -57,7 +57,7 @@ from services.trainer.backends.torch_state import TorchState
 from services.trainer.batch import Row, StepBatch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from services.trainer.ranks import SINGLE, Ranks
-from services.trainer.sharded_load import can_load_sharded, load_sharded
+from services.trainer.sharded_load import load_sharded, shard_readable
 from services.trainer.sharding import shard_model
 from services.trainer.step_plan import RankShare, lr_schedule, plan_step
 from shared.nucleus import sampled_logprobs
@@ -161,9 +161,11 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         """The policy as a trainable module on ``self.device`` (float32 master weights), sharded
         over the ranks when there are several."""
         path, dtensor = self.policy.model_name, self.policy.dtensor_cfg
-        if self.ranks.sharded and self.read_own_shards and can_load_sharded(path):
+        files = shard_readable(path) if self.ranks.sharded and self.read_own_shards else None
+        if files is not None:
             model, self.checkpoint_bytes_read = load_sharded(
                 path,
+                files,
                 self.ranks,
                 self.dtype,
                 activation_checkpointing=dtensor.activation_checkpointing,
