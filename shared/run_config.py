@@ -136,10 +136,10 @@ class SequencePackingSection(_Section):
 
 
 class MegatronSection(_Section):
-    tensor_model_parallel_size: Annotated[int, D("tensor parallel ranks (the backend supports 1 so far)")] = 1
+    tensor_model_parallel_size: Annotated[int, D("tensor parallel ranks (must divide the trainer's ranks)")] = 1
     pipeline_model_parallel_size: Annotated[int, D("pipeline parallel stages (the backend supports 1 so far)")] = 1
     expert_model_parallel_size: Annotated[
-        int, D("expert parallel ranks of MoE layers (the backend supports 1 so far)")
+        int, D("expert parallel ranks of MoE layers (must divide the trainer's ranks and the experts)")
     ] = 1
     distributed_data_parallel_config: Annotated[
         dict[str, Any],
@@ -719,7 +719,7 @@ class TrainerSection(_Section):
     ] = "proceed"
     backend: Annotated[
         Literal["torch", "megatron"],
-        D("training backend: torch (transformers model) or megatron (megatron-core, GPUs)"),
+        D("training backend: torch (transformers, FSDP2) or megatron (megatron-core: tensor/expert parallel, MoE)"),
     ] = "torch"
     stream_retention_s: Annotated[
         float,
@@ -801,8 +801,6 @@ class RunConfig(_Section):
             raise ConfigError("supervisor.max_restarts and supervisor.restart_backoff_s must be >= 0")
         if self.trainer.nproc_per_node < 1:
             raise ConfigError("trainer.nproc_per_node must be >= 1")
-        if self.trainer.nproc_per_node > 1 and self.trainer.backend != "torch":
-            raise ConfigError("trainer.nproc_per_node > 1 needs trainer.backend: torch (megatron runs on one rank)")
         if self.refit.transport == "collective" and self.trainer.backend != "torch":
             raise ConfigError("refit.transport: collective needs trainer.backend: torch")
         if self.refit.max_attempts < 1:

@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.trainer.backends import ranked_backend  # noqa: E402
 from services.trainer.backends.torch_backend import TorchBackend  # noqa: E402
 from services.trainer.batch import Row, StepBatch  # noqa: E402
 from services.trainer.learner import Learner, LocalLearner  # noqa: E402
@@ -107,7 +108,7 @@ def main() -> int:
     ranks = join(cfg.trainer.collective_timeout_s) if launched_world_size() > 1 else SINGLE
 
     def build() -> TorchBackend:
-        backend = TorchBackend.from_config(cfg, ranks)
+        backend = ranked_backend(cfg, ranks)
         if ranks.rank == args.kill_rank:
             _kill_in_step(backend, args.kill_step - args.first_step)
         if args.max_weight_file_bytes is not None:

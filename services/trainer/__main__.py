@@ -45,9 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os.execv(sys.executable, command)
     if launched_world_size() > 1:
-        if cfg.trainer.backend != "torch":
-            log.error("trainer.backend %r runs on one rank; many need trainer.backend: torch", cfg.trainer.backend)
-            return 2
+        if cfg.trainer.backend == "megatron":  # refuse a layout that cannot fit before joining the others
+            from services.trainer.backends.megatron_backend import check_supported
+            from shared.config_error import ConfigError
+
+            try:
+                check_supported(cfg.policy, launched_world_size())
+            except ConfigError as exc:
+                log.error("%s", exc)
+                return 2
         return _ranked(cfg, args.port, args.worker_id)
     return _serve(cfg, args.port, args.worker_id)
 
@@ -71,7 +77,7 @@ def _serve(cfg: RunConfig, port: int | None, worker_id: str | None, learner: Lea
 
 def _ranked(cfg: RunConfig, port: int | None, worker_id: str | None) -> int:
     """One rank of a trainer of many: rank 0 serves, the others follow."""
-    from services.trainer.backends.torch_backend import TorchBackend
+    from services.trainer.backends import ranked_backend
     from services.trainer.rank_learner import RankedLearner, follow
     from services.trainer.ranks import join, leave
 
@@ -79,10 +85,10 @@ def _ranked(cfg: RunConfig, port: int | None, worker_id: str | None) -> int:
     ranks = join(timeout_s)
     try:
         if ranks.is_root:
-            learner = RankedLearner(lambda: TorchBackend.from_config(cfg, ranks), ranks, collective_timeout_s=timeout_s)
+            learner = RankedLearner(lambda: ranked_backend(cfg, ranks), ranks, collective_timeout_s=timeout_s)
             return _serve(cfg, port, worker_id, learner)
         try:
-            follow(TorchBackend.from_config(cfg, ranks))
+            follow(ranked_backend(cfg, ranks))
         except Exception:
             log.exception("trainer rank %d of %d failed", ranks.rank, ranks.world_size)
             return 1

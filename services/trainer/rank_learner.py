@@ -136,11 +136,12 @@ class RankedLearner:
             backend = self.backend
             shares = plan_step(
                 batch,
-                self.ranks.world_size,
+                backend.data_ranks.world_size,
                 backend.policy.train_global_batch_size,
                 reward_kl=backend.loss_cfg.use_kl_in_reward,
             )
-            mine = _scatter(list(shares) if shares else [None] * self.ranks.world_size)
+            # each rank gets its data rank's share (tensor-parallel peers the same one)
+            mine = _scatter([shares[d] for d in backend.data_rank_of] if shares else [None] * self.ranks.world_size)
             return self.backend.train_share(mine)
 
         return await asyncio.to_thread(self._command, Command(Op.TRAIN), run)

@@ -39,6 +39,10 @@ class Ranks:
     device: torch.device
     # gloo group of every rank for background checkpoint writes, apart from the training collectives
     checkpoint_group: Any = None
+    # the process group the reductions run over (None: every rank); see `over`
+    group: Any = None
+    # the bound of every collective (None: the process group's default)
+    collective_timeout_s: float | None = None
 
     @property
     def is_root(self) -> bool:
@@ -47,6 +51,19 @@ class Ranks:
     @property
     def sharded(self) -> bool:
         return self.world_size > 1
+
+    def over(self, group: Any) -> Ranks:
+        """The same process's place in ``group`` (a subgroup of the ranks, e.g. the ranks that
+        share out the data when tensor-parallel ranks see the same rows): its reductions and
+        gathers run over that group only."""
+        return Ranks(
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            device=self.device,
+            checkpoint_group=self.checkpoint_group,
+            group=group,
+            collective_timeout_s=self.collective_timeout_s,
+        )
 
     def mesh(self) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
@@ -57,14 +74,14 @@ class Ranks:
         if not self.sharded:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return [float(v) for v in t.tolist()]
 
     def all_max(self, values: list[float]) -> list[float]:
         if not self.sharded:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [float(v) for v in t.tolist()]
 
     def gather(self, obj: Any) -> list[Any]:
@@ -72,7 +89,7 @@ class Ranks:
         if not self.sharded:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     @property
@@ -99,6 +116,7 @@ def join(collective_timeout_s: float) -> Ranks:
         world_size=dist.get_world_size(),
         device=device,
         checkpoint_group=dist.new_group(backend="gloo", timeout=timeout),
+        collective_timeout_s=collective_timeout_s,
     )
     log.info("trainer rank %d of %d on %s (%s)", ranks.rank, ranks.world_size, device, backend)
     return ranks

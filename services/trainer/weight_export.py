@@ -79,9 +79,17 @@ def rank_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's deal of `full_tensors` (only its tensors are copied to the CPU). Collective
     like `full_tensors`: every rank must drain the iterator."""
+    return deal(gathered(model, skip), dtype, ranks)
+
+
+def deal(
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, ranks: Ranks
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's deal of a stream of whole tensors that every rank walks in the same order (only
+    its tensors are copied to the CPU, as ``dtype``)."""
     dealer = Dealer(ranks.world_size)
     item_bytes = torch.empty((), dtype=dtype).element_size()
-    for name, whole in gathered(model, skip):
+    for name, whole in tensors:
         if dealer.owner(whole.numel() * item_bytes) == ranks.rank:
             yield name, _on_cpu(whole, dtype)
 

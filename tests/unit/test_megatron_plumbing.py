@@ -11,9 +11,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
 
-from services.trainer.backends.megatron_backend import (  # noqa: E402
-    build_gpt_model,
-    ddp_config,
+from services.trainer.backends.megatron_backend import build_gpt_model, ddp_config  # noqa: E402
+from services.trainer.backends.megatron_convert import (  # noqa: E402
     hf_to_megatron,
     megatron_to_hf,
     read_hf_state,

@@ -1,6 +1,6 @@
-"""Parallel layouts the reference recipe asks for either reach the engine (vLLM expert parallel)
-or are refused by name (Megatron TP/PP/EP and packing, the Megatron backend on many trainer
-ranks), never ignored."""
+"""Parallel layouts the reference recipe asks for either reach the engine (vLLM expert parallel,
+Megatron tensor and expert parallel) or are refused by name (Megatron pipeline stages, sizes that
+do not divide the trainer's ranks), never ignored."""
 
 import os
 import subprocess
@@ -20,27 +20,28 @@ RECIPE = ROOT / "deploy/configs/recipes/qwen3_5_397b_a17b_64gpu.yaml"
 BASE = ["policy.model_name=m", "data.train_path=t.jsonl", "trainer.backend=megatron"]
 
 
-@pytest.mark.parametrize(
-    "key", ["tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"]
-)
-def test_megatron_backend_refuses_each_parallel_size_it_lacks_by_name(key):
+@pytest.mark.parametrize("key", ["tensor_model_parallel_size", "expert_model_parallel_size"])
+def test_megatron_parallel_sizes_must_divide_the_ranks(key):
     check_supported(load(RunConfig, None, BASE, env={}).policy)  # the defaults are supported
     cfg = load(RunConfig, None, BASE + [f"policy.megatron_cfg.{key}=2"], env={})
-    with pytest.raises(ConfigError, match=f"policy.megatron_cfg.{key} is 2"):
-        check_supported(cfg.policy)
+    check_supported(cfg.policy, world_size=4)
+    with pytest.raises(ConfigError, match=f"policy.megatron_cfg.{key} is 2; it must divide the trainer's 3 ranks"):
+        check_supported(cfg.policy, world_size=3)
 
 
-def test_megatron_backend_refuses_packing_and_the_recipe():
-    with pytest.raises(ConfigError, match="policy.sequence_packing.enabled"):
-        check_supported(load(RunConfig, None, BASE + ["policy.sequence_packing.enabled=true"], env={}).policy)
+def test_megatron_backend_refuses_pipeline_stages_and_so_the_recipe():
+    cfg = load(RunConfig, None, BASE + ["policy.megatron_cfg.pipeline_model_parallel_size=2"], env={})
+    with pytest.raises(ConfigError, match="policy.megatron_cfg.pipeline_model_parallel_size is 2"):
+        check_supported(cfg.policy, world_size=2)
+    check_supported(load(RunConfig, None, BASE + ["policy.sequence_packing.enabled=true"], env={}).policy)
     recipe = load(RunConfig, RECIPE, env={})
     assert (
         recipe.policy.megatron_cfg.tensor_model_parallel_size,
         recipe.policy.megatron_cfg.pipeline_model_parallel_size,
         recipe.policy.megatron_cfg.expert_model_parallel_size,
     ) == (4, 2, 32)
-    with pytest.raises(ConfigError, match="policy.megatron_cfg.tensor_model_parallel_size is 4"):
-        check_supported(recipe.policy)
+    with pytest.raises(ConfigError, match="policy.megatron_cfg.pipeline_model_parallel_size is 2"):
+        check_supported(recipe.policy, world_size=64)
 
 
 def test_vllm_engine_args_carry_expert_parallel():
@@ -53,7 +54,7 @@ def test_vllm_engine_args_carry_expert_parallel():
     assert plain.enable_expert_parallel is False
 
 
-def test_trainer_refuses_many_ranks_for_a_backend_that_runs_on_one():
+def test_trainer_refuses_a_layout_it_cannot_run_before_joining_the_other_ranks():
     env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0", "STREAMRL_API_TOKEN": "t0ken"}
     out = subprocess.run(
         [sys.executable, "-m", "services.trainer", "--config", str(RECIPE)],
@@ -64,4 +65,4 @@ def test_trainer_refuses_many_ranks_for_a_backend_that_runs_on_one():
         timeout=120,
     )
     assert out.returncode == 2
-    assert "trainer.backend 'megatron' runs on one rank; many need trainer.backend: torch" in out.stderr
+    assert "policy.megatron_cfg.pipeline_model_parallel_size is 2" in out.stderr

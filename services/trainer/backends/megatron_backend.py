@@ -1,43 +1,68 @@
 """The megatron-core training backend (``trainer.backend: megatron``; the ``megatron`` extra).
 
-The policy is a megatron-core ``GPTModel`` built from the Hugging Face config of a Qwen3-family
-checkpoint (RMSNorm, QK-norm, SwiGLU, RoPE, grouped-query attention, untied embeddings), wrapped
-in megatron-core's ``DistributedDataParallel``. ``policy.megatron_cfg.distributed_data_parallel_config``
-is passed through to ``DistributedDataParallelConfig`` field by field (an unknown field is an error
-naming it); ``check_for_nan_in_grad`` stays on unless the config sets it to false.
+The policy is a megatron-core ``GPTModel`` built from the Hugging Face config of a Qwen2, Qwen3 or
+Qwen3-MoE checkpoint (RMSNorm, QK-norm, SwiGLU, RoPE, grouped-query attention, untied
+embeddings; routed experts through `megatron_moe`), wrapped in megatron-core's
+``DistributedDataParallel``. ``policy.megatron_cfg.distributed_data_parallel_config`` is passed
+through to ``DistributedDataParallelConfig`` field by field (an unknown field is an error naming
+it); ``check_for_nan_in_grad`` stays on unless the config sets it to false.
 
-Weights move between the two layouts with `hf_to_megatron` / `megatron_to_hf`: Megatron fuses
-Q, K and V into one ``linear_qkv`` matrix ordered by query group ([q heads of the group, k, v] per
-group) and gate/up into one ``linear_fc1``. Loading reads the HF safetensors; ``save_weights``
-writes HF safetensors plus the HF config, so generators load Megatron-trained weights unchanged.
+Ranks (``trainer.nproc_per_node``, torchrun): ``tensor_model_parallel_size`` ranks split every
+attention and MLP matrix, the vocabulary embedding and the output layer (logits are gathered
+whole); ``expert_model_parallel_size`` ranks split the experts; the rest is data parallel. Rank 0
+shares out each step's rows over the data-parallel ranks only (tensor-parallel peers train the
+same rows: `TorchBackend.data_ranks`), so token-level normalisation and every figure stay global.
+Gradients: DDP's buffers are reduced over the data ranks and the replicated QK-norm gradients
+summed over the tensor ranks (megatron's ``finalize_model_grads``); the clipping norm counts each
+tensor-parallel part once and every expert once (`MegatronBackend._clip_grads`). Weights are kept
+in float32 and computed in ``policy.precision`` under autocast; AdamW steps on each rank's part.
+Pipeline stages are refused by name (`check_supported`).
+
+Weights move between the two layouts with `hf_to_megatron` / `megatron_to_hf` (per layer:
+`hf_layer_to_megatron`, `megatron_layer_to_hf`): Megatron fuses Q, K and V into one
+``linear_qkv`` matrix ordered by query group ([q heads of the group, k, v] per group) and gate/up
+into one ``linear_fc1``; the vocabulary is padded to a multiple of 128 rows. Loading reads the
+HF safetensors a layer at a time, each rank keeping its part (`megatron_tp.local_part`);
+``save_weights`` gathers a layer at a time and every rank writes its deal of the HF safetensors
+files (`services.trainer.weight_export`), so generators load Megatron-trained weights unchanged.
+Checkpoints are Distributed Checkpoints in a layout independent of the parallel sizes
+(`megatron_tp.CheckpointLayout`), resumable at other tensor-, expert- and data-parallel sizes.
 
 Everything else (micro-batching, packing, the loss, sequence-error masking, normalisation after
-masking, metrics) is the torch backend's: this class overrides how the model is built, run and
-saved, and how gradients are gathered (the DDP grad buffers). One process for now (the trainer
-refuses WORLD_SIZE > 1 until its learner spans ranks), with DDP set up the way one rank per GPU
-under torchrun needs it; tensor, pipeline and expert parallelism and sequence packing are not
-wired yet (`check_supported` refuses them, naming the key).
-It runs on CPU too (`services.trainer.backends.megatron_cpu`: megatron-core's CUDA-only calls),
-where the backend contract test trains, checkpoints and resumes it and checks it trains the same
-steps as the torch backend; scripts/gpu_check_megatron.sh checks it on a GPU.
+masking, metrics) is the torch backend's; packed rows attend within their row through a
+block-causal mask (`packed_mask`). It runs on CPU too (`services.trainer.backends.megatron_cpu`:
+megatron-core's CUDA-only calls), where the tests train at tensor, data and expert parallelism 2
+against one rank; scripts/gpu_check_megatron.sh checks it on GPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from services.trainer.backends import megatron_cpu
+from services.trainer.backends import megatron_cpu, megatron_moe, megatron_tp
+from services.trainer.backends.megatron_convert import (
+    SafetensorsState,
+    hf_globals_to_megatron,
+    hf_layer_to_megatron,
+    megatron_globals_to_hf,
+    megatron_layer_to_hf,
+    padded_vocab,
+    rope_base,
+    transformer_config_kwargs,
+)
 from services.trainer.backends.torch_backend import TorchBackend
 from shared.config_error import ConfigError
 from shared.run_config import MegatronSection, PolicySection
-from shared.weights_format import safetensors_files
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -60,128 +85,33 @@ def ddp_config(cfg: MegatronSection) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(**values)
 
 
-def transformer_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
-    """TransformerConfig arguments for a Qwen3-family HF config (``config.json`` as a dict)."""
-    if hf.get("model_type") not in ("qwen3", "qwen2"):
-        raise ConfigError(
-            f"the megatron backend supports Qwen2/Qwen3 checkpoints, not model_type {hf.get('model_type')!r}"
-        )
-    heads = hf["num_attention_heads"]
-    return {
-        "num_layers": hf["num_hidden_layers"],
-        "hidden_size": hf["hidden_size"],
-        "ffn_hidden_size": hf["intermediate_size"],
-        "num_attention_heads": heads,
-        "num_query_groups": hf.get("num_key_value_heads", heads),
-        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "qk_layernorm": hf["model_type"] == "qwen3",
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": hf.get("rms_norm_eps", 1e-6),
-        "gated_linear_unit": True,
-        "activation_func": F.silu,
-        "add_bias_linear": False,
-        "add_qkv_bias": hf["model_type"] == "qwen2",
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-    }
+# Sizes the backend does not split over yet, named in the refusal.
+_NOT_YET = ("pipeline_model_parallel_size",)
 
 
-def rope_base(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def _qkv_dims(hf: dict[str, Any]) -> tuple[int, int, int]:
-    heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads", heads)
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return heads // groups, groups, head_dim
-
-
-def hf_to_megatron(state: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """An HF Qwen state dict in megatron-core GPTModel naming and layout."""
-    per_group, groups, d = _qkv_dims(hf)
-    out = {
-        "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": state["model.norm.weight"],
-        "output_layer.weight": state["lm_head.weight"],
-    }
-    for i in range(hf["num_hidden_layers"]):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q = state[h + "self_attn.q_proj.weight"].reshape(groups, per_group * d, -1)
-        k = state[h + "self_attn.k_proj.weight"].reshape(groups, d, -1)
-        v = state[h + "self_attn.v_proj.weight"].reshape(groups, d, -1)
-        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
-        out[m + "self_attention.linear_proj.weight"] = state[h + "self_attn.o_proj.weight"]
-        out[m + "input_layernorm.weight"] = state[h + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = state[h + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [state[h + "mlp.gate_proj.weight"], state[h + "mlp.up_proj.weight"]]
-        )
-        out[m + "mlp.linear_fc2.weight"] = state[h + "mlp.down_proj.weight"]
-        if h + "self_attn.q_norm.weight" in state:
-            out[m + "self_attention.q_layernorm.weight"] = state[h + "self_attn.q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = state[h + "self_attn.k_norm.weight"]
-        if h + "self_attn.q_proj.bias" in state:
-            qb = state[h + "self_attn.q_proj.bias"].reshape(groups, per_group * d)
-            kb = state[h + "self_attn.k_proj.bias"].reshape(groups, d)
-            vb = state[h + "self_attn.v_proj.bias"].reshape(groups, d)
-            out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
-    return out
-
-
-def megatron_to_hf(state: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_to_megatron` (``_extra_state`` entries are ignored)."""
-    per_group, groups, d = _qkv_dims(hf)
-    out = {
-        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-        "model.norm.weight": state["decoder.final_layernorm.weight"],
-        "lm_head.weight": state["output_layer.weight"],
-    }
-    for i in range(hf["num_hidden_layers"]):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        qkv = state[m + "self_attention.linear_qkv.weight"]
-        qkv = qkv.reshape(groups, (per_group + 2) * d, qkv.shape[-1])
-        out[h + "self_attn.q_proj.weight"] = qkv[:, : per_group * d].reshape(-1, qkv.shape[-1])
-        out[h + "self_attn.k_proj.weight"] = qkv[:, per_group * d : (per_group + 1) * d].reshape(-1, qkv.shape[-1])
-        out[h + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * d :].reshape(-1, qkv.shape[-1])
-        out[h + "self_attn.o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
-        out[h + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]
-        out[h + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
-        gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-        out[h + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
-        if m + "self_attention.q_layernorm.weight" in state:
-            out[h + "self_attn.q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
-            out[h + "self_attn.k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
-        if m + "self_attention.linear_qkv.bias" in state:
-            b = state[m + "self_attention.linear_qkv.bias"].reshape(groups, (per_group + 2) * d)
-            out[h + "self_attn.q_proj.bias"] = b[:, : per_group * d].reshape(-1)
-            out[h + "self_attn.k_proj.bias"] = b[:, per_group * d : (per_group + 1) * d].reshape(-1)
-            out[h + "self_attn.v_proj.bias"] = b[:, (per_group + 1) * d :].reshape(-1)
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-_NOT_YET = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
-
-
-def check_supported(policy: PolicySection) -> None:
-    """Refuse what the backend cannot do yet, naming the key, instead of silently training without it."""
+def check_supported(policy: PolicySection, world_size: int = 1) -> None:
+    """Refuse what the backend cannot do, naming the key, instead of silently training without it;
+    and parallel sizes that do not fit ``world_size`` ranks."""
+    cfg = policy.megatron_cfg
     for key in _NOT_YET:
-        value = getattr(policy.megatron_cfg, key)
+        value = getattr(cfg, key)
         if value != 1:
             raise ConfigError(f"policy.megatron_cfg.{key} is {value}; the megatron backend supports only 1 so far")
-    if policy.sequence_packing.enabled:
-        raise ConfigError("policy.sequence_packing.enabled is not supported by the megatron backend yet")
+    for key in ("tensor_model_parallel_size", "expert_model_parallel_size"):
+        value = getattr(cfg, key)
+        if value < 1 or world_size % value:
+            raise ConfigError(
+                f"policy.megatron_cfg.{key} is {value}; it must divide the trainer's {world_size} ranks "
+                "(trainer.nproc_per_node x nodes)"
+            )
 
 
-def init_distributed(tensor_parallel: int, seed: int) -> None:
-    """torch.distributed (torchrun's environment, or a single local rank), Megatron's groups and
-    its model-parallel RNG (`services.trainer.backends.megatron_cpu`: on CPU too)."""
+def init_distributed(cfg: MegatronSection, seed: int, timeout_s: float | None = None) -> None:
+    """torch.distributed (torchrun's environment, or a single local rank), Megatron's groups (each
+    bounded by ``timeout_s``, in whole minutes as megatron-core takes it) and its model-parallel
+    RNG (`services.trainer.backends.megatron_cpu`: on CPU too)."""
     from megatron.core import parallel_state
 
-    if tensor_parallel != 1:
-        raise ConfigError("policy.megatron_cfg.tensor_model_parallel_size must be 1 for now")
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29511")
@@ -192,67 +122,126 @@ def init_distributed(tensor_parallel: int, seed: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,
+            distributed_timeout_minutes=max(1, math.ceil((timeout_s or 1800) / 60)),
+        )
     megatron_cpu.prepare(seed)
 
 
-def build_gpt_model(hf: dict[str, Any], dtype: torch.dtype, *, cpu_init: bool = False) -> GPTModel:
-    """A megatron-core GPTModel with the architecture of ``hf`` (random weights)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def build_gpt_model(
+    hf: dict[str, Any],
+    dtype: torch.dtype,
+    *,
+    cpu_init: bool = False,
+    expert_parallel: int = 1,
+    vocab_size: int | None = None,
+) -> GPTModel:
+    """A megatron-core GPTModel with the architecture of ``hf`` (random weights; ``vocab_size``
+    rows of embedding and output, the checkpoint's by default), split over the tensor- and
+    expert-parallel groups already initialised; its logits are gathered whole."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kwargs = transformer_config_kwargs(hf)
+    if megatron_moe.is_moe(hf):
+        megatron_cpu.prepare_moe()
+    kwargs = {**transformer_config_kwargs(hf), **megatron_moe.moe_config_kwargs(hf, expert_parallel=expert_parallel)}
     config = TransformerConfig(
-        **kwargs, params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=cpu_init
+        **kwargs,
+        tensor_model_parallel_size=_tp_size(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=cpu_init,
     )
-    spec = get_gpt_layer_local_spec(qk_layernorm=kwargs["qk_layernorm"], normalization="RMSNorm")
     return GPTModel(
         config=config,
-        transformer_layer_spec=spec,
-        vocab_size=hf["vocab_size"],
+        transformer_layer_spec=megatron_moe.layer_spec(hf),
+        vocab_size=vocab_size or hf["vocab_size"],
         max_sequence_length=hf["max_position_embeddings"],
         position_embedding_type="rope",
         rotary_base=rope_base(hf),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        parallel_output=False,
     )
 
 
-def read_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _tp_size() -> int:
+    from megatron.core import parallel_state
 
-    state: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(Path(model_dir)):
-        state.update(load_file(str(f)))
-    return state
+    return int(parallel_state.get_tensor_model_parallel_world_size())
+
+
+# Parameters with a row per vocabulary entry (padded to `padded_vocab`).
+_VOCAB_ROWS = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
 
 
 class MegatronBackend(TorchBackend):
     name = "megatron"
 
     def _build_model(self) -> torch.nn.Module:
+        from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel
 
-        check_supported(self.policy)
-        init_distributed(self.policy.megatron_cfg.tensor_model_parallel_size, self.seed)
+        cfg = self.policy.megatron_cfg
+        check_supported(self.policy, self.ranks.world_size)
+        init_distributed(cfg, self.seed, self.ranks.collective_timeout_s)
+        # Tensor-parallel peers train the same rows: the rows are shared out over the data ranks.
+        self.data_ranks = self.ranks.over(parallel_state.get_data_parallel_group())
+        self.data_rank_of = [int(r) for r in self.ranks.gather(self.data_ranks.rank)]
+        self.ep_rank = int(parallel_state.get_expert_model_parallel_rank())
+        self.ep_size = int(parallel_state.get_expert_model_parallel_world_size())
         self.hf_config = json.loads((Path(self.policy.model_name) / "config.json").read_text())
-        model = build_gpt_model(self.hf_config, self.dtype).to(self.device)
-        megatron_state = hf_to_megatron(read_hf_state(self.policy.model_name), self.hf_config)
-        missing, unexpected = model.load_state_dict(megatron_state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint does not fit the Megatron model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        self.vocab, vocab = int(self.hf_config["vocab_size"]), padded_vocab(self.hf_config)
+        if vocab % cfg.tensor_model_parallel_size:
+            raise ConfigError(
+                f"policy.megatron_cfg.tensor_model_parallel_size is {cfg.tensor_model_parallel_size}; it must divide "
+                f"the padded vocabulary ({vocab} rows)"
             )
-        self._ddp_config = ddp_config(self.policy.megatron_cfg)
+        # float32 master weights; bfloat16 compute under autocast (`_autocast`)
+        model = build_gpt_model(self.hf_config, torch.float32, expert_parallel=self.ep_size, vocab_size=vocab)
+        model = model.to(self.device)
+        self._load_hf(model)
+        self._ddp_config = ddp_config(cfg)
+        self.layout = megatron_tp.CheckpointLayout(model, self._first_expert(), self.device.type)
         return DistributedDataParallel(config=model.config, ddp_config=self._ddp_config, module=model)
+
+    def _first_expert(self) -> int:
+        if not megatron_moe.is_moe(self.hf_config):
+            return 0
+        return self.ep_rank * megatron_moe.num_experts(self.hf_config) // self.ep_size
+
+    def _load_hf(self, model: torch.nn.Module) -> None:
+        """The HF checkpoint into ``model``, one layer at a time, each rank keeping its part."""
+        params = dict(model.named_parameters())
+        state, hf = SafetensorsState(self.policy.model_name), self.hf_config
+        loaded: set[str] = set()
+        ep = {"ep_rank": self.ep_rank, "ep_size": self.ep_size}
+        for part in (
+            hf_globals_to_megatron(state, hf),
+            *(hf_layer_to_megatron(state, hf, i, **ep) for i in range(hf["num_hidden_layers"])),
+        ):
+            for name, full in part.items():
+                if name not in params:
+                    raise ValueError(f"checkpoint does not fit the Megatron model: unexpected {name}")
+                if name in _VOCAB_ROWS:  # zero rows up to the padded vocabulary (sliced off the logits)
+                    full = F.pad(full, (0, 0, 0, padded_vocab(hf) - full.shape[0]))
+                with torch.no_grad():
+                    params[name].copy_(megatron_tp.local_part(full, params[name], name))
+                loaded.add(name)
+        missing = sorted(params.keys() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint does not fit the Megatron model: missing {missing[:5]}")
 
     def _pad_token_id(self) -> int:
         return int(self.hf_config.get("pad_token_id") or 0)
 
-    def _checkpointed_module(self) -> torch.nn.Module:
-        module: torch.nn.Module = self.model.module  # DDP's state dict is its module's, unprefixed
-        return module
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bfloat16 compute over the float32 master weights (any number of ranks)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        autocast: contextlib.AbstractContextManager[Any] = torch.autocast(self.device.type, dtype=self.dtype)
+        return autocast
 
     def _forward_logits(
         self,
@@ -261,37 +250,139 @@ class MegatronBackend(TorchBackend):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # Right padding only follows real tokens, so the causal mask alone keeps real tokens exact.
+        """[B, T, V] logits, gathered over the tensor-parallel ranks. Right padding only follows
+        real tokens, so the causal mask alone keeps real tokens exact; packed rows (position ids
+        restarting at each row) attend within their row only (a block-causal mask)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        mask = megatron_cpu.causal_mask(input_ids.shape[1], input_ids.device)
-        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+            mask = megatron_cpu.causal_mask(input_ids.shape[1], input_ids.device)
+        else:
+            mask = packed_mask(position_ids)
+        with self._autocast():
+            logits: torch.Tensor = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+        return logits[..., : self.vocab]
 
     def _zero_grads(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _grads_ready(self) -> None:
-        # DDP accumulates into main_grad buffers and reduces them here; the optimizer reads .grad.
-        self.model.finish_grad_sync()
+        """DDP accumulated into main_grad buffers: reduce them over the data ranks, sum the QK-norm
+        gradients over the tensor-parallel ranks (megatron's finalize_model_grads), and hand them
+        to the optimizer as .grad."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
         for p in self.model.parameters():
             if getattr(p, "main_grad", None) is not None:
                 p.grad = p.main_grad.to(p.dtype)
 
-    def save_weights(self, out_dir: Path) -> dict[str, str]:
-        """The HF weights through the torch backend's hashed writer (one rank); their digests."""
-        from services.trainer.weight_export import ShardWriter
+    def _clip_grads(self) -> float:
+        """Clip by the global norm: tensor-parallel parts summed over their group (replicated
+        parameters counted once), experts over the expert-parallel ranks."""
+        from megatron.core import parallel_state, tensor_parallel
 
-        module = self.model.module
-        state = {k: v.detach().cpu() for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads = []
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            if not getattr(p, "allreduce", True):
+                experts += p.grad.double().pow(2).sum()
+            elif tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+                dense += p.grad.double().pow(2).sum()
+        if self.ranks.sharded:
+            torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+            torch.distributed.all_reduce(
+                experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            )
+        norm = float((dense + experts).sqrt())
+        coef = self.policy.max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    # ---- weights and checkpoints ----------------------------------------------------------------
+
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy in HF naming, one layer at a time, each tensor whole (collective: every rank
+        gathers its tensor-parallel parts and the other expert-parallel ranks' experts)."""
+        params = dict(self.model.module.named_parameters())
+        hf = self.hf_config
+
+        def whole(prefix: str) -> dict[str, torch.Tensor]:
+            return {n: megatron_tp.gather_full(p.detach(), p, n) for n, p in params.items() if n.startswith(prefix)}
+
+        outside_layers = {}
+        for n, p in params.items():
+            if not n.startswith("decoder.layers."):
+                full = megatron_tp.gather_full(p.detach(), p, n)
+                outside_layers[n] = full[: self.vocab] if n in _VOCAB_ROWS else full
+        yield from megatron_globals_to_hf(outside_layers).items()
+        for i in range(hf["num_hidden_layers"]):
+            mine = whole(f"decoder.layers.{i}.")
+            for ep_rank, state in enumerate(self._every_expert_rank(mine)):
+                for name, tensor in megatron_layer_to_hf(state, hf, i, ep_rank=ep_rank, ep_size=self.ep_size).items():
+                    if ep_rank == 0 or ".mlp.experts." in name:  # the rest is every rank's alike
+                        yield name, tensor
+
+    def _every_expert_rank(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """A layer's whole tensors as each expert-parallel rank holds them (its experts, and the
+        rest, which every rank holds alike)."""
+        if self.ep_size == 1:
+            return [state]
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_expert_model_parallel_group()
+        per_rank: list[dict[str, torch.Tensor]] = [dict(state) for _ in range(self.ep_size)]
+        for name in sorted(n for n in state if ".local_experts." in n):
+            parts = [torch.empty_like(state[name]) for _ in range(self.ep_size)]
+            torch.distributed.all_gather(parts, state[name].contiguous(), group=group)
+            for r in range(self.ep_size):
+                per_rank[r][name] = parts[r]
+        return per_rank
+
+    def save_weights(self, out_dir: Path) -> dict[str, str]:
+        """Publish the policy in HF layout and the compute precision, layer by layer; every rank
+        calls it and writes its deal of the files (`services.trainer.weight_export`)."""
+        from services.trainer.weight_export import ShardWriter, deal
+
         out_dir = Path(out_dir)
-        writer = ShardWriter(out_dir, self.max_weight_file_bytes)
-        for name, tensor in megatron_to_hf(state, self.hf_config).items():
+        writer = ShardWriter(out_dir, self.max_weight_file_bytes, ranks=self.ranks)
+        for name, tensor in deal(self._hf_tensors(), self.dtype, self.ranks):
             writer.add(name, tensor)
         writer.close()
-        (out_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
-        src = Path(self.policy.model_name)
-        for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if (src / name).is_file():
-                (out_dir / name).write_bytes((src / name).read_bytes())
+        if self.ranks.is_root:
+            (out_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+            src = Path(self.policy.model_name)
+            for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                if (src / name).is_file():
+                    (out_dir / name).write_bytes((src / name).read_bytes())
         return writer.manifest
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """Parameters and optimizer moments as views in the ranks-independent layout
+        (`megatron_tp`): written by every rank, loaded in place at any parallel sizes."""
+        return megatron_tp.checkpoint_tensors(self.model.module, self.optimizer, self.layout)
+
+    def _state_to_save(self) -> dict[str, Any]:
+        """Copies for an asynchronous write (torch's staging cannot copy the views' storage, and
+        training would change it under the write), the views themselves for a synchronous one."""
+        return megatron_tp.checkpoint_tensors(self.model.module, self.optimizer, self.layout, copy=self.async_save)
+
+    def _restore_state(self, state: dict[str, Any]) -> None:
+        """The load wrote into the views of the parameters and moments; nothing to copy."""
+
+
+def packed_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, T] attention mask (True: may not attend) for rows packed into one sequence, each
+    starting at position 0: causal within a row, nothing across rows."""
+    pos = position_ids[0]
+    row = torch.cumsum((pos == 0).to(torch.int64), 0)
+    t = pos.shape[0]
+    causal = torch.ones(t, t, dtype=torch.bool, device=pos.device).tril()
+    allowed = causal & (row[:, None] == row[None, :])
+    return (~allowed)[None, None]

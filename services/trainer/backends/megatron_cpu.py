@@ -17,12 +17,14 @@ still has them):
   (`causal_mask`).
 
 Everything else (fused kernels, Transformer Engine, apex) is off by configuration already (the
-local layer spec, no fusions). Called by `services.trainer.backends.megatron_backend`.
+local layer spec, no fusions). Mixture-of-experts models need two more (`prepare_moe`). Called by
+`services.trainer.backends.megatron_backend`.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -56,3 +58,45 @@ def causal_mask(length: int, device: torch.device) -> torch.Tensor | None:
     if device.type != "cpu":
         return None
     return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+# Mixture-of-experts models (`services.trainer.backends.megatron_moe`) reach two more places:
+#
+# * The router's gating GEMM (``moe_utils.RouterGatingLinearFunction``) tests the module global
+#   ``te_general_gemm``, which is only bound when Transformer Engine imports: without it every
+#   MoE forward fails with a NameError, on GPUs too. Binding it to None selects megatron's own
+#   torch fallback (``torch.mm``), the branch written for that case.
+# * The alltoall token dispatcher creates a ``torch.cuda.Stream`` in ``__init__`` unless the class
+#   attribute ``cuda_dtoh_stream`` is already set, and its ``_maybe_dtoh_and_synchronize`` copies
+#   the all-to-all split sizes to the host on that stream and waits on a CUDA event. On CPU the
+#   sizes are already on the host, and CPU work is synchronous: the replacement only turns them
+#   into numpy arrays, as the CUDA path does, so the all-to-all calls get the types they get there.
+_NO_STREAM = "no CUDA stream: split sizes are already on the host"
+_SPLIT_SIZES = ("input_splits", "output_splits", "output_splits_tp")
+
+
+def prepare_moe() -> None:
+    """What an MoE model needs beyond `prepare`, before it is built: the router's GEMM without
+    Transformer Engine (any machine), and the alltoall dispatcher without CUDA. Nothing is touched
+    where Transformer Engine and CUDA are present."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if torch.cuda.is_available() or MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize is _split_sizes_as_numpy:
+        return
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _split_sizes_as_numpy
+    log.info("megatron-core MoE on CPU: alltoall dispatcher without CUDA streams")
+
+
+def _split_sizes_as_numpy(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on CPU: at the point where the
+    CUDA path copies to the host (never with drop-and-pad), the split sizes become numpy arrays."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in _SPLIT_SIZES:
+            sizes = getattr(self, name)
+            if isinstance(sizes, torch.Tensor):
+                setattr(self, name, sizes.numpy())
+    return tokens_per_expert

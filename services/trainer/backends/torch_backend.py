@@ -107,6 +107,11 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         self.dtype = torch.float32 if policy.precision == "float32" else torch.bfloat16  # compute and publish
         self.device = ranks.device
         self.checkpoint_bytes_read: int | None = None  # by this rank when it read only its shards
+        # The ranks that share out each step's rows, and each rank's place among them: every rank
+        # here; the megatron backend's data-parallel ranks, whose tensor-parallel peers see the
+        # same rows (set by its `_build_model`).
+        self.data_ranks = ranks
+        self.data_rank_of = list(range(ranks.world_size))
         self.model = self._build_model()
         self.model.train()
         self.pad_id = self._pad_token_id()
@@ -323,7 +328,7 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
             valid_tokens += float(row_tokens.sum())
             valid_sequences += float((row_tokens > 0).sum())
         self._grads_ready()
-        loss_sum, valid_tokens, valid_sequences = self.ranks.all_sum([loss_sum, valid_tokens, valid_sequences])
+        loss_sum, valid_tokens, valid_sequences = self.data_ranks.all_sum([loss_sum, valid_tokens, valid_sequences])
         denom = valid_tokens if self.loss_cfg.token_level_loss else valid_sequences
         if denom == 0:
             if self.ranks.is_root:
@@ -331,12 +336,13 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
             acc.losses.append(0.0)
             acc.grad_norms.append(0.0)
             return
-        # FSDP2 averages gradients over the ranks; the update wants their sum over its global count.
-        scale = denom / self.ranks.world_size
+        # FSDP2 (and Megatron's DDP) average gradients over the data ranks; the update wants their
+        # sum over its global count.
+        scale = denom / self.data_ranks.world_size
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.div_(scale)
-        grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm))
+        grad_norm = self._clip_grads()
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at update {self.updates}")
         self.optimizer.step()
@@ -344,6 +350,10 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         self.updates += 1
         acc.losses.append(loss_sum / denom)
         acc.grad_norms.append(grad_norm)
+
+    def _clip_grads(self) -> float:
+        """Clip the gradients to ``policy.max_grad_norm`` by their global norm; that norm."""
+        return _as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm))
 
     def _filler_loss(self, filler: Row) -> torch.Tensor:
         """A pass that adds nothing to any gradient or figure, run by a rank with fewer

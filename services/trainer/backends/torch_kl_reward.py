@@ -21,7 +21,7 @@ from shared.run_config import GrpoSection, LossSection, PolicySection
 
 
 class KLRewardShaping:
-    ranks: Ranks
+    data_ranks: Ranks
     policy: PolicySection
     loss_cfg: LossSection
     grpo: GrpoSection
@@ -49,7 +49,7 @@ class KLRewardShaping:
         g = self.grpo
         adv = kl_reward.shaped_advantages(
             share.rollouts,
-            kl_reward.merge_sums(self.ranks.gather(mine)),
+            kl_reward.merge_sums(self.data_ranks.gather(mine)),
             self.loss_cfg.reference_policy_kl_penalty,
             group_size=g.num_generations_per_prompt,
             leave_one_out=g.use_leave_one_out_baseline,

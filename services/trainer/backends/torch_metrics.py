@@ -29,7 +29,7 @@ class StepTotals:
 
 
 class TorchStepMetrics:
-    ranks: Ranks
+    data_ranks: Ranks
     policy: PolicySection
     loss_cfg: LossSection
     seq_error_threshold: float | None
@@ -47,10 +47,10 @@ class TorchStepMetrics:
 
     def _global_totals(self, acc: StepTotals) -> StepTotals:
         """The step's totals over every rank (losses and norms are global already)."""
-        if not self.ranks.sharded:
+        if not self.data_ranks.sharded:
             return acc
         out = StepTotals(losses=acc.losses, grad_norms=acc.grad_norms)
-        for sums, records, shapes in self.ranks.gather((acc.sums, acc.records, acc.shapes)):
+        for sums, records, shapes in self.data_ranks.gather((acc.sums, acc.records, acc.shapes)):
             for k, v in sums.items():
                 out.sums[k] = max(out.sums.get(k, 0.0), v) if k.startswith("max_") else out.sums.get(k, 0.0) + v
             out.records += records

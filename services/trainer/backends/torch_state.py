@@ -54,7 +54,7 @@ class TorchState:
         import torch.distributed.checkpoint as dcp
 
         self.wait_for_save()
-        state = self._dcp_state()
+        state = self._state_to_save()
         if self.ranks.is_root:
             torch.save(self._trainer_state(), path / "trainer_state.pt")
         where = str(path / "shards")
@@ -72,20 +72,32 @@ class TorchState:
 
     def load_checkpoint(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(path / "shards"), no_dist=not self.ranks.sharded)
+        self._restore_state(state)
+        extra = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+        self.updates = int(extra["updates"])
+        torch.set_rng_state(extra["torch_rng"])
+
+    def _state_to_save(self) -> dict[str, Any]:
+        """What `save_checkpoint` writes (`_dcp_state`; a backend whose state views its live
+        tensors copies them for an asynchronous write)."""
+        return self._dcp_state()
+
+    def _restore_state(self, state: dict[str, Any]) -> None:
+        """Put a loaded `_dcp_state` into the model and optimizer."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(
             self._checkpointed_module(),
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
-        extra = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.updates = int(extra["updates"])
-        torch.set_rng_state(extra["torch_rng"])
 
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -1,0 +1,199 @@
+"""Hugging Face <-> megatron-core GPTModel layouts for the megatron backend: the TransformerConfig
+of a Qwen2/Qwen3/Qwen3-MoE config, the weights of each layer in either naming, and the HF
+checkpoint read a tensor at a time.
+
+Megatron fuses Q, K and V into one ``linear_qkv`` matrix ordered by query group ([q heads of the
+group, k, v] per group) and gate/up into one ``linear_fc1``; an MoE layer's router and experts go
+through `services.trainer.backends.megatron_moe`. Conversion works a layer at a time
+(`hf_layer_to_megatron`, `megatron_layer_to_hf`), so loading and publishing never hold more than a
+layer beyond the rank's own part; `hf_to_megatron` / `megatron_to_hf` convert whole state dicts.
+Used by `services.trainer.backends.megatron_backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from services.trainer.backends import megatron_moe
+from shared.config_error import ConfigError
+from shared.weights_format import safetensors_files
+
+
+def transformer_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
+    """TransformerConfig arguments for a Qwen2/Qwen3/Qwen3-MoE HF config (``config.json`` as a
+    dict); an MoE checkpoint's expert settings come from `megatron_moe.moe_config_kwargs`."""
+    if hf.get("model_type") not in ("qwen3", "qwen2", *megatron_moe.MOE_MODEL_TYPES):
+        raise ConfigError(
+            "the megatron backend supports Qwen2, Qwen3 and Qwen3-MoE checkpoints, "
+            f"not model_type {hf.get('model_type')!r}"
+        )
+    heads = hf["num_attention_heads"]
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "ffn_hidden_size": hf.get("intermediate_size", hf.get("moe_intermediate_size")),
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads", heads),
+        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "qk_layernorm": hf["model_type"] != "qwen2",
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": hf["model_type"] == "qwen2",
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+
+
+def rope_base(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _qkv_dims(hf: dict[str, Any]) -> tuple[int, int, int]:
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads", heads)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return heads // groups, groups, head_dim
+
+
+def hf_globals_to_megatron(state: Mapping[str, torch.Tensor], hf: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The embedding, the final norm and the output layer in megatron-core naming."""
+    out = {
+        "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": state["model.norm.weight"],
+    }
+    if not hf.get("tie_word_embeddings", False):
+        out["output_layer.weight"] = state["lm_head.weight"]
+    return out
+
+
+def hf_layer_to_megatron(
+    state: Mapping[str, torch.Tensor], hf: dict[str, Any], i: int, *, ep_rank: int = 0, ep_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """Decoder layer ``i`` in megatron-core naming and layout (its MLP: `megatron_moe`)."""
+    per_group, groups, d = _qkv_dims(hf)
+    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    q = state[h + "self_attn.q_proj.weight"].reshape(groups, per_group * d, -1)
+    k = state[h + "self_attn.k_proj.weight"].reshape(groups, d, -1)
+    v = state[h + "self_attn.v_proj.weight"].reshape(groups, d, -1)
+    out = {
+        m + "self_attention.linear_qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1]),
+        m + "self_attention.linear_proj.weight": state[h + "self_attn.o_proj.weight"],
+        m + "input_layernorm.weight": state[h + "input_layernorm.weight"],
+        m + "pre_mlp_layernorm.weight": state[h + "post_attention_layernorm.weight"],
+    }
+    if h + "self_attn.q_norm.weight" in state:
+        out[m + "self_attention.q_layernorm.weight"] = state[h + "self_attn.q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = state[h + "self_attn.k_norm.weight"]
+    if h + "self_attn.q_proj.bias" in state:
+        qb = state[h + "self_attn.q_proj.bias"].reshape(groups, per_group * d)
+        kb = state[h + "self_attn.k_proj.bias"].reshape(groups, d)
+        vb = state[h + "self_attn.v_proj.bias"].reshape(groups, d)
+        out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
+    out.update(megatron_moe.mlp_hf_to_megatron(state, hf, i, ep_rank=ep_rank, ep_size=ep_size))
+    return out
+
+
+def hf_to_megatron(
+    state: Mapping[str, torch.Tensor], hf: dict[str, Any], *, ep_rank: int = 0, ep_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """An HF Qwen state dict in megatron-core GPTModel naming and layout: Q, K and V fused into
+    ``linear_qkv`` ordered by query group ([q heads of the group, k, v] per group), gate/up into
+    ``linear_fc1``; with expert parallelism, the experts of EP rank ``ep_rank`` only."""
+    out = hf_globals_to_megatron(state, hf)
+    for i in range(hf["num_hidden_layers"]):
+        out.update(hf_layer_to_megatron(state, hf, i, ep_rank=ep_rank, ep_size=ep_size))
+    return out
+
+
+def megatron_globals_to_hf(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+    }
+    if "output_layer.weight" in state:
+        out["lm_head.weight"] = state["output_layer.weight"]
+    return out
+
+
+def megatron_layer_to_hf(
+    state: Mapping[str, torch.Tensor], hf: dict[str, Any], i: int, *, ep_rank: int = 0, ep_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """The inverse of `hf_layer_to_megatron` (the experts of EP rank ``ep_rank``)."""
+    per_group, groups, d = _qkv_dims(hf)
+    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    qkv = state[m + "self_attention.linear_qkv.weight"]
+    qkv = qkv.reshape(groups, (per_group + 2) * d, qkv.shape[-1])
+    out = {
+        h + "self_attn.q_proj.weight": qkv[:, : per_group * d].reshape(-1, qkv.shape[-1]),
+        h + "self_attn.k_proj.weight": qkv[:, per_group * d : (per_group + 1) * d].reshape(-1, qkv.shape[-1]),
+        h + "self_attn.v_proj.weight": qkv[:, (per_group + 1) * d :].reshape(-1, qkv.shape[-1]),
+        h + "self_attn.o_proj.weight": state[m + "self_attention.linear_proj.weight"],
+        h + "input_layernorm.weight": state[m + "input_layernorm.weight"],
+        h + "post_attention_layernorm.weight": state[m + "pre_mlp_layernorm.weight"],
+    }
+    if m + "self_attention.q_layernorm.weight" in state:
+        out[h + "self_attn.q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
+        out[h + "self_attn.k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
+    if m + "self_attention.linear_qkv.bias" in state:
+        b = state[m + "self_attention.linear_qkv.bias"].reshape(groups, (per_group + 2) * d)
+        out[h + "self_attn.q_proj.bias"] = b[:, : per_group * d].reshape(-1)
+        out[h + "self_attn.k_proj.bias"] = b[:, per_group * d : (per_group + 1) * d].reshape(-1)
+        out[h + "self_attn.v_proj.bias"] = b[:, (per_group + 1) * d :].reshape(-1)
+    out.update(megatron_moe.mlp_megatron_to_hf(state, hf, i, ep_rank=ep_rank, ep_size=ep_size))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def megatron_to_hf(
+    state: Mapping[str, torch.Tensor], hf: dict[str, Any], *, ep_rank: int = 0, ep_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """The inverse of `hf_to_megatron` (``_extra_state`` entries are ignored)."""
+    out = megatron_globals_to_hf(state)
+    for i in range(hf["num_hidden_layers"]):
+        out.update(megatron_layer_to_hf(state, hf, i, ep_rank=ep_rank, ep_size=ep_size))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def padded_vocab(hf: dict[str, Any]) -> int:
+    """The vocabulary rounded up to a multiple of `VOCAB_MULTIPLE`, so the vocabulary-parallel
+    embedding and output layer split evenly at any tensor-parallel size that divides it; the
+    same at every size, so checkpoints move between sizes."""
+    return -(-int(hf["vocab_size"]) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+VOCAB_MULTIPLE = 128
+
+
+class SafetensorsState(Mapping[str, torch.Tensor]):
+    """An HF checkpoint's tensors by name, each read from its file when asked for (so converting
+    layer by layer holds one layer, not the model)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, Any] = {}
+        for f in safetensors_files(Path(model_dir)):
+            handle: Any = safe_open(str(f), framework="pt")
+            self._where.update(dict.fromkeys(handle.keys(), handle))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tensor: torch.Tensor = self._where[key].get_tensor(key)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def read_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    return dict(SafetensorsState(model_dir))

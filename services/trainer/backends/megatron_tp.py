@@ -1,0 +1,141 @@
+"""Where the megatron backend's parameters live across ranks, and how they are cut, gathered and
+checkpointed.
+
+megatron-core splits a tensor-parallel layer's weight along its ``partition_dim`` (attributes it
+sets on the parameter): column-parallel layers (``linear_qkv``, ``linear_fc1``, the vocabulary
+embedding and ``output_layer``) by rows, row-parallel ones (``linear_proj``, ``linear_fc2``) by
+columns; norms (the QK norms too) are replicated. The fused QKV matrix is ordered by query group,
+so rank ``r``'s rows are whole groups and the ranks' rows concatenate to the one-rank matrix. The
+gated ``linear_fc1`` is not: each rank holds [its rows of gate; its rows of up], so cutting and
+gathering it goes through the halves (`local_part`, `gather_full`). Experts are cut by their own
+(expert) tensor-parallel group, which is one rank here (``expert_tensor_parallel_size`` 1), and
+split between expert-parallel ranks whole (`services.trainer.backends.megatron_moe`).
+
+Checkpoints are torch Distributed Checkpoints in a layout that does not depend on the ranks
+(`checkpoint_tensors`): each tensor-parallel weight is a DTensor sharded over its group (every rank
+writes its part; data-parallel replicas are written once), the gated ``linear_fc1`` is kept as its
+gate and up halves, and local experts are named by their global expert id. So a checkpoint written
+at one tensor-, expert- or data-parallel size resumes at another, as the torch backend's do.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _gated(name: str) -> bool:
+    """The fused gate/up weight of a (dense or expert) SwiGLU MLP."""
+    return name.endswith("linear_fc1.weight")
+
+
+def tp_group_of(param: torch.nn.Parameter) -> Any:
+    """The process group ``param`` is split over (None: whole on every rank that has it)."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    expert = not getattr(param, "allreduce", True)
+    group = (
+        parallel_state.get_expert_tensor_parallel_group()
+        if expert
+        else parallel_state.get_tensor_model_parallel_group()
+    )
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def local_part(full: torch.Tensor, param: torch.nn.Parameter, name: str) -> torch.Tensor:
+    """This rank's part of the whole tensor ``full`` for ``param`` (``full`` itself when whole)."""
+    group = tp_group_of(param)
+    if group is None or tuple(full.shape) == tuple(param.shape):
+        return full
+    n, r, dim = dist.get_world_size(group), dist.get_rank(group), param.partition_dim
+    if _gated(name):
+        return torch.cat([half.chunk(n, dim)[r] for half in full.chunk(2, dim)], dim)
+    return full.chunk(n, dim)[r]
+
+
+def gather_full(local: torch.Tensor, param: torch.nn.Parameter, name: str) -> torch.Tensor:
+    """The whole tensor of ``param`` from every rank's part (collective over its group)."""
+    group = tp_group_of(param)
+    if group is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    dim = param.partition_dim
+    if _gated(name):
+        halves = [p.chunk(2, dim) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
+    return torch.cat(parts, dim)
+
+
+def global_expert_name(name: str, first_expert: int) -> str:
+    """A local expert's parameter name with its global expert id (``first_expert`` is this
+    expert-parallel rank's first)."""
+    return _LOCAL_EXPERT.sub(lambda m: f".experts.{first_expert + int(m.group(1))}.", name)
+
+
+class CheckpointLayout:
+    """Views of a module's parameters (and of tensors shaped like them: optimizer moments) in the
+    checkpoint layout described above. The views share storage with what they view, so a
+    Distributed Checkpoint load writes straight into the parameters."""
+
+    def __init__(self, module: torch.nn.Module, first_expert: int, device_type: str) -> None:
+        self.params = dict(module.named_parameters())
+        self.first_expert = first_expert
+        self.device_type = device_type
+        self._meshes: dict[Any, Any] = {}
+
+    def views(self, name: str, t: torch.Tensor, *, copy: bool = False) -> dict[str, torch.Tensor]:
+        """``t`` (parameter ``name`` or a tensor of its shape) under its checkpoint names (copies
+        of its parts with ``copy``)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        param = self.params[name]
+        group = tp_group_of(param)
+        dim = param.partition_dim if group is not None else 0
+        key = global_expert_name(name, self.first_expert)
+        pieces = dict(zip((key + ".gate", key + ".up"), t.chunk(2, dim), strict=True)) if _gated(name) else {key: t}
+        if copy:
+            pieces = {k: v.detach().clone() for k, v in pieces.items()}
+        if group is None:
+            return pieces
+        mesh = self._mesh(group)
+        return {k: DTensor.from_local(v, mesh, [Shard(dim)], run_check=False) for k, v in pieces.items()}
+
+    def _mesh(self, group: Any) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if group not in self._meshes:
+            self._meshes[group] = DeviceMesh.from_group(group, self.device_type)
+        return self._meshes[group]
+
+
+def checkpoint_tensors(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: CheckpointLayout, *, copy: bool = False
+) -> dict[str, Any]:
+    """The model's parameters and the optimizer's per-parameter state as checkpoint views (copies
+    with ``copy``, for a write that goes on while training changes them). State the optimizer has
+    not made yet, before its first step, is made here as zeros so that a load has somewhere to go."""
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, torch.Tensor] = {}
+    for name, param in layout.params.items():
+        model.update(layout.views(name, param.data, copy=copy))
+        state = optimizer.state[param]
+        if not state:
+            state.update(
+                step=torch.zeros((), dtype=torch.float32),
+                exp_avg=torch.zeros_like(param),
+                exp_avg_sq=torch.zeros_like(param),
+            )
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.shape == param.shape:
+                optim.update({f"{key}/{k}": view for key, view in layout.views(name, v, copy=copy).items()})
+            elif torch.is_tensor(v):
+                optim[f"{global_expert_name(name, layout.first_expert)}/{k}"] = v.clone() if copy else v
+    return {"model": model, "optimizer": optim}

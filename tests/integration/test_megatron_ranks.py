@@ -1,0 +1,138 @@
+"""The megatron backend on two ranks (torchrun, gloo on CPU) against one rank, through
+tests/ranked_step.py, as ``python -m services.trainer`` wires a trainer of many ranks:
+
+* Tensor parallelism 2 (dense Qwen3: fused QKV split by query group, gate/up halves, vocabulary
+  rows padded and split, logits gathered), data parallelism 2 with packed micro-batches and two
+  updates a step, and expert parallelism 2 (a Qwen3-MoE, each rank holding half the experts, the
+  dense parts data-parallel) each train the steps one rank trains: losses and gradient norms
+  within rel 1e-5, parameters within 1e-5 after two steps at a learning rate (1e-4) that moves
+  them 2e-4. The weights are published in HF layout by both ranks and transformers loads them.
+* Checkpoints are independent of the layout: written at tensor parallelism 2 (asynchronously) or
+  expert parallelism 2, they resume on one rank, and the next step is the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.integration.test_ranks import (
+    LR,
+    ROOT,
+    SMALL_FILES,
+    assert_exported_in_files,
+    assert_same_steps,
+    assert_transformers_loads,
+    max_param_diff,
+    metrics,
+    one_rank,
+    two_ranks,
+    weights,
+)
+
+pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MEGATRON = ["--set", "trainer.backend=megatron", *LR]
+TP2 = ["--set", "policy.megatron_cfg.tensor_model_parallel_size=2"]
+EP2 = ["--set", "policy.megatron_cfg.expert_model_parallel_size=2"]
+PACKED = [
+    "--set",
+    "policy.train_global_batch_size=6",
+    "--set",
+    "policy.sequence_packing.enabled=true",
+    "--set",
+    "policy.sequence_packing.train_mb_tokens=64",
+]
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE (4 experts, top 2) with the dense tiny model's vocabulary size."""
+    out = tmp_path_factory.mktemp("tiny-moe")
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); "
+        f"from megatron_moe_ep import build_tiny_moe; build_tiny_moe(Path({str(out)!r}), vocab_size=1024)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory):
+    """One-rank megatron runs of two steps, made once per (model, variant) and shared."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def run(model: Path, variant: str, *args: str) -> Path:
+        key = (str(model), variant)
+        if key not in made:
+            made[key] = one_rank(model, tmp_path_factory.mktemp("one-rank") / "run", *MEGATRON, *args)
+        return made[key]
+
+    return run
+
+
+VARIANTS = {
+    "tensor parallel 2": ("dense", TP2, []),
+    "data parallel 2, packed, two updates a step": ("dense", [], PACKED),
+    "expert parallel 2 (MoE)": ("moe", EP2, []),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_megatron_ranks_train_the_same_steps_as_one(
+    tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, variant
+):
+    kind, layout, extra = VARIANTS[variant]
+    model = tiny_model_dir if kind == "dense" else moe_model_dir
+    common = ["--steps", "2", *SMALL_FILES, *extra]
+    single = one_rank_runs(model, " ".join(extra), *common)
+    double = two_ranks(model, tmp_path / "ws2", *MEGATRON, *layout, *common)
+    assert_exported_in_files(double, world_size=2)
+    assert_same_steps(single, double)
+    if kind == "dense":
+        assert_transformers_loads(double)
+    else:
+        assert_transformers_loads_experts(double, tmp_path / "resaved")
+    start = load_file(model / "model.safetensors")
+    assert sorted(weights(double)) == sorted(start)  # HF names, padding and local experts gone
+    moved = max(float((weights(single)[k] - start[k].float()).abs().max()) for k in start)
+    assert moved > 5e-5  # the comparison above is far finer than what the steps changed
+
+
+def assert_transformers_loads_experts(run: Path, resaved: Path) -> None:
+    """transformers loads the exported MoE with nothing missing or left over (it fuses the experts
+    in memory), and saves back exactly the exported tensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(run / "weights", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    loaded.save_pretrained(resaved)
+    again, exported = load_file(resaved / "model.safetensors"), weights(run)
+    assert again.keys() == exported.keys() and all(torch.equal(again[k], t) for k, t in exported.items())
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [("dense", [*TP2, "--set", "checkpointing.async_save=true"]), ("moe", EP2)],
+    ids=["tensor parallel 2, saved asynchronously", "expert parallel 2 (MoE)"],
+)
+def test_a_megatron_checkpoint_resumes_at_another_layout(
+    tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, kind, layout
+):
+    model = tiny_model_dir if kind == "dense" else moe_model_dir
+    uninterrupted = one_rank_runs(model, "", "--steps", "2", *SMALL_FILES)
+    first = two_ranks(model, tmp_path / "first", *MEGATRON, *layout, "--steps", "1", "--save")
+    assert len(list((first / "ckpt" / "shards").glob("*.distcp"))) == 2  # a shard per rank
+    second = one_rank(model, tmp_path / "second", *MEGATRON, "--load", str(first / "ckpt"), "--first-step", "1")
+    [resumed] = metrics(second)
+    expected = metrics(uninterrupted)[1]
+    assert resumed["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-8)
+    assert resumed["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    assert resumed["lr"] == expected["lr"]
+    assert max_param_diff(second, uninterrupted) < 1e-5
