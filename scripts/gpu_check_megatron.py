@@ -1,10 +1,12 @@
 """GPU check of the megatron backend (one GPU, under torchrun): logits of the megatron-core model
-built from a Qwen3 checkpoint match transformers' within tolerance, a few GRPO updates run with the
-configured DDP (NaN check on), and the exported weights load back into transformers unchanged.
+built from a Qwen3 (and a Qwen3-MoE) checkpoint match transformers' within tolerance, three GRPO
+updates run with the configured DDP (NaN check on), and the exported weights load back into
+transformers unchanged.
 
     torchrun --nproc-per-node 1 scripts/gpu_check_megatron.py [MODEL_DIR]
 
-MODEL_DIR defaults to a freshly built tiny model. Exits non-zero on any mismatch.
+MODEL_DIR defaults to the freshly built tiny dense model and a tiny Qwen3-MoE, each checked.
+Exits non-zero on any mismatch. scripts/gpu_check_megatron_ranks.sh checks the multi-GPU layouts.
 """
 
 from __future__ import annotations
@@ -29,12 +31,21 @@ def main() -> int:
     assert torch.cuda.is_available(), "this check needs a GPU"
     tmp = Path(tempfile.mkdtemp(prefix="megatron-check-"))
     if len(sys.argv) > 1:
-        model_dir = Path(sys.argv[1])
+        models = [Path(sys.argv[1])]
     else:
-        from streamrl.model_builder import build_tiny_model
+        from streamrl.model_builder import build_tiny_model, build_tiny_moe
 
-        model_dir = tmp / "tiny"
-        build_tiny_model(model_dir)
+        build_tiny_model(tmp / "tiny")
+        build_tiny_moe(tmp / "tiny-moe", vocab_size=1024)
+        models = [tmp / "tiny", tmp / "tiny-moe"]
+    for model_dir in models:
+        print(f"== {model_dir.name}")
+        check(model_dir, tmp / f"export-{model_dir.name}")
+    print("megatron backend GPU check passed")
+    return 0
+
+
+def check(model_dir: Path, out: Path) -> None:
     cfg = load(
         RunConfig,
         None,
@@ -82,7 +93,6 @@ def main() -> int:
         print(f"step {step}: loss {m['loss']:.4f} grad_norm {m['grad_norm']:.4f}")
         assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
-    out = tmp / "export"
     out.mkdir()
     backend.save_weights(out)
     back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).cuda().eval()
@@ -92,8 +102,6 @@ def main() -> int:
     diff = (a - b).abs().max().item()
     print(f"exported weights in transformers vs megatron: {diff:.2e}")
     assert diff < 2e-3, diff
-    print("megatron backend GPU check passed")
-    return 0
 
 
 if __name__ == "__main__":

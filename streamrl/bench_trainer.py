@@ -16,6 +16,10 @@ so that load from other processes hits both:
    one step at two ranks, against one rank.
 4. Checkpoints at two ranks: how long `save_checkpoint` blocks, synchronous against asynchronous
    (``checkpointing.async_save``), and how long until the asynchronous one is on disk.
+5. The megatron backend (when megatron-core is installed): against the same bare loop at one rank
+   (alternated in one process), and its layouts at two ranks (tensor, data and, on a Qwen3-MoE,
+   expert parallelism) against one rank, each run alone in its own processes one after the other,
+   with the training state rank 0 holds.
 
 `render_section` writes the BENCHMARKS.md section. Called by `streamrl.bench`.
 """
@@ -142,6 +146,7 @@ def trainer_benchmark(work: Path, machine: str) -> dict[str, Any]:
         for how, flags in (("whole", ["--whole"]), ("shards", []))
     }
     return {
+        "megatron": megatron_part(work, small) if _has_megatron() else None,
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine,
         "cores": os.cpu_count() or 1,
@@ -163,6 +168,91 @@ def trainer_benchmark(work: Path, machine: str) -> dict[str, Any]:
         "section_s": time.perf_counter() - t0,
         "raw": {"compare": compare, "scale": scale, "state": state},
     }
+
+
+def _has_megatron() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None
+
+
+MEGATRON = ["--set", "trainer.backend=megatron"]
+# A Qwen3-MoE of the small model's width: 8 experts, top 2.
+MOE_SHAPE: dict[str, Any] = {
+    "vocab_size": SMALL.vocab_size,
+    "hidden_size": SMALL.hidden_size,
+    "num_hidden_layers": SMALL.num_hidden_layers,
+    "head_dim": SMALL.head_dim,
+    "num_experts": 8,
+    "moe_intermediate_size": SMALL.intermediate_size // 2,
+    "intermediate_size": SMALL.intermediate_size,
+}
+
+
+def megatron_part(work: Path, small: Path) -> dict[str, Any]:
+    """Part 5 (see the module docstring)."""
+    moe = work / "small-qwen3-moe"
+    code = f"from streamrl.model_builder import build_tiny_moe; build_tiny_moe({str(moe)!r}, **{MOE_SHAPE!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
+    rounds = ["--rounds", str(ROUNDS), *THROUGHPUT_ROWS]
+    compare = run_worker("compare", small, work / "megatron-compare.json", [*rounds, "--threads", "1", *MEGATRON])
+    layouts = {
+        "dense, 1 rank": (small, [], 1),
+        "dense, tensor parallel 2": (small, ["--set", "policy.megatron_cfg.tensor_model_parallel_size=2"], 2),
+        "dense, data parallel 2": (small, [], 2),
+        "MoE, 1 rank": (moe, [], 1),
+        "MoE, expert parallel 2": (moe, ["--set", "policy.megatron_cfg.expert_model_parallel_size=2"], 2),
+    }
+    alone = {
+        name: run_worker("alone", model, work / f"megatron-{i}.json", [*rounds, *MEGATRON, *flags], world)
+        for i, (name, (model, flags, world)) in enumerate(layouts.items())
+    }
+    return {
+        "tokens": compare["tokens"],
+        "throughput": paired(compare["rounds"], "backend", "bare", compare["tokens"]),
+        "first_loss": {"backend": compare["backend_loss"], "bare": compare["bare_loss"]},
+        "layouts": {
+            name: {
+                "tok_s": r["tokens"] / statistics.median(r["step_s"]),
+                "state": sum(r["state"].values()),
+                "load_avg": r["load_avg"],
+            }
+            for name, r in alone.items()
+        },
+    }
+
+
+def _megatron_lines(t: dict[str, Any]) -> list[str]:
+    m = t.get("megatron")
+    if not m:
+        return []
+    tp, lay = m["throughput"], m["layouts"]
+    base = {"dense": lay["dense, 1 rank"], "MoE": lay["MoE, 1 rank"]}
+    lines = [
+        "The megatron backend (megatron-core GPTModel, its DDP, CPU ranks over gloo) on the same throughput model "
+        f"and batch. Against the bare loop it is alternated step by step in one process as above (first losses "
+        f"{m['first_loss']['backend']:.6f} and {m['first_loss']['bare']:.6f}). Its layouts at two ranks run "
+        "as the trainer runs them (torchrun, `RankedLearner`), each alone in processes of its own, one after the "
+        f"other, {t['rounds']} timed steps after a warm-up step, against the one-rank run of the same model: not "
+        "side by side, so load from other processes moves these ratios more than the alternated ones. The MoE "
+        f"is a Qwen3-MoE of the same width with {MOE_SHAPE['num_experts']} experts (top 2). Training state: the "
+        "bytes of rank 0's parameters, gradients and AdamW state (its parts), float32. Tensor parallelism halves "
+        "the split layers' state; data parallelism keeps every replica's (no distributed optimizer yet).",
+        "",
+        "| megatron backend | tokens/s | baseline tokens/s | ratio | training state per rank / 1 rank |",
+        "|---|---|---|---|---|",
+        f"| against the bare torch loop, 1 rank | {tp['tok_s']:.0f} | {tp['base_tok_s']:.0f} | {tp['ratio']:.2f} "
+        f"({tp['ratio_min']:.2f}-{tp['ratio_max']:.2f}) | |",
+    ]
+    for name, r in lay.items():
+        if "1 rank" in name:
+            continue
+        b = base["MoE" if name.startswith("MoE") else "dense"]
+        lines.append(
+            f"| {name} against 1 rank | {r['tok_s']:.0f} | {b['tok_s']:.0f} | {r['tok_s'] / b['tok_s']:.2f} | "
+            f"{r['state'] / b['state']:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def _range(values: list[float]) -> list[float]:
@@ -266,6 +356,7 @@ def render_section(t: dict[str, Any]) -> str:
         f"{asyn['on_disk_s'] / sync['on_disk_s']:.2f} |",
         "",
         *_loading_lines(t),
+        *_megatron_lines(t),
         f"The section took {t['section_s'] / 60:.1f} min, model builds and process starts included.",
         "",
     ]

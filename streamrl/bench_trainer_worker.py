@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from services.trainer.backends import ranked_backend
 from services.trainer.backends.torch_backend import TorchBackend
 from services.trainer.batch import Row, StepBatch
 from services.trainer.learner import Learner, LocalLearner
@@ -159,7 +160,7 @@ class BareLoop:
 def compare(cfg: RunConfig, batch: StepBatch, rounds: int) -> dict[str, Any]:
     """One warm-up step each (their losses show both sides train the same thing), then ``rounds``
     rounds of one step each, in the order backend bare, bare backend, ..."""
-    backend = TorchBackend.from_config(cfg)
+    backend = ranked_backend(cfg, SINGLE)  # trainer.backend: torch or megatron
     bare = BareLoop(cfg)
     steps: dict[str, Callable[[], object]] = {
         "backend": lambda: backend.train_step(batch),
@@ -210,6 +211,36 @@ def scale(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[s
         "single": LocalLearner(lambda: TorchBackend.from_config(cfg)),
     }
     return {"rounds": asyncio.run(_alternate(learners, batch, rounds))}
+
+
+def alone(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[str, Any] | None:
+    """The learner as the trainer runs it at this world size (``trainer.backend`` either one), timed
+    alone for ``rounds`` steps after a warm-up step; rank 0's training state after them."""
+    if not ranks.is_root:
+        follow(ranked_backend(cfg, ranks))
+        return None
+    learner: RankedLearner | LocalLearner
+    if ranks.sharded:
+        timeout_s = cfg.trainer.collective_timeout_s
+        learner = RankedLearner(lambda: ranked_backend(cfg, ranks), ranks, collective_timeout_s=timeout_s)
+    else:
+        learner = LocalLearner(lambda: ranked_backend(cfg, ranks))
+
+    async def run() -> dict[str, Any]:
+        await learner.start()
+        await learner.train(batch)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await learner.train(batch)
+            times.append(time.perf_counter() - t0)
+        backend = learner.backend
+        assert isinstance(backend, TorchBackend)
+        out = {"step_s": times, "state": state_bytes(backend), "load_avg": os.getloadavg()[0]}
+        await learner.close()
+        return out
+
+    return asyncio.run(run())
 
 
 def _local_bytes(t: torch.Tensor | None) -> int:
@@ -322,7 +353,7 @@ def _save(backend: TorchBackend, ranks: Ranks, path: Path) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("compare", "scale", "state", "load"))
+    p.add_argument("mode", choices=("compare", "scale", "state", "load", "alone"))
     p.add_argument("model")
     p.add_argument("out")
     p.add_argument("--threads", type=int, default=1)
@@ -344,6 +375,8 @@ def main() -> int:
             result: dict[str, Any] | None = compare(cfg, batch, args.rounds)
         elif args.mode == "scale":
             result = scale(cfg, ranks, batch, args.rounds)
+        elif args.mode == "alone":
+            result = alone(cfg, ranks, batch, args.rounds)
         elif args.mode == "state":
             result = state(cfg, ranks, batch, args.saves, out.parent / f"{out.stem}-ckpt")
         else:

@@ -15,9 +15,10 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from tokenizers import Tokenizer
     from transformers import Qwen3Config
 
@@ -159,3 +160,36 @@ def qwen3_config(spec: TinyModelSpec, vocab_size: int, *, pad_id: int, bos_id: i
         eos_token_id=eos_id,
         dtype="float32",
     )
+
+
+def build_tiny_moe(out: str | Path, **overrides: Any) -> torch.nn.Module:
+    """A randomly initialised tiny Qwen3-MoE (4 experts, top 2, float32, no tokenizer: token ids
+    only) saved to ``out``; returned in eval mode. Weights are drawn wide enough (and norms away
+    from 1) that a misplaced tensor moves the logits far more than float rounding does. For the
+    megatron backend's expert-parallel tests and GPU checks."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    }
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**shape, **overrides})).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+    model.save_pretrained(out)
+    return model

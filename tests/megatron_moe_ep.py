@@ -28,37 +28,6 @@ from services.trainer.backends.megatron_convert import hf_to_megatron, megatron_
 from services.trainer.backends.megatron_moe import mlp_megatron_to_hf  # noqa: E402
 
 
-def build_tiny_moe(out: Path, **overrides: Any) -> torch.nn.Module:
-    """A randomly initialised Qwen3-MoE (4 experts, top 2, float32) saved to ``out``; returned in
-    eval mode. Weights are drawn wide enough (and norms away from 1) that a misplaced tensor moves
-    the logits far more than float rounding does."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    shape: dict[str, Any] = {
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64,
-        "norm_topk_prob": True,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-    }
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**shape, **overrides})).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
-    model.save_pretrained(out)
-    return model
-
-
 def init_parallel(expert_parallel: int, seed: int = 0) -> None:
     """Megatron's groups with ``expert_parallel`` EP ranks on an existing process group, on CPU."""
     from megatron.core import parallel_state

@@ -54,10 +54,7 @@ PACKED = [
 def moe_model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen3-MoE (4 experts, top 2) with the dense tiny model's vocabulary size."""
     out = tmp_path_factory.mktemp("tiny-moe")
-    code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); "
-        f"from megatron_moe_ep import build_tiny_moe; build_tiny_moe(Path({str(out)!r}), vocab_size=1024)"
-    )
+    code = f"from streamrl.model_builder import build_tiny_moe; build_tiny_moe({str(out)!r}, vocab_size=1024)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
     return out
 

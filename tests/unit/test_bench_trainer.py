@@ -104,3 +104,26 @@ def test_section_goes_after_the_gateway_section_and_is_replaced_in_place():
     assert once.index(GATEWAY_HEADING) < once.index(HEADING) < once.index("## Pipeline efficiency")
     again = replace_section(once, render_section(_results(backend_s=1.25)), HEADING, after=GATEWAY_HEADING)
     assert again.count(HEADING) == 1 and "NOT met" in again and again.endswith("pipeline\n")
+
+
+def test_megatron_rows_compare_each_layout_with_one_rank_of_the_same_model():
+    layouts = {
+        "dense, 1 rank": {"tok_s": 1000.0, "state": 400 * MIB, "load_avg": 1.0},
+        "dense, tensor parallel 2": {"tok_s": 800.0, "state": 210 * MIB, "load_avg": 1.0},
+        "dense, data parallel 2": {"tok_s": 1500.0, "state": 400 * MIB, "load_avg": 1.0},
+        "MoE, 1 rank": {"tok_s": 500.0, "state": 800 * MIB, "load_avg": 1.0},
+        "MoE, expert parallel 2": {"tok_s": 600.0, "state": 500 * MIB, "load_avg": 1.0},
+    }
+    compare = [{"backend_s": 1.1, "bare_s": 1.0}, {"backend_s": 1.1, "bare_s": 1.0}]
+    megatron = {
+        "tokens": 1200,
+        "throughput": paired(compare, "backend", "bare", 1200),
+        "first_loss": {"backend": -0.25, "bare": -0.25},
+        "layouts": layouts,
+    }
+    text = render_section({**_results(), "megatron": megatron})
+    assert "| dense, tensor parallel 2 against 1 rank | 800 | 1000 | 0.80 | 0.53 |" in text
+    assert "| dense, data parallel 2 against 1 rank | 1500 | 1000 | 1.50 | 1.00 |" in text
+    assert "| MoE, expert parallel 2 against 1 rank | 600 | 500 | 1.20 | 0.62 |" in text
+    assert "| against the bare torch loop, 1 rank | 1091 | 1200 | 0.91 (0.91-0.91) | |" in text
+    assert "megatron" not in render_section(_results())  # without megatron-core: no rows

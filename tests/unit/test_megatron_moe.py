@@ -28,6 +28,7 @@ pytest.importorskip("megatron.core", reason="the megatron extra is not installed
 from services.trainer.backends import megatron_moe  # noqa: E402
 from services.trainer.backends.megatron_convert import read_hf_state  # noqa: E402
 from shared.config_error import ConfigError  # noqa: E402
+from streamrl.model_builder import build_tiny_moe  # noqa: E402
 from streamrl.redis_server import free_port  # noqa: E402
 from tests import megatron_moe_ep as rig  # noqa: E402
 
@@ -110,7 +111,7 @@ def models(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
     out = {}
     for i, (name, overrides) in enumerate(VARIANTS.items()):
         folder = tmp_path_factory.mktemp(f"tiny-moe-{i}")
-        out[name] = (folder, rig.build_tiny_moe(folder, **overrides))
+        out[name] = (folder, build_tiny_moe(folder, **overrides))
     return out
 
 
