@@ -119,6 +119,17 @@ def assert_same_steps(a: Path, b: Path) -> None:
     assert max_param_diff(a, b) < 1e-5
 
 
+def assert_resumed_as_uninterrupted(resumed_run: Path, uninterrupted: Path) -> None:
+    """The resumed run's one step is step 1 of the uninterrupted run: same loss and norm, same
+    learning rate, same parameters."""
+    [resumed] = metrics(resumed_run)
+    expected = metrics(uninterrupted)[1]
+    assert resumed["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-8)
+    assert resumed["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    assert resumed["lr"] == expected["lr"]
+    assert max_param_diff(resumed_run, uninterrupted) < 1e-5
+
+
 VARIANTS = {
     "one update per step": [],
     "two updates, packed micro-batches": [
@@ -167,13 +178,7 @@ def test_a_checkpoint_resumes_at_another_world_size(
     second = launch[resumed_at](
         tiny_model_dir, tmp_path / "second", *LR, "--load", str(first / "ckpt"), "--first-step", "1"
     )
-    # Step 1 after the resume is step 1 of the uninterrupted run: same loss and norm, same parameters.
-    [resumed] = metrics(second)
-    expected = metrics(uninterrupted)[1]
-    assert resumed["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-8)
-    assert resumed["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
-    assert resumed["lr"] == expected["lr"]
-    assert max_param_diff(second, uninterrupted) < 1e-5
+    assert_resumed_as_uninterrupted(second, uninterrupted)
 
 
 def _by_hand(model: Path, out: Path, killed: int) -> list[subprocess.Popen[str]]:
