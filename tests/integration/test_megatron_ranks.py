@@ -7,8 +7,11 @@ tests/ranked_step.py, as ``python -m services.trainer`` wires a trainer of many 
   dense parts data-parallel) each train the steps one rank trains: losses and gradient norms
   within rel 1e-5, parameters within 1e-5 after two steps at a learning rate (1e-4) that moves
   them 2e-4. The weights are published in HF layout by both ranks and transformers loads them.
-* Checkpoints are independent of the layout: written at tensor parallelism 2 (asynchronously) or
-  expert parallelism 2, they resume on one rank, and the next step is the uninterrupted run's.
+  At tensor parallelism with top-p 1 the logprobs come from each rank's vocabulary columns
+  (megatron's vocabulary-parallel cross entropy); with top-p 0.9 from the gathered logits.
+* Checkpoints are independent of the layout: written at tensor parallelism 2 (asynchronously,
+  top-p 0.9) or expert parallelism 2, they resume on one rank, and the next step is the
+  uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -107,17 +110,20 @@ def assert_transformers_loads_experts(run: Path, resaved: Path) -> None:
     assert again.keys() == exported.keys() and all(torch.equal(again[k], t) for k, t in exported.items())
 
 
+TOP_P = ["--set", "policy.generation.top_p=0.9"]
+
+
 @pytest.mark.parametrize(
-    ("kind", "layout"),
-    [("dense", [*TP2, "--set", "checkpointing.async_save=true"]), ("moe", EP2)],
-    ids=["tensor parallel 2, saved asynchronously", "expert parallel 2 (MoE)"],
+    ("kind", "layout", "extra"),
+    [("dense", [*TP2, "--set", "checkpointing.async_save=true"], TOP_P), ("moe", EP2, [])],
+    ids=["tensor parallel 2, top-p 0.9 (whole logits), saved asynchronously", "expert parallel 2 (MoE)"],
 )
 def test_a_megatron_checkpoint_resumes_at_another_layout(
-    tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, kind, layout
+    tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, kind, layout, extra
 ):
     model = tiny_model_dir if kind == "dense" else moe_model_dir
-    uninterrupted = one_rank_runs(model, "", "--steps", "2", *SMALL_FILES)
-    first = two_ranks(model, tmp_path / "first", *MEGATRON, *layout, "--steps", "1", "--save")
+    uninterrupted = one_rank_runs(model, " ".join(extra), "--steps", "2", *SMALL_FILES, *extra)
+    first = two_ranks(model, tmp_path / "first", *MEGATRON, *layout, *extra, "--steps", "1", "--save")
     assert len(list((first / "ckpt" / "shards").glob("*.distcp"))) == 2  # a shard per rank
-    second = one_rank(model, tmp_path / "second", *MEGATRON, "--load", str(first / "ckpt"), "--first-step", "1")
+    second = one_rank(model, tmp_path / "second", *MEGATRON, *extra, "--load", str(first / "ckpt"), "--first-step", "1")
     assert_resumed_as_uninterrupted(second, uninterrupted)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from services.trainer import packing
 from services.trainer.backends import megatron_cpu, megatron_moe, megatron_tp
 from services.trainer.backends.megatron_convert import (
     SafetensorsState,
@@ -140,7 +141,8 @@ def build_gpt_model(
 ) -> GPTModel:
     """A megatron-core GPTModel with the architecture of ``hf`` (random weights; ``vocab_size``
     rows of embedding and output, the checkpoint's by default), split over the tensor- and
-    expert-parallel groups already initialised; its logits are gathered whole."""
+    expert-parallel groups already initialised; its logits are each tensor-parallel rank's
+    vocabulary columns unless a forward pass asks for them whole (``runtime_gather_output``)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -162,7 +164,7 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=rope_base(hf),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        parallel_output=False,
+        parallel_output=True,  # each tensor-parallel rank's vocabulary columns; gathered on request
     )
 
 
@@ -249,18 +251,49 @@ class MegatronBackend(TorchBackend):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        whole: bool = True,
     ) -> torch.Tensor:
-        """[B, T, V] logits, gathered over the tensor-parallel ranks. Right padding only follows
-        real tokens, so the causal mask alone keeps real tokens exact; packed rows (position ids
-        restarting at each row) attend within their row only (a block-causal mask)."""
+        """[B, T, V] logits, gathered over the tensor-parallel ranks (``whole=False``: this rank's
+        columns of the padded vocabulary). Right padding only follows real tokens, so the causal
+        mask alone keeps real tokens exact; packed rows (position ids restarting at each row)
+        attend within their row only (a block-causal mask)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
             mask = megatron_cpu.causal_mask(input_ids.shape[1], input_ids.device)
         else:
             mask = packed_mask(position_ids)
         with self._autocast():
-            logits: torch.Tensor = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
-        return logits[..., : self.vocab]
+            logits: torch.Tensor = model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, runtime_gather_output=whole
+            )
+        return logits[..., : self.vocab] if whole else logits
+
+    def _token_logprobs(
+        self, model: torch.nn.Module, mb: dict[str, torch.Tensor], untruncated: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """As the torch backend's, but at tensor parallelism with top_p 1 without gathering the
+        logits: each rank keeps its vocabulary columns and megatron's vocabulary-parallel cross
+        entropy combines the ranks' softmax sums (the logits of a 150K+ vocabulary, whole on every
+        rank, would outweigh the activations). A top-p nucleus needs the whole row: gathered."""
+        if self.top_p < 1.0 or _tp_size() == 1:
+            return super()._token_logprobs(model, mb, untruncated)
+        from megatron.core import parallel_state, tensor_parallel
+
+        packed = "pack" in mb
+        ids, pos = (mb["pack"][0], mb["pack"][1]) if packed else (mb["input_ids"], None)
+        attn = None if packed else mb["attention_mask"]
+        logits = self._forward_logits(model, ids, attn, pos, whole=False)[:, :-1].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        # columns past the checkpoint's vocabulary (padding, on the last ranks) take no probability
+        first = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+        columns = torch.arange(first, first + logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(columns >= self.vocab, float("-inf"))
+        lp = F.pad(-tensor_parallel.vocab_parallel_cross_entropy(logits, ids[:, 1:]), (1, 0))
+        if packed:
+            return packing.unpack_logprobs(lp[0], mb["pack"][2], mb["lengths"], mb["input_ids"].shape[1])
+        return lp
 
     def _zero_grads(self) -> None:
         self.model.zero_grad_buffer()
