@@ -135,12 +135,23 @@ class SequencePackingSection(_Section):
     algorithm: Annotated[Literal["first_fit_decreasing"], D("how rows are assigned to packs")] = "first_fit_decreasing"
 
 
+class MegatronOptimizerSection(_Section):
+    use_distributed_optimizer: Annotated[
+        bool,
+        D(
+            "shard AdamW's state over the data-parallel ranks (each rank steps the parameters it owns, then "
+            "broadcasts them; experts over their own data-parallel ranks)"
+        ),
+    ] = False
+
+
 class MegatronSection(_Section):
     tensor_model_parallel_size: Annotated[int, D("tensor parallel ranks (must divide the trainer's ranks)")] = 1
     pipeline_model_parallel_size: Annotated[int, D("pipeline parallel stages (the backend supports 1 so far)")] = 1
     expert_model_parallel_size: Annotated[
         int, D("expert parallel ranks of MoE layers (must divide the trainer's ranks and the experts)")
     ] = 1
+    optimizer: MegatronOptimizerSection = msgspec.field(default_factory=MegatronOptimizerSection)
     distributed_data_parallel_config: Annotated[
         dict[str, Any],
         D(

@@ -200,6 +200,11 @@ def megatron_part(work: Path, small: Path) -> dict[str, Any]:
         "dense, 1 rank": (small, [], 1),
         "dense, tensor parallel 2": (small, ["--set", "policy.megatron_cfg.tensor_model_parallel_size=2"], 2),
         "dense, data parallel 2": (small, [], 2),
+        "dense, data parallel 2, distributed optimizer": (
+            small,
+            ["--set", "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"],
+            2,
+        ),
         "MoE, 1 rank": (moe, [], 1),
         "MoE, expert parallel 2": (moe, ["--set", "policy.megatron_cfg.expert_model_parallel_size=2"], 2),
     }
@@ -237,7 +242,9 @@ def _megatron_lines(t: dict[str, Any]) -> list[str]:
         "side by side, so load from other processes moves these ratios more than the alternated ones. The MoE "
         f"is a Qwen3-MoE of the same width with {MOE_SHAPE['num_experts']} experts (top 2). Training state: the "
         "bytes of rank 0's parameters, gradients and AdamW state (its parts), float32. Tensor parallelism halves "
-        "the split layers' state; data parallelism keeps every replica's (no distributed optimizer yet).",
+        "the split layers' state; data parallelism keeps every replica's, unless the distributed optimizer "
+        "shards AdamW's state over the data ranks (`policy.megatron_cfg.optimizer.use_distributed_optimizer`; "
+        "parameters and gradients stay whole).",
         "",
         "| megatron backend | tokens/s | baseline tokens/s | ratio | training state per rank / 1 rank |",
         "|---|---|---|---|---|",

@@ -255,8 +255,10 @@ def _local_bytes(t: torch.Tensor | None) -> int:
 def state_bytes(backend: TorchBackend) -> dict[str, int]:
     """Bytes of this rank's parameters, gradients and optimizer state (local shards)."""
     params = list(backend.model.parameters())
+    from services.trainer.backends.megatron_optim import owned_states  # a sharded optimizer's own state too
+
     optim = sum(
-        _local_bytes(v) for s in backend.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        _local_bytes(v) for _, s in owned_states(backend.optimizer) for v in s.values() if isinstance(v, torch.Tensor)
     )
     return {
         "params": sum(_local_bytes(p) for p in params),

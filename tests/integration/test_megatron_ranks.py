@@ -2,15 +2,17 @@
 tests/ranked_step.py, as ``python -m services.trainer`` wires a trainer of many ranks:
 
 * Tensor parallelism 2 (dense Qwen3: fused QKV split by query group, gate/up halves, vocabulary
-  rows padded and split, logits gathered), data parallelism 2 with packed micro-batches and two
-  updates a step, and expert parallelism 2 (a Qwen3-MoE, each rank holding half the experts, the
+  rows padded and split), data parallelism 2 with the distributed optimizer (AdamW's state
+  sharded over the data ranks), packed micro-batches and two updates a step, and expert
+  parallelism 2 (a Qwen3-MoE, each rank holding half the experts, the
   dense parts data-parallel) each train the steps one rank trains: losses and gradient norms
   within rel 1e-5, parameters within 1e-5 after two steps at a learning rate (1e-4) that moves
   them 2e-4. The weights are published in HF layout by both ranks and transformers loads them.
   At tensor parallelism with top-p 1 the logprobs come from each rank's vocabulary columns
   (megatron's vocabulary-parallel cross entropy); with top-p 0.9 from the gathered logits.
 * Checkpoints are independent of the layout: written at tensor parallelism 2 (asynchronously,
-  top-p 0.9) or expert parallelism 2, they resume on one rank, and the next step is the
+  top-p 0.9) or expert parallelism 2 with the distributed optimizer (each rank writing the AdamW
+  state it owns), they resume on one rank, and the next step is the
   uninterrupted run's.
 """
 
@@ -43,6 +45,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MEGATRON = ["--set", "trainer.backend=megatron", *LR]
 TP2 = ["--set", "policy.megatron_cfg.tensor_model_parallel_size=2"]
 EP2 = ["--set", "policy.megatron_cfg.expert_model_parallel_size=2"]
+SHARDED_ADAMW = ["--set", "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"]
 PACKED = VARIANTS["two updates, packed micro-batches"]
 
 
@@ -71,7 +74,7 @@ def one_rank_runs(tmp_path_factory):
 
 LAYOUTS = {
     "tensor parallel 2": ("dense", TP2, []),
-    "data parallel 2, packed, two updates a step": ("dense", [], PACKED),
+    "data parallel 2, distributed optimizer, packed, two updates a step": ("dense", SHARDED_ADAMW, PACKED),
     "expert parallel 2 (MoE)": ("moe", EP2, []),
 }
 
@@ -115,8 +118,11 @@ TOP_P = ["--set", "policy.generation.top_p=0.9"]
 
 @pytest.mark.parametrize(
     ("kind", "layout", "extra"),
-    [("dense", [*TP2, "--set", "checkpointing.async_save=true"], TOP_P), ("moe", EP2, [])],
-    ids=["tensor parallel 2, top-p 0.9 (whole logits), saved asynchronously", "expert parallel 2 (MoE)"],
+    [("dense", [*TP2, "--set", "checkpointing.async_save=true"], TOP_P), ("moe", [*EP2, *SHARDED_ADAMW], [])],
+    ids=[
+        "tensor parallel 2, top-p 0.9 (whole logits), saved asynchronously",
+        "expert parallel 2 (MoE), distributed optimizer",
+    ],
 )
 def test_a_megatron_checkpoint_resumes_at_another_layout(
     tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, kind, layout, extra

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from services.trainer import packing
-from services.trainer.backends import megatron_cpu, megatron_moe, megatron_tp
+from services.trainer.backends import megatron_cpu, megatron_moe, megatron_optim, megatron_tp
 from services.trainer.backends.megatron_convert import (
     SafetensorsState,
     hf_globals_to_megatron,
@@ -61,7 +61,7 @@ from services.trainer.backends.megatron_convert import (
     rope_base,
     transformer_config_kwargs,
 )
-from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.backends.torch_backend import TorchBackend, adamw_settings
 from shared.config_error import ConfigError
 from shared.run_config import MegatronSection, PolicySection
 
@@ -207,6 +207,19 @@ class MegatronBackend(TorchBackend):
         self._ddp_config = ddp_config(cfg)
         self.layout = megatron_tp.CheckpointLayout(model, self._first_expert(), self.device.type)
         return DistributedDataParallel(config=model.config, ddp_config=self._ddp_config, module=model)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW on this rank's parts; its state sharded over the data ranks with
+        ``policy.megatron_cfg.optimizer.use_distributed_optimizer`` (`megatron_optim`)."""
+        from megatron.core import parallel_state
+
+        return megatron_optim.build(
+            list(self.model.parameters()),
+            adamw_settings(self.policy),
+            distributed=self.policy.megatron_cfg.optimizer.use_distributed_optimizer and self.ranks.sharded,
+            dense_group=parallel_state.get_data_parallel_group(),
+            expert_group=parallel_state.get_expert_data_parallel_group(),
+        )
 
     def _first_expert(self) -> int:
         if not megatron_moe.is_moe(self.hf_config):

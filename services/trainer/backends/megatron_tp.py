@@ -119,20 +119,18 @@ class CheckpointLayout:
 def checkpoint_tensors(
     module: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: CheckpointLayout, *, copy: bool = False
 ) -> dict[str, Any]:
-    """The model's parameters and the optimizer's per-parameter state as checkpoint views (copies
-    with ``copy``, for a write that goes on while training changes them). State the optimizer has
-    not made yet, before its first step, is made here as zeros so that a load has somewhere to go."""
+    """The model's parameters and the AdamW state this rank keeps (every parameter's, or with a
+    sharded optimizer the ones it owns: each is written by its owner) as checkpoint views (copies
+    with ``copy``, for a write that goes on while training changes them)."""
+    from services.trainer.backends.megatron_optim import owned_states
+
     model: dict[str, torch.Tensor] = {}
     optim: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in layout.params.items()}
     for name, param in layout.params.items():
         model.update(layout.views(name, param.data, copy=copy))
-        state = optimizer.state[param]
-        if not state:
-            state.update(
-                step=torch.zeros((), dtype=torch.float32),
-                exp_avg=torch.zeros_like(param),
-                exp_avg_sq=torch.zeros_like(param),
-            )
+    for param, state in owned_states(optimizer):
+        name = names[id(param)]
         for k, v in state.items():
             if torch.is_tensor(v) and v.shape == param.shape:
                 optim.update({f"{key}/{k}": view for key, view in layout.views(name, v, copy=copy).items()})

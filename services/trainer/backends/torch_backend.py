@@ -118,9 +118,7 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         self.temperature = policy.generation.temperature
         self.top_p = policy.generation.top_p
         opt = policy.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
-        )
+        self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(opt, total_updates))
         self.ref_model = None
         if loss.reference_policy_kl_penalty > 0:
@@ -183,6 +181,10 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         if not self.ranks.sharded:
             return model.to(self.device)
         return shard_model(model.to(self.device), self.ranks, self.dtype, cpu_offload=dtensor.cpu_offload)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over every parameter with the schedule's settings (``policy.optimizer``)."""
+        return torch.optim.AdamW(self.model.parameters(), **adamw_settings(self.policy))
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bfloat16 compute over float32 weights on one rank (FSDP2 casts on its own)."""
@@ -429,6 +431,12 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         for i, r in enumerate(rows):
             t[i, : len(r.input_ids)] = prev[r.key]
         return t
+
+
+def adamw_settings(policy: PolicySection) -> dict[str, Any]:
+    """torch AdamW's arguments from ``policy.optimizer``."""
+    opt = policy.optimizer
+    return {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
 
 
 def _as_float(norm: torch.Tensor) -> float:

@@ -77,11 +77,19 @@ class TorchState:
         dcp.load(state, checkpoint_id=str(path / "shards"), no_dist=not self.ranks.sharded)
         self._restore_state(state)
         extra = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
+        self._resume_schedule(int(extra["scheduler"]["last_epoch"]))
         self.updates = int(extra["updates"])
         torch.set_rng_state(extra["torch_rng"])
+
+    def _resume_schedule(self, updates_done: int) -> None:
+        """The learning-rate schedule at ``updates_done``, computed from this run's groups (their
+        number may differ from the saved run's: a sharded optimizer chains two)."""
+        sched = self.scheduler
+        sched.last_epoch = updates_done
+        lrs = [base * fn(updates_done) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        sched._last_lr = lrs
 
     def _state_to_save(self) -> dict[str, Any]:
         """What `save_checkpoint` writes (`_dcp_state`; a backend whose state views its live
