@@ -114,12 +114,12 @@ def init_distributed(cfg: MegatronSection, seed: int, timeout_s: float | None = 
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(
-            backend, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1))
-        )
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world == 1:  # a group of this process alone: an in-process store, no port to take
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        else:  # many ranks started without the trainer's join (torchrun's environment)
+            torch.distributed.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not parallel_state.model_parallel_is_initialized():
