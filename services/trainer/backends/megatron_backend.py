@@ -38,6 +38,8 @@ against one rank; scripts/gpu_check_megatron.sh checks it on GPUs.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import math
@@ -205,7 +207,6 @@ class MegatronBackend(TorchBackend):
         model = model.to(self.device)
         self._load_hf(model)
         self._ddp_config = ddp_config(cfg)
-        self.layout = megatron_tp.CheckpointLayout(model, self._first_expert(), self.device.type)
         return DistributedDataParallel(config=model.config, ddp_config=self._ddp_config, module=model)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -221,6 +222,12 @@ class MegatronBackend(TorchBackend):
             expert_group=parallel_state.get_expert_data_parallel_group(),
         )
 
+    @functools.cached_property
+    def layout(self) -> megatron_tp.CheckpointLayout:
+        """The policy's checkpoint layout (made on first use: `_build_model` also builds the
+        frozen reference model, whose parameters checkpoints leave out)."""
+        return megatron_tp.CheckpointLayout(self.model.module, self._first_expert(), self.device.type)
+
     def _first_expert(self) -> int:
         if not megatron_moe.is_moe(self.hf_config):
             return 0
@@ -232,10 +239,8 @@ class MegatronBackend(TorchBackend):
         state, hf = SafetensorsState(self.policy.model_name), self.hf_config
         loaded: set[str] = set()
         ep = {"ep_rank": self.ep_rank, "ep_size": self.ep_size}
-        for part in (
-            hf_globals_to_megatron(state, hf),
-            *(hf_layer_to_megatron(state, hf, i, **ep) for i in range(hf["num_hidden_layers"])),
-        ):
+        layers = (hf_layer_to_megatron(state, hf, i, **ep) for i in range(hf["num_hidden_layers"]))
+        for part in itertools.chain([hf_globals_to_megatron(state, hf)], layers):  # a layer at a time
             for name, full in part.items():
                 if name not in params:
                     raise ValueError(f"checkpoint does not fit the Megatron model: unexpected {name}")
