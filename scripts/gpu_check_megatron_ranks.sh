@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Multi-GPU check of the megatron backend's layouts: on two GPUs, tensor parallelism 2 (the tiny
-# dense Qwen3), data parallelism 2 with packed micro-batches, and expert parallelism 2 (a tiny
-# Qwen3-MoE) each train the steps one GPU trains (tests/ranked_step.py, as the trainer wires its
-# ranks: NCCL, torchrun), publish HF weights, and a tensor-parallel checkpoint resumes on one GPU
-# as the uninterrupted run. The same comparisons run on CPU in tests/integration/test_megatron_ranks.py.
+# dense Qwen3), data parallelism 2 with packed micro-batches, expert parallelism 2 (a tiny
+# Qwen3-MoE) and pipeline parallelism 2 (bfloat16, packed) each train the steps one GPU trains
+# (tests/ranked_step.py, as the trainer wires its ranks: NCCL, torchrun), publish HF weights, and
+# a tensor-parallel checkpoint resumes on one GPU as the uninterrupted run. The same comparisons run on CPU in tests/integration/test_megatron_ranks.py.
 # Needs the `vllm` (or plain torch CUDA) environment plus `pip install -e ".[megatron]"`.
 #
 #     bash scripts/gpu_check_megatron_ranks.sh [OUT_DIR]
@@ -42,6 +42,8 @@ check() {  # name model one-rank-args -- two-rank-args
 check tp2 dense -- --set policy.megatron_cfg.tensor_model_parallel_size=2
 check dp2-packed dense "${PACKED[@]}" --
 check ep2 moe -- --set policy.megatron_cfg.expert_model_parallel_size=2
+check pp2-bf16-packed dense "${PACKED[@]}" --set policy.precision=bfloat16 -- \
+  --set policy.megatron_cfg.pipeline_model_parallel_size=2
 
 echo "== tp2 checkpoint resumed on one GPU"
 "${TWO[@]}" "$OUT/dense" "$OUT/ckpt-2" "${COMMON[@]}" --steps 1 --save \

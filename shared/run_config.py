@@ -147,7 +147,9 @@ class MegatronOptimizerSection(_Section):
 
 class MegatronSection(_Section):
     tensor_model_parallel_size: Annotated[int, D("tensor parallel ranks (must divide the trainer's ranks)")] = 1
-    pipeline_model_parallel_size: Annotated[int, D("pipeline parallel stages (the backend supports 1 so far)")] = 1
+    pipeline_model_parallel_size: Annotated[
+        int, D("pipeline stages, each a run of decoder layers (must divide the trainer's ranks and the layers)")
+    ] = 1
     expert_model_parallel_size: Annotated[
         int, D("expert parallel ranks of MoE layers (must divide the trainer's ranks and the experts)")
     ] = 1

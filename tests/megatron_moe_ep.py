@@ -23,8 +23,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.trainer.backends import megatron_cpu  # noqa: E402
-from services.trainer.backends.megatron_backend import build_gpt_model  # noqa: E402
 from services.trainer.backends.megatron_convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from services.trainer.backends.megatron_model import build_gpt_model  # noqa: E402
 from services.trainer.backends.megatron_moe import mlp_megatron_to_hf  # noqa: E402
 
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, command)
     if launched_world_size() > 1:
         if cfg.trainer.backend == "megatron":  # refuse a layout that cannot fit before joining the others
-            from services.trainer.backends.megatron_backend import check_supported
+            from services.trainer.backends.megatron_model import check_supported
             from shared.config_error import ConfigError
 
             try:

@@ -1,18 +1,21 @@
-"""The megatron backend on two ranks (torchrun, gloo on CPU) against one rank, through
+"""The megatron backend on many ranks (torchrun, gloo on CPU) against one rank, through
 tests/ranked_step.py, as ``python -m services.trainer`` wires a trainer of many ranks:
 
 * Tensor parallelism 2 (dense Qwen3: fused QKV split by query group, gate/up halves, vocabulary
   rows padded and split), data parallelism 2 with the distributed optimizer (AdamW's state
-  sharded over the data ranks), packed micro-batches and two updates a step, and expert
-  parallelism 2 (a Qwen3-MoE, each rank holding half the experts, the
-  dense parts data-parallel) each train the steps one rank trains: losses and gradient norms
-  within rel 1e-5, parameters within 1e-5 after two steps at a learning rate (1e-4) that moves
-  them 2e-4. The weights are published in HF layout by both ranks and transformers loads them.
-  At tensor parallelism with top-p 1 the logprobs come from each rank's vocabulary columns
-  (megatron's vocabulary-parallel cross entropy); with top-p 0.9 from the gathered logits.
-* Checkpoints are independent of the layout: written at tensor parallelism 2 (asynchronously,
-  top-p 0.9) or expert parallelism 2 with the distributed optimizer (each rank writing the AdamW
-  state it owns), they resume on one rank, and the next step is the
+  sharded over the data ranks), packed micro-batches and two updates a step, expert
+  parallelism 2 (a Qwen3-MoE, each rank holding half the experts, the dense parts
+  data-parallel), pipeline parallelism 2 (two layers a stage, megatron-core's schedule; in
+  bfloat16, packed, with the pre-update and reference logprobs taken forward only through the
+  stages) and, on four ranks, tensor x pipeline parallelism 2 x 2 each train the steps one rank
+  trains: losses and gradient norms within rel 1e-5, parameters within 1e-5 after two steps at
+  a learning rate (1e-4) that moves them 2e-4. The weights are published in HF layout by every
+  rank and transformers loads them. At tensor parallelism with top-p 1 the logprobs come from
+  each rank's vocabulary columns (megatron's vocabulary-parallel cross entropy); with top-p 0.9
+  from the gathered logits.
+* Checkpoints are independent of the layout: written at tensor x pipeline parallelism 2 x 2
+  (asynchronously, top-p 0.9) or expert parallelism 2 with the distributed optimizer (each rank
+  writing the AdamW state it owns), they resume on one rank, and the next step is the
   uninterrupted run's.
 """
 
@@ -34,8 +37,8 @@ from tests.integration.test_ranks import (
     assert_resumed_as_uninterrupted,
     assert_same_steps,
     assert_transformers_loads,
+    many_ranks,
     one_rank,
-    two_ranks,
     weights,
 )
 
@@ -44,9 +47,21 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MEGATRON = ["--set", "trainer.backend=megatron", *LR]
 TP2 = ["--set", "policy.megatron_cfg.tensor_model_parallel_size=2"]
+PP2 = ["--set", "policy.megatron_cfg.pipeline_model_parallel_size=2"]
 EP2 = ["--set", "policy.megatron_cfg.expert_model_parallel_size=2"]
 SHARDED_ADAMW = ["--set", "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"]
 PACKED = VARIANTS["two updates, packed micro-batches"]
+TOP_P = ["--set", "policy.generation.top_p=0.9"]
+# what goes through the pipeline schedule: forward-only passes (the pre-update policy's logprobs,
+# the reference's), bfloat16 activations between the stages, packed rows
+EVERY_PASS = [
+    *PACKED,
+    *TOP_P,
+    "--set",
+    "loss_fn.reference_policy_kl_penalty=0.1",
+    "--set",
+    "policy.precision=bfloat16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -72,31 +87,31 @@ def one_rank_runs(tmp_path_factory):
     return run
 
 
-LAYOUTS = {
-    "tensor parallel 2": ("dense", TP2, []),
-    "data parallel 2, distributed optimizer, packed, two updates a step": ("dense", SHARDED_ADAMW, PACKED),
-    "expert parallel 2 (MoE)": ("moe", EP2, []),
+LAYOUTS = {  # model, ranks, layout, what the one-rank run shares
+    "tensor parallel 2": ("dense", 2, TP2, []),
+    "data parallel 2, distributed optimizer, packed, two updates a step": ("dense", 2, SHARDED_ADAMW, PACKED),
+    "expert parallel 2 (MoE)": ("moe", 2, EP2, []),
+    "pipeline parallel 2, bfloat16, packed, two updates, reference KL, top-p 0.9": ("dense", 2, PP2, EVERY_PASS),
+    "tensor parallel 2 x pipeline parallel 2 (four ranks)": ("dense", 4, [*TP2, *PP2], []),
 }
 
 
 @pytest.mark.parametrize("variant", list(LAYOUTS))
-def test_two_megatron_ranks_train_the_same_steps_as_one(
-    tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, variant
-):
-    kind, layout, extra = LAYOUTS[variant]
+def test_megatron_ranks_train_the_same_steps_as_one(tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, variant):
+    kind, n, layout, extra = LAYOUTS[variant]
     model = tiny_model_dir if kind == "dense" else moe_model_dir
     common = ["--steps", "2", *SMALL_FILES, *extra]
     single = one_rank_runs(model, " ".join(extra), *common)
-    double = two_ranks(model, tmp_path / "ws2", *MEGATRON, *layout, *common)
-    assert_exported_in_files(double, world_size=2)
-    assert_same_steps(single, double)
+    many = many_ranks(n, model, tmp_path / f"ws{n}", *MEGATRON, *layout, *common)
+    assert_exported_in_files(many, world_size=n)
+    assert_same_steps(single, many)
     if kind == "dense":
-        assert_transformers_loads(double)
+        assert_transformers_loads(many)
     else:
-        assert_transformers_loads_experts(double, tmp_path / "resaved")
+        assert_transformers_loads_experts(many, tmp_path / "resaved")
     start = load_file(model / "model.safetensors")
-    assert sorted(weights(double)) == sorted(start)  # HF names, padding and local experts gone
-    moved = max(float((weights(single)[k] - start[k].float()).abs().max()) for k in start)
+    assert sorted(weights(many)) == sorted(start)  # HF names, padding and local experts gone
+    moved = max(float((weights(single)[k].float() - start[k].float()).abs().max()) for k in start)
     assert moved > 5e-5  # the comparison above is far finer than what the steps changed
 
 
@@ -113,23 +128,23 @@ def assert_transformers_loads_experts(run: Path, resaved: Path) -> None:
     assert again.keys() == exported.keys() and all(torch.equal(again[k], t) for k, t in exported.items())
 
 
-TOP_P = ["--set", "policy.generation.top_p=0.9"]
-
-
 @pytest.mark.parametrize(
-    ("kind", "layout", "extra"),
-    [("dense", [*TP2, "--set", "checkpointing.async_save=true"], TOP_P), ("moe", [*EP2, *SHARDED_ADAMW], [])],
+    ("kind", "n", "layout", "extra"),
+    [
+        ("dense", 4, [*TP2, *PP2, "--set", "checkpointing.async_save=true"], TOP_P),
+        ("moe", 2, [*EP2, *SHARDED_ADAMW], []),
+    ],
     ids=[
-        "tensor parallel 2, top-p 0.9 (whole logits), saved asynchronously",
+        "tensor parallel 2 x pipeline parallel 2, top-p 0.9 (whole logits), saved asynchronously",
         "expert parallel 2 (MoE), distributed optimizer",
     ],
 )
 def test_a_megatron_checkpoint_resumes_at_another_layout(
-    tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, kind, layout, extra
+    tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, kind, n, layout, extra
 ):
     model = tiny_model_dir if kind == "dense" else moe_model_dir
     uninterrupted = one_rank_runs(model, " ".join(extra), "--steps", "2", *SMALL_FILES, *extra)
-    first = two_ranks(model, tmp_path / "first", *MEGATRON, *layout, *extra, "--steps", "1", "--save")
-    assert len(list((first / "ckpt" / "shards").glob("*.distcp"))) == 2  # a shard per rank
+    first = many_ranks(n, model, tmp_path / "first", *MEGATRON, *layout, *extra, "--steps", "1", "--save")
+    assert len(list((first / "ckpt" / "shards").glob("*.distcp"))) == n  # a shard per rank
     second = one_rank(model, tmp_path / "second", *MEGATRON, *extra, "--load", str(first / "ckpt"), "--first-step", "1")
     assert_resumed_as_uninterrupted(second, uninterrupted)

@@ -56,7 +56,11 @@ def one_rank(model: Path, out: Path, *args: str) -> Path:
 
 
 def two_ranks(model: Path, out: Path, *args: str) -> Path:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return many_ranks(2, model, out, *args)
+
+
+def many_ranks(n: int, model: Path, out: Path, *args: str) -> Path:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
     _run([*launcher, str(SCRIPT), str(model), str(out), *args], out)
     return out
 
@@ -96,8 +100,9 @@ def assert_exported_in_files(run: Path, world_size: int) -> None:
 def assert_transformers_loads(run: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(run / "weights", torch_dtype=torch.float32).state_dict()
     exported = weights(run)
+    dtype = next(iter(exported.values())).dtype  # the precision the run published in
+    loaded = AutoModelForCausalLM.from_pretrained(run / "weights", torch_dtype=dtype).state_dict()
     assert exported.keys() <= loaded.keys() and all(torch.equal(loaded[k], t) for k, t in exported.items())
 
 

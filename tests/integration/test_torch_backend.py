@@ -151,7 +151,7 @@ def test_the_samples_of_a_rollout_split_at_a_prefix_break_keep_their_own_old_log
     shares = plan_step(StepBatch([head, other, tail]), 1, cfg.policy.train_global_batch_size)
     [share] = shares
     assert len(share.updates) == 3  # one row per update: the old-policy scores are taken first
-    prev = backend._prev_logprobs(share.rows, 4, share.filler)
+    prev = backend._rows_logprobs(backend.model, share.rows, share.filler)
     assert set(prev) == {"t0", "t0#1", "t2"}
     assert prev["t0"].shape[0] == len(head.input_ids) and prev["t0#1"].shape[0] == len(tail.input_ids)
     torch.testing.assert_close(prev["t0#1"][:9], prev["t0"][:9])  # the same prefix scores the same

@@ -9,14 +9,16 @@ it); ``check_for_nan_in_grad`` stays on unless the config sets it to false.
 
 Ranks (``trainer.nproc_per_node``, torchrun): ``tensor_model_parallel_size`` ranks split every
 attention and MLP matrix, the vocabulary embedding and the output layer (logits are gathered
-whole); ``expert_model_parallel_size`` ranks split the experts; the rest is data parallel. Rank 0
+whole); ``pipeline_model_parallel_size`` stages each hold a run of layers, megatron-core's
+schedule moving micro-batches through them (`services.trainer.backends.megatron_pipeline`);
+``expert_model_parallel_size`` ranks split the experts; the rest is data parallel. Rank 0
 shares out each step's rows over the data-parallel ranks only (tensor-parallel peers train the
 same rows: `TorchBackend.data_ranks`), so token-level normalisation and every figure stay global.
 Gradients: DDP's buffers are reduced over the data ranks and the replicated QK-norm gradients
 summed over the tensor ranks (megatron's ``finalize_model_grads``); the clipping norm counts each
 tensor-parallel part once and every expert once (`MegatronBackend._clip_grads`). Weights are kept
 in float32 and computed in ``policy.precision`` under autocast; AdamW steps on each rank's part.
-Pipeline stages are refused by name (`check_supported`).
+Layouts that cannot fit the ranks or the checkpoint are refused by name (`check_supported`).
 
 Weights move between the two layouts with `hf_to_megatron` / `megatron_to_hf` (per layer:
 `hf_layer_to_megatron`, `megatron_layer_to_hf`): Megatron fuses Q, K and V into one
@@ -26,13 +28,14 @@ HF safetensors a layer at a time, each rank keeping its part (`megatron_tp.local
 ``save_weights`` gathers a layer at a time and every rank writes its deal of the HF safetensors
 files (`services.trainer.weight_export`), so generators load Megatron-trained weights unchanged.
 Checkpoints are Distributed Checkpoints in a layout independent of the parallel sizes
-(`megatron_tp.CheckpointLayout`), resumable at other tensor-, expert- and data-parallel sizes.
+(`megatron_tp.CheckpointLayout`), resumable at other tensor-, pipeline-, expert- and data-parallel
+sizes.
 
 Everything else (micro-batching, packing, the loss, sequence-error masking, normalisation after
 masking, metrics) is the torch backend's; packed rows attend within their row through a
 block-causal mask (`packed_mask`). It runs on CPU too (`services.trainer.backends.megatron_cpu`:
-megatron-core's CUDA-only calls), where the tests train at tensor, data and expert parallelism 2
-against one rank; scripts/gpu_check_megatron.sh checks it on GPUs.
+megatron-core's CUDA-only calls), where the tests train at tensor, data, expert and pipeline
+parallelism 2 against one rank; scripts/gpu_check_megatron.sh checks it on GPUs.
 """
 
 from __future__ import annotations
@@ -42,8 +45,6 @@ import functools
 import itertools
 import json
 import logging
-import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,127 +61,28 @@ from services.trainer.backends.megatron_convert import (
     megatron_globals_to_hf,
     megatron_layer_to_hf,
     padded_vocab,
-    rope_base,
-    transformer_config_kwargs,
 )
-from services.trainer.backends.torch_backend import TorchBackend, adamw_settings
+from services.trainer.backends.megatron_model import (
+    build_gpt_model,
+    check_supported,
+    ddp_config,
+    init_distributed,
+    tp_size,
+)
+from services.trainer.backends.megatron_pipeline import PipelineStages
+from services.trainer.backends.torch_backend import adamw_settings
 from shared.config_error import ConfigError
-from shared.run_config import MegatronSection, PolicySection
 
 if TYPE_CHECKING:
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    pass
 
 log = logging.getLogger(__name__)
-
-_DDP_KEY = "policy.megatron_cfg.distributed_data_parallel_config"
-
-
-def ddp_config(cfg: MegatronSection) -> DistributedDataParallelConfig:
-    """megatron-core DistributedDataParallelConfig from the run config (nan check on by default)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    fields = DistributedDataParallelConfig.__dataclass_fields__
-    for key in cfg.distributed_data_parallel_config:
-        if key not in fields:
-            raise ConfigError(f"{_DDP_KEY}.{key} is not a field of megatron.core DistributedDataParallelConfig")
-    values = {"check_for_nan_in_grad": True, **cfg.distributed_data_parallel_config}
-    return DistributedDataParallelConfig(**values)
-
-
-# Sizes the backend does not split over yet, named in the refusal.
-_NOT_YET = ("pipeline_model_parallel_size",)
-
-
-def check_supported(policy: PolicySection, world_size: int = 1) -> None:
-    """Refuse what the backend cannot do, naming the key, instead of silently training without it;
-    and parallel sizes that do not fit ``world_size`` ranks."""
-    cfg = policy.megatron_cfg
-    for key in _NOT_YET:
-        value = getattr(cfg, key)
-        if value != 1:
-            raise ConfigError(f"policy.megatron_cfg.{key} is {value}; the megatron backend supports only 1 so far")
-    for key in ("tensor_model_parallel_size", "expert_model_parallel_size"):
-        value = getattr(cfg, key)
-        if value < 1 or world_size % value:
-            raise ConfigError(
-                f"policy.megatron_cfg.{key} is {value}; it must divide the trainer's {world_size} ranks "
-                "(trainer.nproc_per_node x nodes)"
-            )
-
-
-def init_distributed(cfg: MegatronSection, seed: int, timeout_s: float | None = None) -> None:
-    """torch.distributed (torchrun's environment, or a single local rank), Megatron's groups (each
-    bounded by ``timeout_s``, in whole minutes as megatron-core takes it) and its model-parallel
-    RNG (`services.trainer.backends.megatron_cpu`: on CPU too)."""
-    from megatron.core import parallel_state
-
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        if world == 1:  # a group of this process alone: an in-process store, no port to take
-            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-        else:  # many ranks started without the trainer's join (torchrun's environment)
-            torch.distributed.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-            expert_model_parallel_size=cfg.expert_model_parallel_size,
-            distributed_timeout_minutes=max(1, math.ceil((timeout_s or 1800) / 60)),
-        )
-    megatron_cpu.prepare(seed)
-
-
-def build_gpt_model(
-    hf: dict[str, Any],
-    dtype: torch.dtype,
-    *,
-    cpu_init: bool = False,
-    expert_parallel: int = 1,
-    vocab_size: int | None = None,
-) -> GPTModel:
-    """A megatron-core GPTModel with the architecture of ``hf`` (random weights; ``vocab_size``
-    rows of embedding and output, the checkpoint's by default), split over the tensor- and
-    expert-parallel groups already initialised; its logits are each tensor-parallel rank's
-    vocabulary columns unless a forward pass asks for them whole (``runtime_gather_output``)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if megatron_moe.is_moe(hf):
-        megatron_cpu.prepare_moe()
-    kwargs = {**transformer_config_kwargs(hf), **megatron_moe.moe_config_kwargs(hf, expert_parallel=expert_parallel)}
-    config = TransformerConfig(
-        **kwargs,
-        tensor_model_parallel_size=_tp_size(),
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=cpu_init,
-    )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=megatron_moe.layer_spec(hf),
-        vocab_size=vocab_size or hf["vocab_size"],
-        max_sequence_length=hf["max_position_embeddings"],
-        position_embedding_type="rope",
-        rotary_base=rope_base(hf),
-        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        parallel_output=True,  # each tensor-parallel rank's vocabulary columns; gathered on request
-    )
-
-
-def _tp_size() -> int:
-    from megatron.core import parallel_state
-
-    return int(parallel_state.get_tensor_model_parallel_world_size())
-
 
 # Parameters with a row per vocabulary entry (padded to `padded_vocab`).
 _VOCAB_ROWS = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
 
 
-class MegatronBackend(TorchBackend):
+class MegatronBackend(PipelineStages):
     name = "megatron"
 
     def _build_model(self) -> torch.nn.Module:
@@ -196,6 +98,8 @@ class MegatronBackend(TorchBackend):
         self.ep_rank = int(parallel_state.get_expert_model_parallel_rank())
         self.ep_size = int(parallel_state.get_expert_model_parallel_world_size())
         self.hf_config = json.loads((Path(self.policy.model_name) / "config.json").read_text())
+        if not hasattr(self, "pipeline_ranks"):  # not again for the reference model
+            self._join_stages(self.hf_config["num_hidden_layers"])
         self.vocab, vocab = int(self.hf_config["vocab_size"]), padded_vocab(self.hf_config)
         if vocab % cfg.tensor_model_parallel_size:
             raise ConfigError(
@@ -203,11 +107,18 @@ class MegatronBackend(TorchBackend):
                 f"the padded vocabulary ({vocab} rows)"
             )
         # float32 master weights; bfloat16 compute under autocast (`_autocast`)
-        model = build_gpt_model(self.hf_config, torch.float32, expert_parallel=self.ep_size, vocab_size=vocab)
+        model = build_gpt_model(
+            self.hf_config, torch.float32, expert_parallel=self.ep_size, vocab_size=vocab, compute_dtype=self.dtype
+        )
         model = model.to(self.device)
         self._load_hf(model)
         self._ddp_config = ddp_config(cfg)
-        return DistributedDataParallel(config=model.config, ddp_config=self._ddp_config, module=model)
+        ddp = DistributedDataParallel(config=model.config, ddp_config=self._ddp_config, module=model)
+        # Set after DDP has chosen to average gradients over the data ranks (as FSDP2 does, which the
+        # update's normalisation expects): the pipeline schedule then keeps our summed losses as
+        # they are instead of dividing them by the micro-batch count.
+        model.config.calculate_per_token_loss = True
+        return ddp
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW on this rank's parts; its state sharded over the data ranks with
@@ -226,7 +137,9 @@ class MegatronBackend(TorchBackend):
     def layout(self) -> megatron_tp.CheckpointLayout:
         """The policy's checkpoint layout (made on first use: `_build_model` also builds the
         frozen reference model, whose parameters checkpoints leave out)."""
-        return megatron_tp.CheckpointLayout(self.model.module, self._first_expert(), self.device.type)
+        return megatron_tp.CheckpointLayout(
+            self.model.module, self._first_expert(), self.device.type, layer_offset=self.layer_offset
+        )
 
     def _first_expert(self) -> int:
         if not megatron_moe.is_moe(self.hf_config):
@@ -234,16 +147,20 @@ class MegatronBackend(TorchBackend):
         return self.ep_rank * megatron_moe.num_experts(self.hf_config) // self.ep_size
 
     def _load_hf(self, model: torch.nn.Module) -> None:
-        """The HF checkpoint into ``model``, one layer at a time, each rank keeping its part."""
+        """The HF checkpoint into ``model``, one layer at a time, each rank reading only its stage's
+        layers and keeping its part of each."""
         params = dict(model.named_parameters())
         state, hf = SafetensorsState(self.policy.model_name), self.hf_config
         loaded: set[str] = set()
         ep = {"ep_rank": self.ep_rank, "ep_size": self.ep_size}
-        layers = (hf_layer_to_megatron(state, hf, i, **ep) for i in range(hf["num_hidden_layers"]))
-        for part in itertools.chain([hf_globals_to_megatron(state, hf)], layers):  # a layer at a time
-            for name, full in part.items():
+        first, count = self.layer_offset, hf["num_hidden_layers"] // self.pipeline_ranks.world_size
+        layers = (hf_layer_to_megatron(state, hf, i, **ep) for i in range(first, first + count))
+        stage_globals = hf_globals_to_megatron(state, hf, first=self.first_stage, last=self.last_stage)
+        for part in itertools.chain([stage_globals], layers):  # a layer at a time
+            for global_name, full in part.items():
+                name = megatron_tp.renumber(global_name, -first)
                 if name not in params:
-                    raise ValueError(f"checkpoint does not fit the Megatron model: unexpected {name}")
+                    raise ValueError(f"checkpoint does not fit the Megatron model: unexpected {global_name}")
                 if name in _VOCAB_ROWS:  # zero rows up to the padded vocabulary (sliced off the logits)
                     full = F.pad(full, (0, 0, 0, padded_vocab(hf) - full.shape[0]))
                 with torch.no_grad():
@@ -272,10 +189,11 @@ class MegatronBackend(TorchBackend):
         *,
         whole: bool = True,
     ) -> torch.Tensor:
-        """[B, T, V] logits, gathered over the tensor-parallel ranks (``whole=False``: this rank's
-        columns of the padded vocabulary). Right padding only follows real tokens, so the causal
-        mask alone keeps real tokens exact; packed rows (position ids restarting at each row)
-        attend within their row only (a block-causal mask)."""
+        """[B, T, V] logits over the padded vocabulary, gathered over the tensor-parallel ranks
+        (``whole=False``: this rank's columns); on a stage before the last, its output activations.
+        Right padding only follows real tokens, so the causal mask alone keeps real tokens exact;
+        packed rows (position ids restarting at each row) attend within their row only (a
+        block-causal mask)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
             mask = megatron_cpu.causal_mask(input_ids.shape[1], input_ids.device)
@@ -285,23 +203,47 @@ class MegatronBackend(TorchBackend):
             logits: torch.Tensor = model(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=mask, runtime_gather_output=whole
             )
-        return logits[..., : self.vocab] if whole else logits
+        return logits
 
-    def _token_logprobs(
-        self, model: torch.nn.Module, mb: dict[str, torch.Tensor], untruncated: list[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """As the torch backend's, but at tensor parallelism with top_p 1 without gathering the
-        logits: each rank keeps its vocabulary columns and megatron's vocabulary-parallel cross
-        entropy combines the ranks' softmax sums (the logits of a 150K+ vocabulary, whole on every
-        rank, would outweigh the activations). A top-p nucleus needs the whole row: gathered."""
-        if self.top_p < 1.0 or _tp_size() == 1:
-            return super()._token_logprobs(model, mb, untruncated)
-        from megatron.core import parallel_state, tensor_parallel
+    def _backward(self, loss: torch.Tensor) -> None:
+        with self._backward_autocast():
+            loss.backward()
 
+    def _backward_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """CPU autocast again for the backward pass: megatron-core's linear layers are autograd
+        functions that restore the forward's autocast state in their backward for CUDA only
+        (``custom_bwd(device_type="cuda")``), so on CPU their bfloat16 output gradients would meet
+        float32 weights."""
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        return self._autocast()
+
+    @property
+    def _vocab_parallel(self) -> bool:
+        """Logprobs from each tensor-parallel rank's vocabulary columns (top_p 1: megatron's
+        vocabulary-parallel cross entropy combines the ranks' softmax sums) instead of gathered
+        logits: the logits of a 150K+ vocabulary, whole on every rank, would outweigh the
+        activations. A top-p nucleus needs the whole row."""
+        return self.top_p == 1.0 and tp_size() > 1
+
+    def _mb_logits(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         packed = "pack" in mb
         ids, pos = (mb["pack"][0], mb["pack"][1]) if packed else (mb["input_ids"], None)
         attn = None if packed else mb["attention_mask"]
-        logits = self._forward_logits(model, ids, attn, pos, whole=False)[:, :-1].float()
+        return self._forward_logits(model, ids, attn, pos, whole=not self._vocab_parallel)
+
+    def _logprobs_of(
+        self, logits: torch.Tensor, mb: dict[str, torch.Tensor], untruncated: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """As the torch backend's from whole logits (padded columns dropped), or from this rank's
+        vocabulary columns (`_vocab_parallel`)."""
+        if not self._vocab_parallel:
+            return super()._logprobs_of(logits[..., : self.vocab], mb, untruncated)
+        from megatron.core import parallel_state, tensor_parallel
+
+        packed = "pack" in mb
+        ids = mb["pack"][0] if packed else mb["input_ids"]
+        logits = logits[:, :-1].float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
         # columns past the checkpoint's vocabulary (padding, on the last ranks) take no probability
@@ -359,13 +301,18 @@ class MegatronBackend(TorchBackend):
     # ---- weights and checkpoints ----------------------------------------------------------------
 
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy in HF naming, one layer at a time, each tensor whole (collective: every rank
-        gathers its tensor-parallel parts and the other expert-parallel ranks' experts)."""
+        """This stage's part of the policy in HF naming, one layer at a time, each tensor whole
+        (collective over the stage: every rank gathers its tensor-parallel parts and the other
+        expert-parallel ranks' experts)."""
         params = dict(self.model.module.named_parameters())
         hf = self.hf_config
 
         def whole(prefix: str) -> dict[str, torch.Tensor]:
-            return {n: megatron_tp.gather_full(p.detach(), p, n) for n, p in params.items() if n.startswith(prefix)}
+            return {
+                megatron_tp.renumber(n, self.layer_offset): megatron_tp.gather_full(p.detach(), p, n)
+                for n, p in params.items()
+                if n.startswith(prefix)
+            }
 
         outside_layers = {}
         for n, p in params.items():
@@ -373,8 +320,9 @@ class MegatronBackend(TorchBackend):
                 full = megatron_tp.gather_full(p.detach(), p, n)
                 outside_layers[n] = full[: self.vocab] if n in _VOCAB_ROWS else full
         yield from megatron_globals_to_hf(outside_layers).items()
-        for i in range(hf["num_hidden_layers"]):
-            mine = whole(f"decoder.layers.{i}.")
+        for j in range(hf["num_hidden_layers"] // self.pipeline_ranks.world_size):
+            i = self.layer_offset + j
+            mine = whole(f"decoder.layers.{j}.")
             for ep_rank, state in enumerate(self._every_expert_rank(mine)):
                 for name, tensor in megatron_layer_to_hf(state, hf, i, ep_rank=ep_rank, ep_size=self.ep_size).items():
                     if ep_rank == 0 or ".mlp.experts." in name:  # the rest is every rank's alike
@@ -398,12 +346,12 @@ class MegatronBackend(TorchBackend):
 
     def save_weights(self, out_dir: Path) -> dict[str, str]:
         """Publish the policy in HF layout and the compute precision, layer by layer; every rank
-        calls it and writes its deal of the files (`services.trainer.weight_export`)."""
+        calls it and writes its deal of its stage's tensors (`services.trainer.weight_export`)."""
         from services.trainer.weight_export import ShardWriter, deal
 
         out_dir = Path(out_dir)
         writer = ShardWriter(out_dir, self.max_weight_file_bytes, ranks=self.ranks)
-        for name, tensor in deal(self._hf_tensors(), self.dtype, self.ranks):
+        for name, tensor in deal(self._hf_tensors(), self.dtype, self.stage_ranks):
             writer.add(name, tensor)
         writer.close()
         if self.ranks.is_root:

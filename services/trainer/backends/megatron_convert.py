@@ -64,15 +64,25 @@ def _qkv_dims(hf: dict[str, Any]) -> tuple[int, int, int]:
     return heads // groups, groups, head_dim
 
 
-def hf_globals_to_megatron(state: Mapping[str, torch.Tensor], hf: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The embedding, the final norm and the output layer in megatron-core naming."""
-    out = {
-        "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": state["model.norm.weight"],
+# (HF name, megatron-core name) of the parameters outside the decoder layers
+_GLOBALS = (
+    ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+    ("model.norm.weight", "decoder.final_layernorm.weight"),
+    ("lm_head.weight", "output_layer.weight"),
+)
+
+
+def hf_globals_to_megatron(
+    state: Mapping[str, torch.Tensor], hf: dict[str, Any], *, first: bool = True, last: bool = True
+) -> dict[str, torch.Tensor]:
+    """The embedding (``first``: the pipeline stage that holds it), the final norm and the output
+    layer (``last``) in megatron-core naming; only those are read."""
+    tied = hf.get("tie_word_embeddings", False)
+    return {
+        m: state[h]
+        for h, m in _GLOBALS
+        if (first if m.startswith("embedding.") else last) and not (tied and m == "output_layer.weight")
     }
-    if not hf.get("tie_word_embeddings", False):
-        out["output_layer.weight"] = state["lm_head.weight"]
-    return out
 
 
 def hf_layer_to_megatron(
@@ -115,13 +125,8 @@ def hf_to_megatron(
 
 
 def megatron_globals_to_hf(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {
-        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-        "model.norm.weight": state["decoder.final_layernorm.weight"],
-    }
-    if "output_layer.weight" in state:
-        out["lm_head.weight"] = state["output_layer.weight"]
-    return out
+    """The inverse of `hf_globals_to_megatron`, for the globals ``state`` holds."""
+    return {h: state[m] for h, m in _GLOBALS if m in state}
 
 
 def megatron_layer_to_hf(

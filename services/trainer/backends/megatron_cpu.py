@@ -24,6 +24,7 @@ local layer spec, no fusions). Mixture-of-experts models need two more (`prepare
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
@@ -100,3 +101,37 @@ def _split_sizes_as_numpy(self: Any, point: str, tokens_per_expert: torch.Tensor
             if isinstance(sizes, torch.Tensor):
                 setattr(self, name, sizes.numpy())
     return tokens_per_expert
+
+
+# Pipeline stages (`services.trainer.backends.megatron_pipeline`) reach two more: the schedule
+# counts tokens in a tensor made on the device named "cuda" (``torch.zeros(..., device="cuda")``
+# in ``schedules``), and the stage-to-stage exchange of activation shapes calls
+# ``torch.cuda.synchronize()`` after its sends and receives. On CPU the count is made on the CPU,
+# and there is nothing to synchronise (gloo's sends and receives have completed when waited on).
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as the pipeline schedule sees it on CPU: tensors it makes on "cuda" are made on the
+    CPU; everything else is torch's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def prepare_pipeline() -> None:
+    """What pipeline stages need beyond `prepare` without CUDA (nothing where CUDA is present)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    if torch.cuda.is_available() or isinstance(schedules.torch, _TorchOnCpu):
+        return
+    schedules.torch = _TorchOnCpu("torch")
+    torch.cuda.synchronize = _nothing_to_synchronize
+    log.info("megatron-core pipeline schedule on CPU: token counts on the CPU, no CUDA synchronisation")
+
+
+def _nothing_to_synchronize(device: Any = None) -> None:
+    """``torch.cuda.synchronize`` without CUDA: CPU work is synchronous."""

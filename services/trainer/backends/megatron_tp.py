@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def _gated(name: str) -> bool:
@@ -80,14 +81,21 @@ def global_expert_name(name: str, first_expert: int) -> str:
     return _LOCAL_EXPERT.sub(lambda m: f".experts.{first_expert + int(m.group(1))}.", name)
 
 
+def renumber(name: str, offset: int) -> str:
+    """A decoder-layer parameter name with its layer number moved by ``offset`` (a pipeline
+    stage's layers are numbered from 0; ``offset`` is its first layer's global number)."""
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+
 class CheckpointLayout:
     """Views of a module's parameters (and of tensors shaped like them: optimizer moments) in the
     checkpoint layout described above. The views share storage with what they view, so a
     Distributed Checkpoint load writes straight into the parameters."""
 
-    def __init__(self, module: torch.nn.Module, first_expert: int, device_type: str) -> None:
+    def __init__(self, module: torch.nn.Module, first_expert: int, device_type: str, *, layer_offset: int = 0) -> None:
         self.params = dict(module.named_parameters())
         self.first_expert = first_expert
+        self.layer_offset = layer_offset
         self.device_type = device_type
         self._meshes: dict[Any, Any] = {}
 
@@ -99,7 +107,7 @@ class CheckpointLayout:
         param = self.params[name]
         group = tp_group_of(param)
         dim = param.partition_dim if group is not None else 0
-        key = global_expert_name(name, self.first_expert)
+        key = self.key(name)
         pieces = dict(zip((key + ".gate", key + ".up"), t.chunk(2, dim), strict=True)) if _gated(name) else {key: t}
         if copy:
             pieces = {k: v.detach().clone() for k, v in pieces.items()}
@@ -107,6 +115,10 @@ class CheckpointLayout:
             return pieces
         mesh = self._mesh(group)
         return {k: DTensor.from_local(v, mesh, [Shard(dim)], run_check=False) for k, v in pieces.items()}
+
+    def key(self, name: str) -> str:
+        """Parameter ``name``'s checkpoint name: global expert id, global layer number."""
+        return renumber(global_expert_name(name, self.first_expert), self.layer_offset)
 
     def _mesh(self, group: Any) -> Any:
         from torch.distributed.device_mesh import DeviceMesh
@@ -135,5 +147,5 @@ def checkpoint_tensors(
             if torch.is_tensor(v) and v.shape == param.shape:
                 optim.update({f"{key}/{k}": view for key, view in layout.views(name, v, copy=copy).items()})
             elif torch.is_tensor(v):
-                optim[f"{global_expert_name(name, layout.first_expert)}/{k}"] = v.clone() if copy else v
+                optim[f"{layout.key(name)}/{k}"] = v.clone() if copy else v
     return {"model": model, "optimizer": optim}

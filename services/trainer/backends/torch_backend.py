@@ -212,6 +212,9 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
     def _grads_ready(self) -> None:
         """Called after the last backward of an update, before normalising and clipping."""
 
@@ -244,19 +247,29 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         self, model: torch.nn.Module, mb: dict[str, torch.Tensor], untruncated: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
         """logprob of token t given tokens < t, at position t (position 0 gets 0), as [rows, T], under
-        the distribution the generator sampled from (`shared.nucleus.sampled_logprobs`: temperature,
-        top-p nucleus). With top_p < 1, ``untruncated`` receives the same figures under the
-        temperature-only softmax. A packed micro-batch (``mb["pack"]``) runs as one sequence."""
+        the distribution the generator sampled from (`_logprobs_of`). A packed micro-batch
+        (``mb["pack"]``) runs as one sequence."""
+        return self._logprobs_of(self._mb_logits(model, mb), mb, untruncated)
+
+    def _mb_logits(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's forward pass: its logits (a packed one's as one sequence)."""
         if "pack" in mb:
-            ids, pos, starts = mb["pack"]
-            logits = self._forward_logits(model, ids, position_ids=pos)[:, :-1].float()
-        else:
-            ids = mb["input_ids"]
-            logits = self._forward_logits(model, ids, attention_mask=mb["attention_mask"])[:, :-1].float()
-        both = sampled_logprobs(logits, ids[:, 1:], self.temperature, self.top_p, untruncated=untruncated is not None)
+            return self._forward_logits(model, mb["pack"][0], position_ids=mb["pack"][1])
+        return self._forward_logits(model, mb["input_ids"], attention_mask=mb["attention_mask"])
+
+    def _logprobs_of(
+        self, logits: torch.Tensor, mb: dict[str, torch.Tensor], untruncated: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The micro-batch's token logprobs from its logits (`_token_logprobs`), under temperature and
+        the top-p nucleus (`shared.nucleus.sampled_logprobs`). With top_p < 1, ``untruncated``
+        receives the same figures under the temperature-only softmax."""
+        ids = mb["pack"][0] if "pack" in mb else mb["input_ids"]
+        both = sampled_logprobs(
+            logits[:, :-1].float(), ids[:, 1:], self.temperature, self.top_p, untruncated=untruncated is not None
+        )
         lps = [F.pad(lp, (1, 0)) for lp in both if lp is not None]
         if "pack" in mb:
-            lps = [packing.unpack_logprobs(lp[0], starts, mb["lengths"], mb["input_ids"].shape[1]) for lp in lps]
+            lps = [packing.unpack_logprobs(lp[0], mb["pack"][2], mb["lengths"], mb["input_ids"].shape[1]) for lp in lps]
         if untruncated is not None:
             untruncated += lps[1:]
         return lps[0]
@@ -292,12 +305,11 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
                 loss=0.0, grad_norm=0.0, num_updates=0, train_tokens=0, lr=self._lr(), train_time_s=0.0
             )
         num_updates = len(share.updates)
-        micro = self.policy.train_micro_batch_size
         acc = StepTotals()
         if self.loss_cfg.use_kl_in_reward:
             share = self._shape_rewards(share, acc)
         needs_prev = num_updates > 1 and not self.loss_cfg.force_on_policy_ratio
-        prev = self._prev_logprobs(share.rows, micro, share.filler) if needs_prev else None
+        prev = self._rows_logprobs(self.model, share.rows, share.filler) if needs_prev else None
         for upd in share.updates:
             self._update(upd, prev, acc, share.filler)
         acc = self._global_totals(acc)
@@ -318,19 +330,9 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         micro-batches; the gradients, summed over ranks, are normalised once the update's global
         valid-token (or sequence) count is known."""
         self._zero_grads()
-        loss_sum = valid_tokens = valid_sequences = 0.0
-        for mb_rows in self._in_step(self._micro_batches(rows, self.policy.train_micro_batch_size)):
-            if mb_rows is None:
-                self._filler_loss(filler).backward()
-                continue
-            acc.shapes.append([len(r.input_ids) for r in mb_rows])
-            loss, row_tokens = self._micro_batch_loss(mb_rows, prev, acc)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            valid_tokens += float(row_tokens.sum())
-            valid_sequences += float((row_tokens > 0).sum())
+        local = self._accumulate(rows, prev, acc, filler)
         self._grads_ready()
-        loss_sum, valid_tokens, valid_sequences = self.data_ranks.all_sum([loss_sum, valid_tokens, valid_sequences])
+        loss_sum, valid_tokens, valid_sequences = self._sum_over_data(local)
         denom = valid_tokens if self.loss_cfg.token_level_loss else valid_sequences
         if denom == 0:
             if self.ranks.is_root:
@@ -353,6 +355,30 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         acc.losses.append(loss_sum / denom)
         acc.grad_norms.append(grad_norm)
 
+    def _accumulate(
+        self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: StepTotals, filler: Row
+    ) -> list[float]:
+        """Forward and backward over this rank's micro-batches of an update; its loss sum, valid
+        tokens and valid sequences."""
+        sums = [0.0, 0.0, 0.0]
+        for mb_rows in self._in_step(self._micro_batches(rows, self.policy.train_micro_batch_size)):
+            if mb_rows is None:
+                self._backward(self._filler_loss(filler))
+                continue
+            mb = self._inputs(mb_rows)
+            plain: list[torch.Tensor] | None = [] if self.top_p < 1.0 else None
+            curr = self._token_logprobs(self.model, mb, plain)
+            ref_lp = None
+            if self._kl_in_loss:
+                with torch.no_grad():
+                    ref_lp = self._token_logprobs(self.ref_model, mb)
+            self._backward(self._micro_batch_loss(mb_rows, mb, curr, plain, prev, ref_lp, acc, sums))
+        return sums
+
+    def _sum_over_data(self, values: list[float]) -> list[float]:
+        """An update's figures summed over the ranks that share out its rows."""
+        return self.data_ranks.all_sum(values)
+
     def _clip_grads(self) -> float:
         """Clip the gradients to ``policy.max_grad_norm`` by their global norm; that norm."""
         return _as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.max_grad_norm))
@@ -373,19 +399,23 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
         return self.ref_model is not None and not self.loss_cfg.use_kl_in_reward
 
     def _micro_batch_loss(
-        self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: StepTotals
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch's summed loss and its valid tokens per row (after sequence masking)."""
-        mb = self._inputs(rows)
-        plain: list[torch.Tensor] | None = [] if self.top_p < 1.0 else None
-        curr = self._token_logprobs(self.model, mb, plain)
+        self,
+        rows: list[Row],
+        mb: dict[str, torch.Tensor],
+        curr: torch.Tensor,
+        plain: list[torch.Tensor] | None,
+        prev: dict[str, torch.Tensor] | None,
+        ref_lp: torch.Tensor | None,
+        acc: StepTotals,
+        sums: list[float],
+    ) -> torch.Tensor:
+        """The micro-batch's summed loss from its current logprobs ``curr`` (``plain``: without the
+        top-p truncation); its figures go to ``acc``, and its loss, valid tokens and valid
+        sequences (after sequence masking) are added to ``sums``."""
+        acc.shapes.append([len(r.input_ids) for r in rows])
         prev_lp = curr.detach() if prev is None else self._stack(prev, rows, curr.shape)
         sample_mask = self._mask_by_seq_error(prev_lp, mb, acc.records)
         mask = mb["token_mask"] * sample_mask[:, None]
-        ref_lp = None
-        if self._kl_in_loss:
-            with torch.no_grad():
-                ref_lp = self._token_logprobs(self.ref_model, mb)
         loss, m = clipped_pg_loss(
             curr_lp=curr,
             prev_lp=prev_lp,
@@ -401,7 +431,11 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
             m.update(mismatch.untruncated_sums(prev_lp + (plain[0] - curr).detach(), mb["gen_lp"], mask))
         for k, v in m.items():
             acc.sums[k] = max(acc.sums.get(k, 0.0), v) if k.startswith("max_") else acc.sums.get(k, 0.0) + v
-        return loss, mask.sum(dim=1)
+        row_tokens = mask.sum(dim=1)
+        sums[0] += float(loss.detach())
+        sums[1] += float(row_tokens.sum())
+        sums[2] += float((row_tokens > 0).sum())
+        return loss
 
     def _mask_by_seq_error(
         self, prev_lp: torch.Tensor, mb: dict[str, torch.Tensor], records: list[mismatch.SeqRecord]
@@ -414,14 +448,16 @@ class TorchBackend(TorchState, TorchStepMetrics, KLRewardShaping):
             records.append(mismatch.SeqRecord(float(n[i]), float(err[i]), float(mb["rewards"][i]), masked))
         return new
 
-    def _prev_logprobs(self, rows: list[Row], micro: int, filler: Row) -> dict[str, torch.Tensor]:
+    def _rows_logprobs(self, model: torch.nn.Module, rows: list[Row], filler: Row) -> dict[str, torch.Tensor]:
+        """Each row's token logprobs under ``model`` (row key -> [len]), without gradients, in the
+        update's micro-batches."""
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for mb_rows in self._in_step(self._micro_batches(rows, micro)):
+            for mb_rows in self._in_step(self._micro_batches(rows, self.policy.train_micro_batch_size)):
                 if mb_rows is None:
-                    self._token_logprobs(self.model, self._inputs([filler]))
+                    self._token_logprobs(model, self._inputs([filler]))
                     continue
-                lp = self._token_logprobs(self.model, self._inputs(mb_rows))
+                lp = self._token_logprobs(model, self._inputs(mb_rows))
                 for r, row_lp in zip(mb_rows, lp, strict=True):
                     out[r.key] = row_lp[: len(r.input_ids)].clone()
         return out

@@ -30,15 +30,7 @@ class KLRewardShaping:
 
     if TYPE_CHECKING:  # the backend's micro-batches and forward passes
 
-        def _in_step(self, mbs: list[list[Row]]) -> list[list[Row] | None]: ...
-
-        def _micro_batches(self, rows: list[Row], micro: int) -> list[list[Row]]: ...
-
-        def _inputs(self, rows: list[Row]) -> dict[str, torch.Tensor]: ...
-
-        def _token_logprobs(
-            self, model: torch.nn.Module, mb: dict[str, torch.Tensor], untruncated: list[torch.Tensor] | None = None
-        ) -> torch.Tensor: ...
+        def _rows_logprobs(self, model: torch.nn.Module, rows: list[Row], filler: Row) -> dict[str, torch.Tensor]: ...
 
     def _shape_rewards(self, share: RankShare, acc: StepTotals) -> RankShare:
         """``loss_fn.use_kl_in_reward``: the share with its rows' advantages recomputed from the
@@ -61,17 +53,20 @@ class KLRewardShaping:
         """The KL estimate to the reference summed over each rollout's loss tokens of ``rows`` (task
         id -> sum), under the policy before this step's updates; and its token sum and count."""
         assert self.ref_model is not None
+        return self._kl_sums(
+            rows, self._rows_logprobs(self.model, rows, filler), self._rows_logprobs(self.ref_model, rows, filler)
+        )
+
+    def _kl_sums(
+        self, rows: list[Row], lp: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, float], float, float]:
+        """`_sequence_kl` from each row's logprobs under the policy and the reference."""
         sums: dict[str, float] = {}
         total = tokens = 0.0
-        with torch.no_grad():
-            for mb_rows in self._in_step(self._micro_batches(rows, self.policy.train_micro_batch_size)):
-                mb = self._inputs([filler] if mb_rows is None else mb_rows)
-                lp, ref = self._token_logprobs(self.model, mb), self._token_logprobs(self.ref_model, mb)
-                if mb_rows is None:
-                    continue
-                per_row = (kl_estimate(lp, ref, self.loss_cfg) * mb["token_mask"]).sum(dim=1)
-                for r, v in zip(mb_rows, per_row.tolist(), strict=True):
-                    sums[r.task_id] = sums.get(r.task_id, 0.0) + v
-                total += float(per_row.sum())
-                tokens += float(mb["token_mask"].sum())
+        for r in rows:
+            mask = torch.from_numpy(r.token_mask).to(lp[r.key].device)
+            kl = float((kl_estimate(lp[r.key], ref[r.key], self.loss_cfg) * mask).sum())
+            sums[r.task_id] = sums.get(r.task_id, 0.0) + kl
+            total += kl
+            tokens += float(mask.sum())
         return sums, total, tokens

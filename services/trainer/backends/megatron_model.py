@@ -1,0 +1,160 @@
+"""Setting up the megatron backend's model: the layouts it can run (`check_supported`, before the
+ranks join), megatron-core's process groups (`init_distributed`), the GPTModel of a Hugging Face
+config split over them (`build_gpt_model`) and its DDP settings (`ddp_config`). Used by
+`services.trainer.backends.megatron_backend`, and by ``python -m services.trainer`` to refuse a
+layout before joining the other ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from services.trainer.backends import megatron_cpu, megatron_moe
+from services.trainer.backends.megatron_convert import rope_base, transformer_config_kwargs
+from shared.config_error import ConfigError
+from shared.run_config import MegatronSection, PolicySection
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+_DDP_KEY = "policy.megatron_cfg.distributed_data_parallel_config"
+
+
+def ddp_config(cfg: MegatronSection) -> DistributedDataParallelConfig:
+    """megatron-core DistributedDataParallelConfig from the run config (nan check on by default)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    fields = DistributedDataParallelConfig.__dataclass_fields__
+    for key in cfg.distributed_data_parallel_config:
+        if key not in fields:
+            raise ConfigError(f"{_DDP_KEY}.{key} is not a field of megatron.core DistributedDataParallelConfig")
+    values = {"check_for_nan_in_grad": True, **cfg.distributed_data_parallel_config}
+    return DistributedDataParallelConfig(**values)
+
+
+_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+
+
+def check_supported(policy: PolicySection, world_size: int = 1) -> None:
+    """Refuse parallel sizes that do not fit ``world_size`` ranks or the checkpoint's layers, naming
+    the key, before any rank joins the others."""
+    cfg = policy.megatron_cfg
+    for key in _SIZES:
+        value = getattr(cfg, key)
+        if value < 1 or world_size % value:
+            raise ConfigError(
+                f"policy.megatron_cfg.{key} is {value}; it must divide the trainer's {world_size} ranks "
+                "(trainer.nproc_per_node x nodes)"
+            )
+    tp, pp, ep = (getattr(cfg, key) for key in _SIZES)
+    for what, size in (("tensor x pipeline", tp * pp), ("expert x pipeline", ep * pp)):
+        if world_size % size:
+            raise ConfigError(
+                f"policy.megatron_cfg: the {what} parallel sizes ({size} ranks) must divide the trainer's "
+                f"{world_size} ranks"
+            )
+    config = Path(policy.model_name) / "config.json"
+    if not config.is_file():  # a hub id, or a path only the trainer's nodes see: checked at load
+        return
+    hf = json.loads(config.read_text())
+    transformer_config_kwargs(hf)  # an architecture the backend builds
+    if pp > 1 and hf["num_hidden_layers"] % pp:
+        raise ConfigError(
+            f"policy.megatron_cfg.pipeline_model_parallel_size is {pp}; it must divide the model's "
+            f"{hf['num_hidden_layers']} layers"
+        )
+    if pp > 1 and hf.get("tie_word_embeddings", False):
+        raise ConfigError(
+            f"policy.megatron_cfg.pipeline_model_parallel_size is {pp}; pipeline stages need untied "
+            "embeddings (this checkpoint ties its output layer to the embedding)"
+        )
+
+
+def init_distributed(cfg: MegatronSection, seed: int, timeout_s: float | None = None) -> None:
+    """torch.distributed (torchrun's environment, or a single local rank), Megatron's groups (each
+    bounded by ``timeout_s``, in whole minutes as megatron-core takes it) and its model-parallel
+    RNG (`services.trainer.backends.megatron_cpu`: on CPU too)."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world == 1:  # a group of this process alone: an in-process store, no port to take
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        else:  # many ranks started without the trainer's join (torchrun's environment)
+            torch.distributed.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,
+            distributed_timeout_minutes=max(1, math.ceil((timeout_s or 1800) / 60)),
+        )
+    megatron_cpu.prepare(seed)
+    if cfg.pipeline_model_parallel_size > 1:
+        megatron_cpu.prepare_pipeline()
+
+
+def build_gpt_model(
+    hf: dict[str, Any],
+    dtype: torch.dtype,
+    *,
+    cpu_init: bool = False,
+    expert_parallel: int = 1,
+    vocab_size: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> GPTModel:
+    """A megatron-core GPTModel with the architecture of ``hf`` (random weights; ``vocab_size``
+    rows of embedding and output, the checkpoint's by default), split over the tensor-, pipeline-
+    and expert-parallel groups already initialised (this rank's stage: its layers, the embedding
+    on the first, the output layer on the last); its logits are each tensor-parallel rank's
+    vocabulary columns unless a forward pass asks for them whole (``runtime_gather_output``).
+    ``compute_dtype``: the dtype the forward pass computes in (autocast), ``dtype`` by default."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if megatron_moe.is_moe(hf):
+        megatron_cpu.prepare_moe()
+    kwargs = {**transformer_config_kwargs(hf), **megatron_moe.moe_config_kwargs(hf, expert_parallel=expert_parallel)}
+    stages = int(parallel_state.get_pipeline_model_parallel_world_size())
+    if stages > 1:  # megatron checks the (unused) dispatcher of a dense model against variable lengths too
+        kwargs.setdefault("moe_token_dispatcher_type", "alltoall")
+    config = TransformerConfig(
+        **kwargs,
+        tensor_model_parallel_size=tp_size(),
+        pipeline_model_parallel_size=stages,
+        # activations between stages: the residual stream, in the compute dtype (under autocast
+        # megatron casts the residual to each block's output dtype)
+        pipeline_dtype=compute_dtype or dtype,
+        variable_seq_lengths=stages > 1,  # micro-batches differ in length: stages exchange shapes
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=cpu_init,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=megatron_moe.layer_spec(hf),
+        vocab_size=vocab_size or hf["vocab_size"],
+        max_sequence_length=hf["max_position_embeddings"],
+        position_embedding_type="rope",
+        rotary_base=rope_base(hf),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        parallel_output=True,  # each tensor-parallel rank's vocabulary columns; gathered on request
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+
+
+def tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return int(parallel_state.get_tensor_model_parallel_world_size())
