@@ -153,6 +153,13 @@ class MegatronSection(_Section):
     expert_model_parallel_size: Annotated[
         int, D("expert parallel ranks of MoE layers (must divide the trainer's ranks and the experts)")
     ] = 1
+    context_parallel_size: Annotated[
+        int,
+        D(
+            "ranks splitting each sequence (only 1: megatron-core runs context parallelism in Transformer Engine's "
+            "attention, which the backend's layers do not use)"
+        ),
+    ] = 1
     optimizer: MegatronOptimizerSection = msgspec.field(default_factory=MegatronOptimizerSection)
     distributed_data_parallel_config: Annotated[
         dict[str, Any],

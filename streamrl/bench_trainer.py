@@ -17,9 +17,9 @@ so that load from other processes hits both:
 4. Checkpoints at two ranks: how long `save_checkpoint` blocks, synchronous against asynchronous
    (``checkpointing.async_save``), and how long until the asynchronous one is on disk.
 5. The megatron backend (when megatron-core is installed): against the same bare loop at one rank
-   (alternated in one process), and its layouts at two ranks (tensor, data and, on a Qwen3-MoE,
-   expert parallelism) against one rank, each run alone in its own processes one after the other,
-   with the training state rank 0 holds.
+   (alternated in one process), and its layouts at two ranks (tensor, data, pipeline and, on a
+   Qwen3-MoE, expert parallelism) against one rank, each run alone in its own processes one after
+   the other, with the training state rank 0 holds.
 
 `render_section` writes the BENCHMARKS.md section. Called by `streamrl.bench`.
 """
@@ -205,6 +205,7 @@ def megatron_part(work: Path, small: Path) -> dict[str, Any]:
             ["--set", "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"],
             2,
         ),
+        "dense, pipeline parallel 2": (small, ["--set", "policy.megatron_cfg.pipeline_model_parallel_size=2"], 2),
         "MoE, 1 rank": (moe, [], 1),
         "MoE, expert parallel 2": (moe, ["--set", "policy.megatron_cfg.expert_model_parallel_size=2"], 2),
     }
@@ -244,7 +245,10 @@ def _megatron_lines(t: dict[str, Any]) -> list[str]:
         "bytes of rank 0's parameters, gradients and AdamW state (its parts), float32. Tensor parallelism halves "
         "the split layers' state; data parallelism keeps every replica's, unless the distributed optimizer "
         "shards AdamW's state over the data ranks (`policy.megatron_cfg.optimizer.use_distributed_optimizer`; "
-        "parameters and gradients stay whole).",
+        "parameters and gradients stay whole). Pipeline stages each hold half the layers (rank 0: the first "
+        "half and the embedding) and run megatron-core's one-forward-one-backward schedule over the step's "
+        "micro-batches: with 2 stages and m micro-batches an update idles each stage for about 1/(m+1) of it "
+        "(the pipeline bubble).",
         "",
         "| megatron backend | tokens/s | baseline tokens/s | ratio | training state per rank / 1 rank |",
         "|---|---|---|---|---|",

@@ -55,7 +55,11 @@ def prepare(out: Path) -> Path:
         print(f"      done in {summary['time_s']:.0f}s (loss {summary['final_loss']:.3f})", flush=True)
     else:
         print(f"[3/4] warm-started policy found in {policy}", flush=True)
-    for stale in ("checkpoints", "weights", "metrics.jsonl", "reward_curve.png", "logs"):
+    # A fresh run each time: the last run's streams (its Redis) would announce weights deleted here.
+    for stale in (
+        *("checkpoints", "weights", "redis", "tensorboard", "logs"),
+        *("metrics.jsonl", "reward_curve.png", "run.json", "summary.json"),
+    ):
         p = out / stale
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return policy

@@ -195,13 +195,13 @@ class Supervisor:
             signal.signal(sig, _interrupt)
         try:
             self._start_redis()
-            self._wait_ready(self.pools["generator"].start_initial(cfg.generator.num_workers), timeout_s=600)
+            wait_ready(self.pools["generator"].start_initial(cfg.generator.num_workers), timeout_s=600)
             self.pools["generator"].mark_ready()
             gateways = self.pools["gym-gateway"].start_initial(cfg.gym_gateway.num_workers)
             # trainer.nproc_per_node > 1: the trainer starts its ranks under torchrun itself
             self.trainer = trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
             trainer.start()
-            self._wait_ready(gateways, timeout_s=120)  # while the trainer loads its policy
+            wait_ready(gateways, timeout_s=120)  # while the trainer loads its policy
             self.pools["gym-gateway"].mark_ready()
             self.channel = ScaleChannel(redis.Redis.from_url(self.redis_url), K.RunKeys(cfg.run.run_id), self.pools)
             self._write_run_file(trainer)
@@ -225,22 +225,6 @@ class Supervisor:
         )
         self.redis.start()
         self.redis_url = self.redis.url
-
-    def _wait_ready(self, children: list[Child], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        pending = list(children)
-        while pending:
-            for c in list(pending):
-                if not c.alive():
-                    raise JobFailed(f"{c.name} exited during start-up (code {c.returncode}):\n{c.tail()}")
-                try:
-                    if httpx.get(f"{c.url}/ready", timeout=2.0).status_code == 200:
-                        pending.remove(c)
-                except httpx.HTTPError:
-                    pass
-            if time.monotonic() > deadline:
-                raise JobFailed(f"{', '.join(c.name for c in pending)} not ready within {timeout_s:.0f}s")
-            time.sleep(0.5)
 
     def _write_run_file(self, trainer: Child) -> None:
         info = {
@@ -359,3 +343,34 @@ class Supervisor:
             self.channel.redis.close()
         if self.redis is not None:
             self.redis.stop()
+
+
+def wait_ready(children: list[Child], timeout_s: float) -> None:
+    """Until every child answers /ready with 200; JobFailed when one exits, reports it has failed,
+    or is not ready within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(children)
+    while pending:
+        for c in list(pending):
+            if not c.alive():
+                raise JobFailed(f"{c.name} exited during start-up (code {c.returncode}):\n{c.tail()}")
+            try:
+                answer = httpx.get(f"{c.url}/ready", timeout=2.0)
+            except httpx.HTTPError:
+                continue
+            if answer.status_code == 200:
+                pending.remove(c)
+            elif _failed(answer):  # e.g. a generator whose first weights cannot load: no use waiting
+                raise JobFailed(f"{c.name} failed during start-up: {answer.text}\n{c.tail()}")
+        if time.monotonic() > deadline:
+            raise JobFailed(f"{', '.join(c.name for c in pending)} not ready within {timeout_s:.0f}s")
+        time.sleep(0.5)
+
+
+def _failed(answer: httpx.Response) -> bool:
+    """A /ready answer from a service that reports it has failed (``"state": "failed"``)."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("state") == "failed"

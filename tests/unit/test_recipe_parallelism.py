@@ -41,6 +41,12 @@ def test_tensor_and_expert_ranks_times_the_stages_must_divide_the_ranks():
         check_supported(cfg.policy, world_size=2)
 
 
+def test_context_parallelism_is_refused_by_name():
+    cfg = load(RunConfig, None, BASE + ["policy.megatron_cfg.context_parallel_size=2"], env={})
+    with pytest.raises(ConfigError, match="policy.megatron_cfg.context_parallel_size is 2; .* supports only 1"):
+        check_supported(cfg.policy, world_size=2)
+
+
 def _model_dir(tmp_path: Path, **config) -> str:
     hf = {
         "model_type": "qwen3",

@@ -52,6 +52,12 @@ def check_supported(policy: PolicySection, world_size: int = 1) -> None:
                 f"policy.megatron_cfg.{key} is {value}; it must divide the trainer's {world_size} ranks "
                 "(trainer.nproc_per_node x nodes)"
             )
+    if cfg.context_parallel_size != 1:
+        raise ConfigError(
+            f"policy.megatron_cfg.context_parallel_size is {cfg.context_parallel_size}; the megatron backend "
+            "supports only 1 (megatron-core splits sequences only in Transformer Engine's attention, which its "
+            "local layers do not use)"
+        )
     tp, pp, ep = (getattr(cfg, key) for key in _SIZES)
     for what, size in (("tensor x pipeline", tp * pp), ("expert x pipeline", ep * pp)):
         if world_size % size:
