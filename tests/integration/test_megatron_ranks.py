@@ -21,6 +21,7 @@ tests/ranked_step.py, as ``python -m services.trainer`` wires a trainer of many 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,30 @@ def test_a_megatron_checkpoint_resumes_at_another_layout(
     assert len(list((first / "ckpt" / "shards").glob("*.distcp"))) == n  # a shard per rank
     second = one_rank(model, tmp_path / "second", *MEGATRON, *extra, "--load", str(first / "ckpt"), "--first-step", "1")
     assert_resumed_as_uninterrupted(second, uninterrupted)
+
+
+STREAM = ROOT / "tests" / "megatron_stream.py"
+
+
+@pytest.mark.parametrize(
+    ("kind", "n", "layout"),
+    [("dense", 4, [*TP2, *PP2, "--set", "policy.precision=bfloat16"]), ("moe", 2, EP2)],
+    ids=["tensor parallel 2 x pipeline parallel 2 (four ranks), bfloat16", "expert parallel 2 (MoE)"],
+)
+def test_the_collective_refit_stream_is_the_published_policy_on_rank_0(
+    tiny_model_dir, moe_model_dir, tmp_path, kind, n, layout
+):
+    """What a collective refit sends (`weight_tensors`: every later stage's tensors sent to rank 0,
+    tensor-parallel parts and experts gathered) is, tensor for tensor and in the announced order,
+    what the same ranks publish as files; and every rank announces the same metadata."""
+    model = tiny_model_dir if kind == "dense" else moe_model_dir
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    cmd = [*launcher, str(STREAM), str(model), str(tmp_path), *layout]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((tmp_path / "stream.json").read_text())
+    streamed = report["streamed"]
+    assert report["same_on_every_rank"]
+    assert [[s["name"], s["shape"]] for s in streamed] == report["metadata"]
+    assert sorted(s["name"] for s in streamed) == report["published"]
+    assert all(s["equal"] for s in streamed), [s["name"] for s in streamed if not s["equal"]]

@@ -50,16 +50,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from services.trainer import packing
-from services.trainer.backends import megatron_cpu, megatron_moe, megatron_optim, megatron_tp
+from services.trainer.backends import megatron_cpu, megatron_export, megatron_moe, megatron_optim, megatron_tp
 from services.trainer.backends.megatron_convert import (
     SafetensorsState,
     hf_globals_to_megatron,
     hf_layer_to_megatron,
-    megatron_globals_to_hf,
-    megatron_layer_to_hf,
     padded_vocab,
 )
 from services.trainer.backends.megatron_model import (
@@ -77,9 +76,6 @@ if TYPE_CHECKING:
     pass
 
 log = logging.getLogger(__name__)
-
-# Parameters with a row per vocabulary entry (padded to `padded_vocab`).
-_VOCAB_ROWS = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
 
 
 class MegatronBackend(PipelineStages):
@@ -161,7 +157,7 @@ class MegatronBackend(PipelineStages):
                 name = megatron_tp.renumber(global_name, -first)
                 if name not in params:
                     raise ValueError(f"checkpoint does not fit the Megatron model: unexpected {global_name}")
-                if name in _VOCAB_ROWS:  # zero rows up to the padded vocabulary (sliced off the logits)
+                if name in megatron_export.VOCAB_ROWS:  # zero rows up to the padded vocabulary (sliced off the logits)
                     full = F.pad(full, (0, 0, 0, padded_vocab(hf) - full.shape[0]))
                 with torch.no_grad():
                     params[name].copy_(megatron_tp.local_part(full, params[name], name))
@@ -300,49 +296,44 @@ class MegatronBackend(PipelineStages):
 
     # ---- weights and checkpoints ----------------------------------------------------------------
 
-    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _hf_tensors(self, *, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's part of the policy in HF naming, one layer at a time, each tensor whole
-        (collective over the stage: every rank gathers its tensor-parallel parts and the other
-        expert-parallel ranks' experts)."""
-        params = dict(self.model.module.named_parameters())
-        hf = self.hf_config
+        (`megatron_export.stage_tensors`: collective over the stage; ``meta``: shapes only)."""
+        return megatron_export.stage_tensors(
+            self.model.module,
+            self.hf_config,
+            layer_offset=self.layer_offset,
+            num_layers=self.hf_config["num_hidden_layers"] // self.pipeline_ranks.world_size,
+            vocab=self.vocab,
+            ep_size=self.ep_size,
+            meta=meta,
+        )
 
-        def whole(prefix: str) -> dict[str, torch.Tensor]:
-            return {
-                megatron_tp.renumber(n, self.layer_offset): megatron_tp.gather_full(p.detach(), p, n)
-                for n, p in params.items()
-                if n.startswith(prefix)
-            }
+    @functools.cached_property
+    def _stage_metadata(self) -> list[megatron_export.Meta]:
+        return megatron_export.stage_metadata(self._hf_tensors(meta=True), self.pipeline_ranks)
 
-        outside_layers = {}
-        for n, p in params.items():
-            if not n.startswith("decoder.layers."):
-                full = megatron_tp.gather_full(p.detach(), p, n)
-                outside_layers[n] = full[: self.vocab] if n in _VOCAB_ROWS else full
-        yield from megatron_globals_to_hf(outside_layers).items()
-        for j in range(hf["num_hidden_layers"] // self.pipeline_ranks.world_size):
-            i = self.layer_offset + j
-            mine = whole(f"decoder.layers.{j}.")
-            for ep_rank, state in enumerate(self._every_expert_rank(mine)):
-                for name, tensor in megatron_layer_to_hf(state, hf, i, ep_rank=ep_rank, ep_size=self.ep_size).items():
-                    if ep_rank == 0 or ".mlp.experts." in name:  # the rest is every rank's alike
-                        yield name, tensor
+    def weight_metadata(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every HF tensor of the policy (name, shape) in the order `weight_tensors` gives them, on
+        every rank (the first call is collective: every rank makes it)."""
+        return [item for stage in self._stage_metadata for item in stage]
 
-    def _every_expert_rank(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """A layer's whole tensors as each expert-parallel rank holds them (its experts, and the
-        rest, which every rank holds alike)."""
-        if self.ep_size == 1:
-            return [state]
+    def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """For a collective refit: the policy's HF tensors in the compute precision, whole, one at
+        a time, on rank 0 (nothing elsewhere; `megatron_export.to_first_rank`). Collective: every
+        rank must drain it."""
         from megatron.core import parallel_state
 
-        group = parallel_state.get_expert_model_parallel_group()
-        per_rank: list[dict[str, torch.Tensor]] = [dict(state) for _ in range(self.ep_size)]
-        for name in sorted(n for n in state if ".local_experts." in n):
-            parts = [torch.empty_like(state[name]) for _ in range(self.ep_size)]
-            torch.distributed.all_gather(parts, state[name].contiguous(), group=group)
-            for r in range(self.ep_size):
-                per_rank[r][name] = parts[r]
-        return per_rank
+        pipeline_group = parallel_state.get_pipeline_model_parallel_group()
+        stages = self._stage_metadata
+        return megatron_export.to_first_rank(
+            self._hf_tensors(),
+            stages,
+            self.pipeline_ranks,
+            self.dtype,
+            is_first_rank=self.ranks.is_root,
+            in_first_ranks_pipeline=not self.ranks.sharded or 0 in dist.get_process_group_ranks(pipeline_group),
+        )
 
     def save_weights(self, out_dir: Path) -> dict[str, str]:
         """Publish the policy in HF layout and the compute precision, layer by layer; every rank

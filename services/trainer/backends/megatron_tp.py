@@ -75,6 +75,15 @@ def gather_full(local: torch.Tensor, param: torch.nn.Parameter, name: str) -> to
     return torch.cat(parts, dim)
 
 
+def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    """The shape `gather_full` gives ``param`` (no collective)."""
+    shape = list(param.shape)
+    group = tp_group_of(param)
+    if group is not None:
+        shape[param.partition_dim] *= dist.get_world_size(group)
+    return tuple(shape)
+
+
 def global_expert_name(name: str, first_expert: int) -> str:
     """A local expert's parameter name with its global expert id (``first_expert`` is this
     expert-parallel rank's first)."""
