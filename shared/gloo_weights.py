@@ -140,11 +140,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             raise TransferError("gloo weight transfer not initialized: init_weight_transfer_engine first")
         metas = metas_from_update(update_info.names, update_info.dtype_names, update_info.shapes)
         digests: list[bytes] = []
+        on_host = self.device.type == "cpu"
         try:
-            for pairs, got in receive_buckets(self.group, metas, self.bucket_bytes, self._buffers):
-                # Copies: the layer-wise reload keeps the tensors it is given until a layer is
-                # complete, and the receive buffer is reused for the next buckets.
-                self.model.load_weights([(n, t.to(self.device, copy=True)) for n, t in pairs])
+            # vLLM's layer-wise reload keeps the tensors it is given until their layer is complete,
+            # so they must outlive the bucket: on CPU each bucket lands in memory of its own that
+            # the model may keep (a copy of every tensor out of a reused buffer was a whole extra
+            # pass over the model); elsewhere the copy is the move onto the device anyway.
+            for pairs, got in receive_buckets(self.group, metas, self.bucket_bytes, self._buffers, keep=on_host):
+                self.model.load_weights(pairs if on_host else [(n, t.to(self.device, copy=True)) for n, t in pairs])
                 digests.append(got)
         except Exception:
             self.shutdown()  # the group is unusable after a failed collective
@@ -254,12 +257,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _broadcast(self, metas: list[ParamMeta]) -> None:
         """Copy each tensor, as it arrives, into its place in a bucket buffer (casting to the wire
-        dtype on the way), then post the full bucket's broadcast and its digest without waiting:
-        two buffers alternate, so the next bucket is packed while this one travels (and the
-        generators load the last one). A source that offers ``iter_uncast`` yields its tensors
-        before the cast, so the cast is this copy and no tensor-sized temporary is made. After a
-        failure the source is still drained, so trainer ranks gathering alongside stay in step;
-        then the failure is raised."""
+        dtype on the way), then post the full bucket's broadcast, and its digest once hashed,
+        without waiting: two buffers alternate, so the next bucket is packed while this one
+        travels (and the generators load the last one). A source that offers ``iter_uncast``
+        yields its tensors before the cast, so the cast is this copy and no tensor-sized temporary
+        is made. After a failure the source is still drained, so trainer ranks gathering alongside
+        stay in step; then the failure is raised."""
         assert self.source is not None and self.init_info is not None
         buckets = plan_buckets(metas, self.init_info.bucket_bytes)
         ends = {idx[-1]: b for b, idx in enumerate(buckets)}
@@ -290,12 +293,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 if i not in ends:
                     continue
                 full, offset = buf[:offset], 0
-                d = digest(full)
                 group = self._require_group()
-                in_flight[ends[i]] = [
-                    group.start_broadcast(full),
-                    group.start_broadcast(torch.frombuffer(bytearray(d), dtype=torch.uint8)),
-                ]
+                # The bucket leaves first and is hashed while it travels (both only read it); its
+                # digest follows it. Posted works live only in in_flight (see wait_all).
+                in_flight[ends[i]] = [group.start_broadcast(full)]
+                d = digest(full)
+                in_flight[ends[i]].append(group.start_broadcast(torch.frombuffer(bytearray(d), dtype=torch.uint8)))
                 digests.append(d)
             except Exception as exc:  # a peer died or timed out: stop sending, keep draining
                 failure = exc

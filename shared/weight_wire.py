@@ -167,31 +167,41 @@ def bucket_buffer(current: torch.Tensor | None, size: int) -> torch.Tensor:
 
 
 def receive_buckets(
-    group: Group, metas: Sequence[Meta], bucket_bytes: int, buffers: list[torch.Tensor] | None = None
+    group: Group,
+    metas: Sequence[Meta],
+    bucket_bytes: int,
+    buffers: list[torch.Tensor] | None = None,
+    *,
+    keep: bool = False,
 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bytes]]:
     """Receive every bucket from rank 0, check its digest, yield its (name, tensor) pairs and the
-    digest. Two receive buffers alternate (``buffers``, grown as needed, kept by the caller across
-    transfers): the next bucket arrives while the caller loads this one. The pairs are views into
-    a buffer: the caller copies them out before it asks for the next bucket."""
+    digest. The next bucket arrives while the caller loads this one. By default two receive
+    buffers alternate (``buffers``, grown as needed, kept by the caller across transfers) and the
+    pairs are views into one: the caller copies them out before it asks for the next bucket.
+    With ``keep`` each bucket lands in memory of its own that the caller may keep (no copy: a
+    caller that would copy every tensor out saves a pass over the bytes; ``buffers`` is unused)."""
     buckets = plan_buckets(metas, bucket_bytes)
     sizes = [[nbytes(metas[i].dtype, metas[i].shape) for i in bucket] for bucket in buckets]
     if buffers is None:
         buffers = []
-    need = max_bucket_bytes(metas, bucket_bytes)
-    while len(buffers) < 2:
-        buffers.append(torch.empty(0, dtype=torch.uint8))
-    for k in range(2):
-        buffers[k] = bucket_buffer(buffers[k], need)
+    if not keep:
+        need = max_bucket_bytes(metas, bucket_bytes)
+        while len(buffers) < 2:
+            buffers.append(torch.empty(0, dtype=torch.uint8))
+        for k in range(2):
+            buffers[k] = bucket_buffer(buffers[k], need)
+    landing: dict[int, torch.Tensor] = {}  # bucket -> the memory it is received into
     digests = [torch.empty(DIGEST_BYTES, dtype=torch.uint8) for _ in range(2)]
 
     def post(k: int) -> tuple[Any, Any]:
-        buf = buffers[k % 2][: sum(sizes[k])]
-        return group.start_broadcast(buf), group.start_broadcast(digests[k % 2])
+        n = sum(sizes[k])
+        landing[k] = torch.empty(n, dtype=torch.uint8) if keep else buffers[k % 2][:n]
+        return group.start_broadcast(landing[k]), group.start_broadcast(digests[k % 2])
 
     posted = list(post(0)) if buckets else []
     for k, bucket in enumerate(buckets):
         wait_all(posted)
-        buf = buffers[k % 2][: sum(sizes[k])]
+        buf = landing.pop(k)
         got = digest(buf)
         sent = bytes(digests[k % 2].numpy())
         posted = list(post(k + 1)) if k + 1 < len(buckets) else []  # the next bucket lands meanwhile
@@ -205,4 +215,5 @@ def receive_buckets(
             m = metas[i]
             out.append((m.name, buf[offset : offset + n].view(m.dtype).view(m.shape)))
             offset += n
+        del buf
         yield out, got

@@ -12,9 +12,11 @@ the files in parallel threads (xxhash releases the GIL on large buffers).
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from io import FileIO
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,11 @@ if TYPE_CHECKING:
 
 DIGEST_PREFIX = "xxh3_128:"
 _CHUNK = 16 << 20  # large reads: xxh3 outruns the disk, so the syscalls are the cost
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page at once, not a fault per page
+# Written a piece at a time, each hashed just before it is written: the write then copies bytes
+# the hash just brought into the CPU cache (measured: a third to a half of the time of hashing a
+# whole tensor, then writing it, two passes over memory).
+_WRITE_CHUNK = 1 << 20
 
 
 class WeightsCorrupted(ValueError):
@@ -44,13 +51,29 @@ def bytes_digest(data: bytes | bytearray | memoryview) -> str:
 
 
 def file_digest(path: str | Path) -> str:
-    """The digest of the file's bytes, read in large chunks into one reused buffer."""
+    """The digest of the file's bytes, hashed where they lie in the page cache (a read-only
+    mapping, populated up front: half the time of reading them into a buffer, which copies every
+    byte once more). A file that cannot be mapped (empty, or not a regular file) is read in
+    chunks. Published files are never written after their folder's rename, so the mapping cannot
+    lose pages under the hash."""
     h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        try:
+            mapped = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return _read_digest(fh, h)
+        with mapped, memoryview(mapped) as view:
+            for offset in range(0, size, _CHUNK):
+                h.update(view[offset : offset + _CHUNK])
+    return DIGEST_PREFIX + h.hexdigest()
+
+
+def _read_digest(fh: FileIO, h: xxhash.xxh3_128) -> str:
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            h.update(view[:n])
+    while n := fh.readinto(buf):
+        h.update(view[:n])
     return DIGEST_PREFIX + h.hexdigest()
 
 
@@ -131,7 +154,8 @@ def write_safetensors(
     consume: bool = False,
 ) -> str:
     """Write ``tensors`` to ``path`` in the safetensors format, tensor by tensor (the header, then
-    each tensor's bytes as they are in memory), hashing the bytes as they go out; the file's digest.
+    each tensor's bytes as they are in memory, a MiB at a time), hashing the bytes as they go out;
+    the file's digest.
     No image of the whole file is built and the file is not read back. ``consume`` empties
     ``tensors`` as they are written, so their memory can go early."""
     import json
@@ -159,8 +183,10 @@ def write_safetensors(
             t = tensors.pop(name) if consume else tensors[name]
             if t.numel():
                 data = memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-                h.update(data)
-                fh.write(data)
+                for offset in range(0, len(data), _WRITE_CHUNK):  # hashed, then written while in cache
+                    piece = data[offset : offset + _WRITE_CHUNK]
+                    h.update(piece)
+                    fh.write(piece)
     return DIGEST_PREFIX + h.hexdigest()
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from streamrl.bench_refit_worker import SETTLE_S
 from streamrl.model_builder import TinyModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,12 +304,17 @@ def render_section(r: dict[str, Any]) -> str:
         f"on CPU; {r['date']}, {r['machine']})",
         "",
         "Qwen3 models built at random, published in bfloat16 (`policy.precision: bfloat16`: 2 bytes per "
-        "parameter; the learner keeps float32 master weights, one torch thread). vLLM runs in bfloat16 on this "
-        "CPU. Per size: `WeightPublisher.refit` from a `LocalLearner` (torch backend, one rank) to one "
-        "`python -m services.generator` process, publish to confirmed (`RefitReport.total_s`), the filesystem "
-        f"and the collective transport (gloo, `bucket_mb: {r['bucket_mb']}`) alternated on the same generator, "
-        f"one warm-up each (the collective one forms the transfer group and writes its snapshot), then the "
-        f"median of {r['refits']} each (range in brackets). Baselines, measured in separate processes just "
+        "parameter; the learner keeps float32 master weights and trains with one torch thread; the filesystem "
+        "export casts with every core (`weight_export.refit_threads`), the collective sender with the training's "
+        "one). vLLM runs in bfloat16 on this CPU. Per size: `WeightPublisher.refit` from a `LocalLearner` (torch "
+        "backend, one rank) to one `python -m services.generator` process, publish to confirmed "
+        "(`RefitReport.total_s`), the filesystem (files of at most 512 MiB) and the collective transport (gloo, "
+        f"`bucket_mb: {r['bucket_mb']}`) alternated on the same generator, {SETTLE_S:.0f} s apart (a training "
+        "step stands there in a run; vLLM's engine processes busy-poll a core for a second after each call they "
+        "answer, and the filesystem transport removes the version before last in the background: neither "
+        "belongs to the next refit), one warm-up each (the collective one forms the transfer group and writes "
+        f"its snapshot), then the median of {r['refits']} each (range in brackets). Baselines, measured in "
+        "separate processes just "
         "before: raw broadcast = `torch.distributed` gloo broadcast of the same bytes in the same buckets "
         "between two processes (median of 5); raw write+read = `safetensors` `save_file` of the same tensors "
         "to a fresh file and `load_file` back into them (page cache, median of 5).",
@@ -341,7 +347,8 @@ def render_section(r: dict[str, Any]) -> str:
         "|---|---|---|",
         f"| moving the bytes (`RefitReport.save_s`; filesystem: the learner's export, cast + serialize + hash + "
         f"write; collective: the whole transfer into the engine) | {fs['save_s']:.2f} | {coll['save_s']:.2f} |",
-        f"| then until confirmed (`confirm_s`: announce, generator, ack, housekeeping) | {fs['confirm_s']:.2f} | "
+        f"| then until confirmed (`confirm_s`: announce, generator, ack; the old versions are removed in the "
+        f"background) | {fs['confirm_s']:.2f} | "
         f"{coll['confirm_s']:.2f} |",
         f"| the generator's `load_s` from its ack (filesystem: verify digests + reload + cache reset; collective: "
         f"receive while the trainer sends + engine checksums + reset) | {fs['load_s']:.2f} | {coll['load_s']:.2f} |",
@@ -350,6 +357,14 @@ def render_section(r: dict[str, Any]) -> str:
         f"{big['cast_s']:.2f} | {big['cast_s']:.2f} |",
         f"| baselines: `save_file` / `load_file` back; raw broadcast | {big['save_file_s']:.2f} / "
         f"{big['load_file_s']:.2f} | {big['broadcast_s']:.2f} |",
+        "",
+        f"What still separates the transports from their baselines at this size. Collective: the generator paces "
+        f"the transfer (its `load_s`, {coll['load_s']:.2f} s, is nearly the whole refit): vLLM's layer-wise reload "
+        "of each bucket (materialize the layer, load it, repack the linear weights for oneDNN, copy back) costs "
+        "several times the bucket's time on the wire on this CPU, and while the worker loads, vLLM's engine core "
+        f"busy-polls for its answer on one of the {r['cores']} cores the trainer and the worker share; the raw "
+        "broadcast neither loads nor casts. Filesystem: the trainer's cast from float32 (no baseline casts) and vLLM's "
+        f"reload ({fs['load_s']:.2f} s with the digest checks, against `load_file`'s {big['load_file_s']:.2f} s).",
         "",
         f"Hash rates over the same bytes, one thread: sha256 {big['hash_gib_s']['sha256']:.2f} GiB/s, xxh3-128 "
         f"{big['hash_gib_s']['xxh3_128']:.2f} GiB/s. Host memory in use at the peak of the largest size's "

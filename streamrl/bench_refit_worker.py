@@ -15,7 +15,10 @@
   trainer's learner (`LocalLearner` over `TorchBackend`, one thread) with one `WeightPublisher`
   per transport (filesystem, collective over gloo) on the same generator. One warm-up refit per
   transport (the collective one forms the transfer group and writes the first snapshot), then N
-  per transport alternated (A B, B A, ...), each timed by `RefitReport` with the generator's ack.
+  per transport alternated (A B, B A, ...), each timed by `RefitReport` with the generator's ack,
+  SETTLE_S apart (a training step stands there in a run): vLLM's engine processes busy-poll for
+  a second after each call they answer, and the filesystem transport removes the version before
+  last in the background; neither belongs to the next refit.
 
 Every mode writes OUT.json (rank 0 for ``broadcast``). The first timed repeat of a baseline is a
 warm-up, dropped.
@@ -39,6 +42,7 @@ import msgspec
 GENERATOR_ID = "gen-bench"  # the worker id `GeneratorProcess` starts its generator with
 BASELINE_REPEATS = 5  # after one warm-up
 KV_CACHE_BYTES = 64 << 20
+SETTLE_S = 2.0  # between refits; longer than vLLM's busy-polling after a call (1 s)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -265,6 +269,8 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
             order += ["filesystem", "collective"] if i % 2 else ["collective", "filesystem"]
         out = []
         for version, name in enumerate(order, start=1):
+            await transports["filesystem"].aclose()  # the last removal of an old version is done
+            await asyncio.sleep(SETTLE_S)
             report = await pubs[name].refit(version)
             out.append(
                 {

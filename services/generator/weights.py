@@ -3,8 +3,8 @@
 One code path for every load (the watcher and ``POST /admin/load_weights`` both call
 `WeightSync.apply`). For an announcement newer than the served version, by its transport::
 
-    filesystem: verify every file's digest (in parallel) --> pause (close the gate; drain up to
-                generator.drain_timeout_s, or keep) --> load the folder in place
+    filesystem: pause (close the gate; drain up to generator.drain_timeout_s, or keep) while
+                every file's digest is verified (in parallel) --> load the folder in place
     collective: pause --> receive over the transfer group (vLLM's start_weight_update,
                 update_weights, finish_weight_update) --> the engine's own checksums
       --> reset the prefix cache if caching is effectively on (False = failure)
@@ -181,14 +181,16 @@ class WeightSync:
 
     async def _load(self, order: LoadOrder) -> tuple[bool, str | None, str | None]:
         """Pause, load, reset, bump the version, resume. Whether the prefix cache was reset, and
-        after a collective transfer the received weights' checksum and the engine's own."""
+        after a collective transfer the received weights' checksum and the engine's own. A
+        folder's digests are checked while the engine pauses (drains), and before anything loads."""
         rt, engine = self.runtime, self.runtime.engine
-        if order.transport == "filesystem":
-            async with asyncio.timeout(self.load_timeout_s):
-                await self._verify(order)
+        verifying = asyncio.create_task(self._verify(order)) if order.transport == "filesystem" else None
         received = engine_checksum = None
         try:
             await rt.pause(LocalPause.REFIT, order.mode)
+            if verifying is not None:
+                async with asyncio.timeout(self.load_timeout_s):
+                    await verifying
             async with asyncio.timeout(self.load_timeout_s):
                 if order.collective is not None:
                     if order.collective.update_info is None:
@@ -211,6 +213,10 @@ class WeightSync:
             rt.error = None
             return cache_reset, received, engine_checksum
         finally:
+            if verifying is not None and not verifying.done():
+                verifying.cancel()  # the pause failed: nothing loads (a hashing thread ends on its own)
+            elif verifying is not None and not verifying.cancelled():
+                verifying.exception()  # retrieved: a failed check was raised above, or the pause failed first
             await rt.resume(LocalPause.REFIT)
 
     async def _verify(self, order: LoadOrder) -> None:

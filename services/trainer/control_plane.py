@@ -180,6 +180,7 @@ class ControlPlane:
         self.heartbeat.start()
 
     async def aclose(self) -> None:
+        await _safe(self.publisher.transport.aclose())
         await _safe(self.learner.close())
         await self.heartbeat.aclose(self.worker_id)
         await self.redis.aclose()

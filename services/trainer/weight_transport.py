@@ -81,10 +81,16 @@ class WeightTransport(Protocol):
         """Drop any state tied to the last membership (the next send starts afresh)."""
         ...
 
+    async def aclose(self) -> None:
+        """Wait for housekeeping still running in the background (the trainer is stopping)."""
+        ...
+
 
 class FilesystemTransport:
     """A safetensors folder per version under ``weights_dir`` (written to a temporary name, then
-    renamed); the newest ``keep_versions`` are kept."""
+    renamed); the newest ``keep_versions`` are kept. Older ones are removed in the background once
+    a version is confirmed (unlinking a folder frees its page-cache pages: work the refit need not
+    wait for); the next write, and `aclose`, wait until that removal is done."""
 
     name: WeightTransportName = "filesystem"
 
@@ -92,8 +98,10 @@ class FilesystemTransport:
         self.weights_dir = Path(weights_dir)
         self.export = export
         self.keep_versions = keep_versions
+        self._pruning: asyncio.Task[None] | None = None
 
     async def send(self, version: int, members: list[str], announce: Announce) -> Sent:
+        await self.pruned()
         t0 = time.perf_counter()
         path, files = await asyncio.to_thread(self.write, version)
         num_bytes = dir_num_bytes(path)
@@ -122,7 +130,18 @@ class FilesystemTransport:
         return final, files
 
     async def after_confirmed(self, version: int) -> None:
-        await asyncio.to_thread(self.prune)
+        await self.pruned()
+        self._pruning = asyncio.create_task(asyncio.to_thread(self.prune), name="weights-prune")
+
+    async def pruned(self) -> None:
+        """Wait until the versions beyond ``keep_versions`` are removed (a no-op when no removal
+        runs). The removal ignores errors, so this only waits."""
+        pruning, self._pruning = self._pruning, None
+        if pruning is not None:
+            await pruning
+
+    async def aclose(self) -> None:
+        await self.pruned()
 
     def prune(self) -> None:
         versions = sorted(p for p in self.weights_dir.glob("v[0-9]*") if p.is_dir())
@@ -280,6 +299,9 @@ class CollectiveTransport:
 
     def forget(self) -> None:
         self._group = None
+
+    async def aclose(self) -> None:
+        await self.snapshots.aclose()
 
 
 def _free_port() -> int:

@@ -76,3 +76,14 @@ def test_received_tensors_equal_the_sent_ones_and_a_flipped_bit_is_caught():
     with pytest.raises(TransferError, match="corrupted.*'c'"):
         for _ in receive_buckets(FakeGroup(_wire(tensors, 100, corrupt=1)), METAS, 100):
             pass
+
+
+def test_kept_buckets_stay_intact_while_later_ones_arrive():
+    """With ``keep`` the receiver hands out views the caller holds on to (vLLM's layer-wise reload
+    keeps a layer's tensors until the layer is complete): later buckets must not overwrite them."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {m.name: torch.randn(m.shape, generator=g).to(m.dtype) for m in METAS}
+    kept: dict[str, torch.Tensor] = {}
+    for pairs, _ in receive_buckets(FakeGroup(_wire(tensors, 100)), METAS, 100, keep=True):
+        kept.update(pairs)  # no copy
+    assert all(torch.equal(kept[n], t) for n, t in tensors.items())

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from services.trainer.ranks import Ranks
-from services.trainer.weight_export import DEFAULT_MAX_SHARD_BYTES, ShardWriter, rank_tensors
+from services.trainer.weight_export import DEFAULT_MAX_SHARD_BYTES, ShardWriter, rank_tensors, refit_threads
 
 
 class TorchState:
@@ -33,9 +33,10 @@ class TorchState:
         calls it and writes its share of the files (`services.trainer.weight_export`). The files'
         digests (file name -> digest): this rank's, and on rank 0 every rank's."""
         writer = ShardWriter(out_dir, self.max_weight_file_bytes, ranks=self.ranks)
-        for name, tensor in rank_tensors(self.model, self.dtype, self.ranks, skip=self._tied_keys()):
-            writer.add(name, tensor)
-        writer.close()
+        with refit_threads():
+            for name, tensor in rank_tensors(self.model, self.dtype, self.ranks, skip=self._tied_keys()):
+                writer.add(name, tensor)
+            writer.close()
         if self.ranks.is_root:
             self.model.config.save_pretrained(out_dir)
             gen_config = getattr(self.model, "generation_config", None)
