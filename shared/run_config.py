@@ -821,8 +821,6 @@ class RunConfig(_Section):
             raise ConfigError("supervisor.max_restarts and supervisor.restart_backoff_s must be >= 0")
         if self.trainer.nproc_per_node < 1:
             raise ConfigError("trainer.nproc_per_node must be >= 1")
-        if self.refit.transport == "collective" and self.trainer.backend != "torch":
-            raise ConfigError("refit.transport: collective needs trainer.backend: torch")
         if self.refit.max_attempts < 1:
             raise ConfigError("refit.max_attempts must be >= 1")
         if self.refit.collective.bucket_mb < 1:

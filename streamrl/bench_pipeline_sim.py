@@ -24,9 +24,10 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -45,6 +46,9 @@ from shared.streams import StreamClient, connect
 from shared.weights_format import write_hashed
 from streamrl.bench_schedule import Scenario
 from streamrl.child_guard import guarded
+
+if TYPE_CHECKING:
+    import torch
 
 ENV_NAME = "bench_sleep"
 GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
@@ -75,6 +79,12 @@ class SimBackend:
 
     def save_weights(self, out_dir: Path) -> dict[str, str]:
         return {"model.safetensors": write_hashed(out_dir / "model.safetensors", bytes(64))}
+
+    def weight_metadata(self) -> list[tuple[str, tuple[int, ...]]]:
+        raise NotImplementedError("the benchmark's runs publish weights as files (refit.transport: filesystem)")
+
+    def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError("the benchmark's runs publish weights as files (refit.transport: filesystem)")
 
     def save_checkpoint(self, path: Path) -> None:
         raise NotImplementedError("the benchmark's runs keep no checkpoints")

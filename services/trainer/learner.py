@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.trainer.backends.base import TrainingBackend
 from services.trainer.batch import StepBatch
-from services.trainer.weight_send import CollectiveSender, SendOrder
+from services.trainer.weight_send import CollectiveSender, SendOrder, weight_source
 from shared.records import LearnerMetrics
 
 if TYPE_CHECKING:
@@ -132,11 +132,10 @@ class LocalLearner:
 
 
 def sender_of(backend: TrainingBackend, rank: int) -> CollectiveSender:
-    """The collective sender over ``backend``'s policy (a Hugging Face model in the torch backend)."""
-    model = getattr(backend, "model", None)
+    """The collective sender over ``backend``'s weight stream (`TrainingBackend.weight_tensors`),
+    in its compute precision. Every rank makes it at once (the backend's metadata may be
+    gathered)."""
     dtype = getattr(backend, "dtype", None)
-    if model is None or dtype is None or not hasattr(model, "config"):
-        raise RuntimeError(
-            f"{type(backend).__name__} cannot send its weights collectively (use refit.transport: filesystem)"
-        )
-    return CollectiveSender(model, dtype, rank)
+    if dtype is None:
+        raise RuntimeError(f"{type(backend).__name__} has no compute dtype to send its weights in")
+    return CollectiveSender(weight_source(backend, dtype), rank)

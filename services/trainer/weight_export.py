@@ -82,7 +82,8 @@ def gathered(model: torch.nn.Module, skip: frozenset[str]) -> Iterator[tuple[str
             yield name, t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_published(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as it is published: ``dtype``, on the CPU, contiguous."""
     return t.detach().to(dtype=dtype, device="cpu").contiguous()
 
 
@@ -92,7 +93,7 @@ def full_tensors(
     """Every state-dict tensor of ``model`` (but ``skip``), whole, as ``dtype``, on the CPU.
     Collective when the model is sharded: every rank must drain the iterator."""
     for name, whole in gathered(model, skip):
-        yield name, _on_cpu(whole, dtype)
+        yield name, as_published(whole, dtype)
 
 
 class Dealer:
@@ -125,7 +126,7 @@ def deal(
     item_bytes = torch.empty((), dtype=dtype).element_size()
     for name, whole in tensors:
         if dealer.owner(whole.numel() * item_bytes) == ranks.rank:
-            yield name, _on_cpu(whole, dtype)
+            yield name, as_published(whole, dtype)
 
 
 @dataclass(frozen=True)

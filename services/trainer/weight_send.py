@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.trainer.weight_export import full_tensors, gathered
+from services.trainer.weight_export import as_published
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
+
+    from services.trainer.backends.base import TrainingBackend
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +42,28 @@ class SendOrder:
     bucket_bytes: int
 
 
-def _weight_source(model: torch.nn.Module, dtype: torch.dtype) -> Any:
+def weight_source(backend: TrainingBackend, dtype: torch.dtype) -> Any:
+    """``backend``'s policy as a vLLM `WeightSource`: its `weight_metadata` announced in ``dtype``,
+    its `weight_tensors` sent (collective over the trainer's ranks: every rank iterates it)."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    skip = frozenset({"lm_head.weight"}) if getattr(model.config, "tie_word_embeddings", False) else frozenset()
+    metas = [ParamMeta(name, dtype, shape) for name, shape in backend.weight_metadata()]
 
-    class FullTensorSource(WeightSource):  # type: ignore[misc]  # vLLM is untyped for mypy
-        """The policy's state dict in the compute dtype, gathered one tensor at a time (collective
-        over the trainer's ranks when sharded); metadata from global shapes, without gathering."""
+    class BackendSource(WeightSource):  # type: ignore[misc]  # vLLM is untyped for mypy
+        """The policy one tensor at a time, in the compute dtype on the CPU."""
 
         def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(n, dtype, tuple(t.shape)) for n, t in model.state_dict().items() if n not in skip]
+            return metas
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return full_tensors(model, dtype, skip=skip)
+            return ((name, as_published(t, dtype)) for name, t in backend.weight_tensors())
 
         def iter_uncast(self) -> Iterator[tuple[str, torch.Tensor]]:
             """The same tensors before the cast to the declared dtype (the gloo engine casts them
             as it copies them into its bucket buffer, so no cast copy is made)."""
-            return gathered(model, skip)
+            return backend.weight_tensors()
 
-    return FullTensorSource()
+    return BackendSource()
 
 
 class _NotTheSender:
@@ -73,8 +76,8 @@ class _NotTheSender:
 class CollectiveSender:
     """One trainer rank's vLLM trainer engine, kept per transfer group."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, rank: int) -> None:
-        self.source = _weight_source(model, dtype)
+    def __init__(self, source: Any, rank: int) -> None:
+        self.source = source
         self.rank = rank
         self._engine: Any = None
         self._group_id: str | None = None

@@ -173,15 +173,25 @@ async def test_collective_refit_matches_a_cold_start_on_the_new_weights(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.weight_send import CollectiveSender, SendOrder
+    from services.trainer.weight_send import CollectiveSender, SendOrder, weight_source
     from streamrl.redis_server import free_port
+
+    class Policy:  # what a collective refit reads from a training backend
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model = model
+
+        def weight_metadata(self) -> list[tuple[str, tuple[int, ...]]]:
+            return [(n, tuple(t.shape)) for n, t in self.model.state_dict().items()]
+
+        def weight_tensors(self):
+            return iter(self.model.state_dict().items())
 
     long_prompt = (PROMPT * 40)[:400]
     params = greedy(6, top_logprobs=3)
     await engine.generate(long_prompt, params, "coll-1")  # cache the prefix under the old weights
     new = perturbed_model(tiny_model_dir, tmp_path_factory.mktemp("contract-coll"), scale=0.05, seed=23)
     model = AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32)
-    sender = CollectiveSender(model, torch.float32, rank=0)
+    sender = CollectiveSender(weight_source(Policy(model), torch.float32), rank=0)
     client = _EngineClient(engine, asyncio.get_running_loop())
     order = SendOrder(
         group_id="contract",

@@ -1,6 +1,7 @@
 """The weight-transport contract, run against every transport (``refit.transport``): a real
-learner (the torch backend on the tiny model) publishes through `WeightPublisher` to generator
-services running in-process (the transformers engine) over a real Valkey.
+learner (the torch backend on the tiny model; for the collective transport the megatron backend
+too, whose weights leave megatron-core's layout on the way) publishes through `WeightPublisher` to
+generator services running in-process (the transformers engine) over a real Valkey.
 
 Every transport must: bring each generator to exactly the trainer's weights and make it serve the
 new version; let a generator that starts after a refit reach the current version (filesystem: the
@@ -24,7 +25,6 @@ from services.generator.app import build_app
 from services.trainer.backends.torch_backend import TorchBackend
 from services.trainer.learner import LocalLearner
 from services.trainer.refit import RefitError, WeightPublisher
-from services.trainer.weight_export import full_tensors
 from services.trainer.weight_transport import build_transport
 from shared.config import decode_tree
 from shared.keys import RunKeys
@@ -35,7 +35,8 @@ from shared.streams import StreamClient, connect
 pytestmark = pytest.mark.integration
 pytest_plugins = ["tests.generator_fixtures"]
 
-TRANSPORTS = ["filesystem", "collective"]
+# (transport, training backend)
+RIGS = [("filesystem", "torch"), ("collective", "torch"), ("collective", "megatron")]
 
 
 def run_config(tiny_model_dir, redis_url, config_tree, transport: str, run_id: str) -> RunConfig:
@@ -60,12 +61,20 @@ async def generator(cfg: RunConfig, worker_id: str):
             yield app, client
 
 
-@pytest.fixture(params=TRANSPORTS)
+@pytest.fixture(params=RIGS, ids=["-".join(r) for r in RIGS])
 async def rig(request, tiny_model_dir, redis_url, generator_config_tree, tmp_path):
     """(cfg, learner, publisher) for one transport on a fresh run; the learner's policy is nudged
     away from the generators' initial weights, as a training step would."""
-    cfg = run_config(tiny_model_dir, redis_url, generator_config_tree, request.param, f"wt-{uuid.uuid4().hex[:6]}")
-    learner = LocalLearner(lambda: TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1))
+    transport, backend = request.param
+    cfg = run_config(tiny_model_dir, redis_url, generator_config_tree, transport, f"wt-{uuid.uuid4().hex[:6]}")
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+        from services.trainer.backends.megatron_backend import MegatronBackend
+
+        learner = LocalLearner(lambda: MegatronBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1))
+        request.addfinalizer(_leave_megatron_groups)
+    else:
+        learner = LocalLearner(lambda: TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1))
     await learner.start()
     nudge(learner.backend.model, seed=1)
     redis = connect(redis_url)
@@ -80,6 +89,16 @@ async def rig(request, tiny_model_dir, redis_url, generator_config_tree, tmp_pat
     await redis.aclose()
 
 
+def _leave_megatron_groups() -> None:
+    """The megatron backend joined a one-rank process group and Megatron's groups in this process;
+    later tests start from none."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def nudge(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -88,7 +107,7 @@ def nudge(model: torch.nn.Module, seed: int) -> None:
 
 
 def assert_same_weights(learner: LocalLearner, app) -> None:
-    trainer = dict(full_tensors(learner.backend.model, torch.float32))
+    trainer = {name: t.float() for name, t in learner.backend.weight_tensors()}
     served = app.state.runtime.engine._model.state_dict()
     assert set(trainer) <= set(served)
     for name, t in trainer.items():

@@ -3,7 +3,8 @@
 A backend owns the policy model, its optimizer and its learning-rate schedule on this process. It
 is built from the run config (`from_config`), trains on one step's batch at a time (`train_step`:
 one or more optimizer updates, returning typed `LearnerMetrics`), writes the policy as a
-safetensors folder that generators load and returns its files' digests (`save_weights`), and
+safetensors folder that generators load and returns its files' digests (`save_weights`), streams
+it tensor by tensor for a collective refit (`weight_metadata`, `weight_tensors`), and
 saves and restores everything training needs to resume (`save_checkpoint` / `load_checkpoint`,
 into a folder of its own inside the step's checkpoint). Implementations:
 `torch_backend.TorchBackend`, `megatron_backend.MegatronBackend`; the registry in
@@ -13,8 +14,11 @@ into a folder of its own inside the step's checkpoint). Implementations:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, Self
+
+import torch
 
 from services.trainer.batch import StepBatch
 from shared.records import LearnerMetrics
@@ -37,6 +41,16 @@ class TrainingBackend(Protocol):
         """Write the current policy as a safetensors folder generators can load; the digests of the
         files written (file name -> `shared.weights_format` digest), every file's on rank 0 (on
         other ranks, possibly only their own)."""
+        ...
+
+    def weight_metadata(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The tensors `weight_tensors` gives, in Hugging Face naming: (name, shape), in order
+        (the first call may be collective: every rank makes it)."""
+        ...
+
+    def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's tensors whole, one at a time, in `weight_metadata`'s order, on rank 0 at
+        least (what a collective refit sends; collective: every rank drains it)."""
         ...
 
     def save_checkpoint(self, path: Path) -> None:

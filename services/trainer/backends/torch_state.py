@@ -5,6 +5,7 @@ Mixed into `services.trainer.backends.torch_backend.TorchBackend`, which owns th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,13 @@ from typing import Any
 import torch
 
 from services.trainer.ranks import Ranks
-from services.trainer.weight_export import DEFAULT_MAX_SHARD_BYTES, ShardWriter, rank_tensors, refit_threads
+from services.trainer.weight_export import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardWriter,
+    gathered,
+    rank_tensors,
+    refit_threads,
+)
 
 
 class TorchState:
@@ -43,6 +50,18 @@ class TorchState:
             if gen_config is not None:
                 gen_config.save_pretrained(out_dir)
         return writer.manifest
+
+    def weight_metadata(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every tensor `weight_tensors` gives (name, global shape), in its order, from the state
+        dict's shapes alone (no gather)."""
+        skip = self._tied_keys()
+        return [(n, tuple(t.shape)) for n, t in self.model.state_dict().items() if n not in skip]
+
+    def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """For a collective refit: the policy's tensors whole, one at a time, where and as they
+        are (float32: the sender casts them as it packs them). Collective when sharded: every rank
+        must drain it, and every rank gets each tensor."""
+        return gathered(self.model, self._tied_keys())
 
     def _tied_keys(self) -> frozenset[str]:
         tied = getattr(self.model.config, "tie_word_embeddings", False)
