@@ -211,7 +211,7 @@ class WeightAck(_Message, tag="weight_ack"):
     at: float = msgspec.field(default_factory=time.time)
 
 
-WorkerState = Literal["starting", "ready", "paused", "loading", "failed", "draining"]
+WorkerState = Literal["starting", "ready", "paused", "loading", "failed", "draining", "awaiting_weights"]
 
 
 class Heartbeat(_Message, tag="heartbeat", kw_only=True):

@@ -103,6 +103,37 @@ class VllmSection(_Section):
     enable_expert_parallel: Annotated[
         bool, D("shard MoE experts across the engine's ranks (expert parallel size = tensor_parallel_size)")
     ] = False
+    load_format: Annotated[
+        str | None,
+        D(
+            "how the engine loads its first weights (vLLM's load_format); null: dummy (random, nothing read) when "
+            "refit.transport is collective, vLLM's auto otherwise. With dummy the generator serves nothing until a "
+            "refit or snapshot brings real weights (the trainer's first refit does at start-up)"
+        ),
+    ] = None
+    vllm_kwargs: Annotated[
+        dict[str, Any],
+        D(
+            "any other vLLM engine argument by its AsyncEngineArgs name (moe_backend, pipeline_parallel_size, "
+            "data_parallel_size, kv_cache_dtype, compilation_config, ...), checked with vLLM's own argument types "
+            "when the generator starts and by `streamrl config check`"
+        ),
+    ] = msgspec.field(default_factory=dict)
+
+    def initial_load_format(self, transport: str) -> str:
+        """The load_format the engine starts with under ``refit.transport`` = ``transport``."""
+        if self.load_format is not None:
+            return self.load_format
+        return "dummy" if transport == "collective" else "auto"
+
+    def devices_per_engine(self) -> int:
+        """Accelerators one engine spans: tensor x pipeline x data parallel sizes."""
+        kw = self.vllm_kwargs
+        sizes = (kw.get("pipeline_parallel_size", 1), kw.get("data_parallel_size", 1))
+        n = self.tensor_parallel_size
+        for size in sizes:
+            n *= size if isinstance(size, int) and size > 0 else 1
+        return n
 
 
 class GenerationSection(_Section):
@@ -689,6 +720,20 @@ class GeneratorSection(_Section):
         ),
     ] = 3.0
     max_concurrent_requests: Annotated[int, D("requests admitted at once; more wait (backpressure)")] = 512
+    gpus: Annotated[
+        str | None,
+        D(
+            "GPU ids of this node dealt to the generators `streamrl up` starts (comma-separated), each its "
+            "vllm_cfg parallel size of them; null: the node's GPUs after the trainer's first nproc_per_node"
+        ),
+    ] = None
+    cpu_cores_per_worker: Annotated[
+        int | None,
+        D(
+            "on a node without GPUs, bind each generator `streamrl up` starts to this many cores of its own "
+            "(VLLM_CPU_OMP_THREADS_BIND); null: vLLM's own binding (every engine on the same cores)"
+        ),
+    ] = None
 
 
 class GatewaySection(_Section):
@@ -771,6 +816,12 @@ class RunConfig(_Section):
         """Cross-field checks every service runs (`shared.config.load` calls this); each error names
         the key to change. Never rewrites anything. What one service alone reads: `check_service`."""
         g, lf = self.grpo, self.loss_fn
+        vllm_cfg = self.policy.generation.vllm_cfg
+        typed = sorted({f.name for f in msgspec.structs.fields(VllmSection)} & set(vllm_cfg.vllm_kwargs))
+        if typed:
+            raise ConfigError(
+                f"policy.generation.vllm_cfg.vllm_kwargs.{typed[0]}: set policy.generation.vllm_cfg.{typed[0]} instead"
+            )
         if g.num_generations_per_prompt < 2:
             raise ConfigError("grpo.num_generations_per_prompt must be >= 2 (GRPO compares rollouts of a group)")
         if g.num_prompts_per_step < 1:

@@ -323,6 +323,10 @@ def config_check(
         cfg = load(RunConfig, config, list(ctx.args))
         for name in SERVICES if service == "all" else [s for s in SERVICES if s == service]:
             cfg.check_service(name)
+        if service in ("all", "generator"):
+            from services.generator.vllm_args import check_vllm_cfg
+
+            check_vllm_cfg(cfg)  # the engine arguments, with vLLM's own argument types
     except ConfigError as exc:
         _fail(f"config error: {exc}")
     typer.echo(to_yaml(cfg))

@@ -20,7 +20,8 @@ records the URLs and pids for ``streamrl status``/``pause``/``resume``/``validat
 Generators and gateway workers live in one `WorkerPool` per service; ``streamrl scale`` changes
 their size while the job runs, through the `ScaleChannel` the supervisor reads every second
 (`streamrl.worker_pool`): new workers start on new ports, removed ones (newest first) get SIGTERM,
-drain, and are killed only past their stop limit.
+drain, and are killed only past their stop limit. Each generator gets its own GPUs (or CPU cores)
+of the node, and the trainer its own GPUs (`streamrl.devices`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ import redis
 from shared import keys as K
 from shared.auth import redact_url
 from shared.config import load
+from shared.config_error import ConfigError
 from shared.run_config import SERVICES, RunConfig
 from streamrl.child_guard import guarded
+from streamrl.devices import node_gpus, plan_devices
 from streamrl.progress import Progress
 from streamrl.redis_server import RedisServer, free_port
 from streamrl.restarts import RestartBudget
@@ -162,6 +165,13 @@ class Supervisor:
                 ready_timeout_s=120.0,
             ),
         }
+        # Fails on a layout that cannot fit before anything starts.
+        self.devices = plan_devices(cfg, node_gpus(), sorted(os.sched_getaffinity(0)))
+        if self.devices is not None and len(self.devices.slots) < cfg.generator.num_workers:
+            raise ConfigError(
+                f"generator.num_workers is {cfg.generator.num_workers} but this node has device slots for "
+                f"{len(self.devices.slots)} ({self.devices.env_var}: {'; '.join(self.devices.slots)})"
+            )
         self.channel: ScaleChannel | None = None
         self.budgets: dict[str, RestartBudget] = {}  # per service: how many restarts are left
         self.restarts: dict[str, int] = {}  # per service: restarts so far (reported at the end)
@@ -179,7 +189,12 @@ class Supervisor:
     def _generator(self, index: int) -> Child:
         # Members added by `streamrl scale` take any free port, never one a configured range may hold.
         port = _port(self.cfg.generator.port, index) if index < self.cfg.generator.num_workers else free_port()
-        return self._child(f"generator-{index}", "services.generator", port, ["--worker-id", f"generator-{index}"])
+        child = self._child(f"generator-{index}", "services.generator", port, ["--worker-id", f"generator-{index}"])
+        if self.devices is not None:  # the first device slot no live generator holds
+            var = self.devices.env_var
+            held = [m.child.env[var] for m in self.pools["generator"].members if var in m.child.env]
+            child.env.update(self.devices.free_slot(held, child.name))
+        return child
 
     def _gateway(self, index: int) -> Child:
         port = _port(self.cfg.gym_gateway.port, index) if index < self.cfg.gym_gateway.num_workers else free_port()
@@ -200,6 +215,7 @@ class Supervisor:
             gateways = self.pools["gym-gateway"].start_initial(cfg.gym_gateway.num_workers)
             # trainer.nproc_per_node > 1: the trainer starts its ranks under torchrun itself
             self.trainer = trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
+            trainer.env.update(self.devices.trainer_env if self.devices is not None else {})
             trainer.start()
             wait_ready(gateways, timeout_s=120)  # while the trainer loads its policy
             self.pools["gym-gateway"].mark_ready()

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class CannotStart(RuntimeError):
+    """A member that cannot be started now (no free device slot): the scale request fails."""
+
+
 @dataclass
 class Member:
     child: Child
@@ -111,7 +115,12 @@ class WorkerPool:
         live = [m for m in self.members if m.state != "stopping"]
         if len(live) < self.target and self.error is None:
             for _ in range(self.target - len(live)):
-                self._start()
+                try:
+                    self._start()
+                except CannotStart as exc:
+                    log.error("%s: %s", self.service, exc)
+                    self.error = str(exc)
+                    break
             changed = True
         elif len(live) > self.target:
             # Newest first: starting members before ready ones, the highest index first.

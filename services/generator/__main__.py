@@ -32,6 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_service_config("generator", args)
     if cfg is None:
         return 2
+    from services.generator.vllm_args import check_vllm_cfg
+    from shared.config_error import ConfigError
+
+    try:
+        check_vllm_cfg(cfg)  # before the engine's processes start, naming the key
+    except ConfigError as exc:
+        sys.stderr.write(f"config error: {exc}\n")
+        return 2
     from shared.registry import default_worker_id
     from shared.service import bind
 

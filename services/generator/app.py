@@ -161,6 +161,7 @@ async def _bring_up(app: FastAPI) -> None:
     t0 = time.monotonic()
     await s.runtime.engine.start()
     log.info("engine %s started in %.1fs", s.runtime.engine.info.name, time.monotonic() - t0)
+    s.runtime.awaiting_weights = s.runtime.engine.info.random_weights
     cursor = await s.weights.load_initial() if s.weights.streams is not None else None
     freeze_startup_heap()
     s.runtime.started = True

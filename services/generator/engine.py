@@ -75,6 +75,7 @@ class EngineInfo:
     model: str
     max_model_len: int
     extra: dict[str, str] = field(default_factory=dict)
+    random_weights: bool = False  # started without real weights (vLLM load_format dummy): serves after a load
 
 
 @runtime_checkable

@@ -7,6 +7,8 @@ and /admin/state read it.
 Lifecycle (``state``)::
 
     starting --engine up, initial weights loaded--> ready <--resume-- paused (admin pause)
+    starting --engine up on random weights (load_format dummy), nothing to load yet--> awaiting_weights
+             --the first refit or snapshot--> loading --ok--> ready     (503 for generation until then)
                                                     ready --refit--> loading --ok--> ready
     any --failed load / failed cache reset / engine died--> failed      (503 for generation)
     any --a background task died (bring-up, weight watcher)--> failed, and the service exits 1
@@ -71,6 +73,7 @@ class Runtime:
         self.drain_timeout_s = drain_timeout_s
         self.weight_version = -1
         self.weight_checksum: str | None = None  # of the folder the served version came from
+        self.awaiting_weights = False  # the engine holds random weights until a version loads
         self.error: str | None = None
         self.started = False
         self.draining = False
@@ -101,13 +104,15 @@ class Runtime:
             return "starting"
         if LocalPause.REFIT in self._pause_reasons:
             return "loading"
+        if self.awaiting_weights:
+            return "awaiting_weights"
         if self._pause_reasons:
             return "paused"
         return "ready"
 
     @property
     def ready(self) -> bool:
-        return self.state in ("ready", "paused", "loading")
+        return self.state in ("ready", "paused", "loading", "awaiting_weights")
 
     def fail(self, error: str) -> None:
         """Mark the generator failed; generation answers 503 until a later load succeeds (called
@@ -127,6 +132,13 @@ class Runtime:
         state = self.state
         if state == "starting" or (state == "draining" and session_id not in self._sessions):
             raise HTTPError(503, f"generator {self.worker_id} is {state}", type_="service_unavailable")
+        if state == "awaiting_weights":
+            raise HTTPError(
+                503,
+                f"generator {self.worker_id} holds no weights yet (it started on random ones, "
+                "policy.generation.vllm_cfg.load_format dummy): it serves once a weight version reaches it",
+                type_="service_unavailable",
+            )
 
     def _note_session(self, session_id: str | None) -> None:
         now = time.monotonic()

@@ -73,9 +73,12 @@ class VllmEngine:
     def _engine_args(self) -> AsyncEngineArgs:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        from services.generator.vllm_args import engine_kwargs
+
         policy = self._cfg.policy
         v = policy.generation.vllm_cfg
         return AsyncEngineArgs(
+            **engine_kwargs(self._cfg),
             model=policy.model_name,
             tokenizer=policy.tokenizer_path,
             dtype=v.dtype,
@@ -132,6 +135,11 @@ class VllmEngine:
         # on the first request when built outside a running loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         vcfg = self._llm.vllm_config
+        random_weights = args.load_format == "dummy"
+        if random_weights:
+            # Started on random weights; the versions that follow are read from disk (a folder
+            # refit or a snapshot), so the workers' loader must be the disk one from now on.
+            await self._llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))
         self._prefix_caching = bool(vcfg.cache_config.enable_prefix_caching)
         from vllm.platforms import current_platform
 
@@ -145,12 +153,14 @@ class VllmEngine:
             name="vllm",
             model=self._cfg.policy.model_name,
             max_model_len=int(vcfg.model_config.max_model_len),
-            extra={"prefix_caching": str(self._prefix_caching)},
+            extra={"prefix_caching": str(self._prefix_caching), "load_format": str(args.load_format)},
+            random_weights=random_weights,
         )
         log.info(
-            "vLLM engine up: max_model_len=%d prefix_caching=%s",
+            "vLLM engine up: max_model_len=%d prefix_caching=%s load_format=%s",
             self._info.max_model_len,
             self._prefix_caching,
+            args.load_format,
         )
 
     def _sampling_params(self, params: GenerationParams) -> SamplingParams:

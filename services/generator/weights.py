@@ -209,6 +209,7 @@ class WeightSync:
                     rt.prefix_cache_resets += 1
                     self.metrics.prefix_cache_resets.inc()
             rt.weight_version = order.version
+            rt.awaiting_weights = False
             rt.weight_checksum = order.checksum if order.transport == "filesystem" else received
             rt.error = None
             return cache_reset, received, engine_checksum

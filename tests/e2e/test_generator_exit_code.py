@@ -39,3 +39,15 @@ def test_a_generator_whose_engine_cannot_start_exits_1(tmp_path, tiny_model_dir)
     text = log.read_text(errors="replace")
     assert code == 1, text[-3000:]
     assert "bring-up died" in text, text[-3000:]
+
+
+def test_a_wrong_vllm_engine_argument_exits_2_naming_it(tmp_path, tiny_model_dir):
+    """Checked with vLLM's own argument types before any engine process starts."""
+    config = tmp_path / "run.yaml"
+    vllm_cfg = {"vllm_kwargs": {"moe_backend": "tritn"}}
+    tree = {"policy": {"model_name": str(tiny_model_dir), "generation": {"vllm_cfg": vllm_cfg}}}
+    config.write_text(yaml.safe_dump(tree))
+    cmd = [sys.executable, "-m", "services.generator", "--config", str(config), "--port", "0"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "policy.generation.vllm_cfg.vllm_kwargs.moe_backend: 'tritn' is not one of" in done.stderr

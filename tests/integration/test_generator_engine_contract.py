@@ -30,6 +30,8 @@ BACKENDS = ["vllm"] if IN_CHILD else [pytest.param("transformers", marks=pytest.
 async def engine(request, tiny_model_dir, generator_config_tree):
     tree = generator_config_tree(tiny_model_dir, run_id="contract", redis_url=None, backend=request.param)
     tree["refit"] = {"transport": "collective"}  # the engine also takes weights over a transfer group
+    # Real weights at start (collective runs start vLLM on random ones: test_random_start_*).
+    tree["policy"]["generation"].setdefault("vllm_cfg", {})["load_format"] = "auto"
     eng = build_engine(decode_tree(tree, RunConfig))
     await eng.start()
     yield eng
@@ -244,3 +246,27 @@ async def test_interrupt_pause_ends_running_requests_with_their_tokens(engine):
     assert c.token_ids == whole.token_ids[: len(c.token_ids)]
     after = await engine.generate(PROMPT, greedy(2), "i2")  # serving again after the resume
     assert after[0].token_ids == whole.token_ids[:2]
+
+
+@pytest.mark.skipif(not IN_CHILD, reason="vLLM's load_format dummy; the transformers engine always loads")
+async def test_random_start_then_a_folder_scores_as_a_cold_start(engine, tiny_model_dir, generator_config_tree):
+    """A collective run starts vLLM on random weights (nothing read from disk); a folder loaded
+    afterwards (a snapshot, or a filesystem refit) goes through vLLM's disk loader and scores as
+    an engine started cold on it (``engine`` here)."""
+    tree = generator_config_tree(tiny_model_dir, run_id="random", redis_url=None, backend="vllm")
+    tree["refit"] = {"transport": "collective"}
+    random_start = build_engine(decode_tree(tree, RunConfig))
+    await random_start.start()
+    try:
+        assert random_start.info.random_weights and random_start.info.extra["load_format"] == "dummy"
+        params = greedy(6, top_logprobs=3)
+        [before] = await random_start.generate(PROMPT, params, "random-0")
+        await restore(engine, tiny_model_dir)
+        [cold] = await engine.generate(PROMPT, params, "random-cold")
+        assert before.logprobs != pytest.approx(cold.logprobs, abs=1e-3)
+        await restore(random_start, tiny_model_dir)
+        [after] = await random_start.generate(PROMPT, params, "random-1")
+        assert after.token_ids == cold.token_ids
+        assert after.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
+    finally:
+        await random_start.aclose()

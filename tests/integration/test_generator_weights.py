@@ -254,3 +254,53 @@ async def test_refused_prefix_cache_reset_fails_the_refit(
             assert ready.status_code == 503 and ready.json()["state"] == "failed"
         # A failed load is not a dead task: the process stays up for the next load.
         assert app.state.lifecycle.exit_code is None and not app.state.lifecycle.failed
+
+
+class _RandomStartEngine(HfEngine):
+    """Starts on random weights, as vLLM does with ``load_format: dummy``."""
+
+    async def start(self) -> None:
+        import dataclasses
+
+        import torch
+
+        await super().start()
+        with torch.no_grad():
+            for p in self._model.parameters():
+                p.uniform_(-0.1, 0.1)
+        self._info = dataclasses.replace(self._info, random_weights=True)
+
+
+async def test_a_generator_on_random_weights_serves_only_after_a_version_loads(
+    streams, new_weights, write_config, tiny_model_dir, redis_url, logprob_reference
+):
+    """With nothing announced yet it is up (/ready 200, so the trainer's first refit can reach
+    it) but refuses generation, and the registry says so: gateways route nothing to it, the
+    refit waits for it. The first version that loads puts it in service."""
+    from services.trainer.refit import refit_members
+
+    _, cfg = write_config(tiny_model_dir, redis_url=redis_url)
+    app = build_app(cfg, worker_id="gen-random", port=0, engine=_RandomStartEngine(cfg))
+    sc = streams(cfg.run.run_id)
+    async with app.router.lifespan_context(app):
+        await wait_state(app, "awaiting_weights")
+        await wait_heartbeat(sc, lambda hb: hb.state == "awaiting_weights" and hb.weight_version == -1)
+        assert await refit_members(sc) == {"gen-random"}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://generator") as client:
+            r = await client.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 4})
+            assert r.status_code == 503 and "no weights yet" in r.json()["error"]["message"]
+            ready = await client.get("/ready")
+            assert ready.status_code == 200 and ready.json()["state"] == "awaiting_weights"
+            await sc.publish(sc.keys.weights, announcement(new_weights, 0))
+            assert (await wait_ack(sc, 0)).ok
+            await wait_state(app, "ready")
+            r = await client.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 6})
+            assert r.status_code == 200, r.text
+        out = msgspec.json.decode(r.content, type=ChatCompletionResponse)
+        m = out.choices[0].message
+        ref = logprob_reference(
+            new_weights, out.prompt_token_ids, m.generation_token_ids, cfg.policy.generation.temperature
+        )
+        assert out.weight_version == 0
+        assert max(abs(a - b) for a, b in zip(ref, m.generation_log_probs, strict=True)) < 1e-4
