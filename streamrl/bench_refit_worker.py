@@ -286,11 +286,35 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
                     "load_avg": os.getloadavg()[0],
                 }
             )
-        return {"startup_s": startup_s, "refits": out}
     finally:
         gen.stop()
         await learner.close()
         await redis.aclose()
+    return {"startup_s": startup_s, "startup_checkpoint_s": await checkpoint_startup(config, work), "refits": out}
+
+
+async def checkpoint_startup(config: Path, work: Path) -> float:
+    """Start to /ready of the same generator reading the checkpoint (``load_format: auto``), as
+    it would without the collective transport's dummy start."""
+    import aiohttp
+    import yaml
+
+    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.redis_server import free_port
+
+    tree = yaml.safe_load(config.read_text())
+    tree["policy"]["generation"]["vllm_cfg"]["load_format"] = "auto"
+    tree["run"]["run_id"] += "-checkpoint"
+    auto = work / "run-checkpoint.yaml"
+    auto.write_text(yaml.safe_dump(tree))
+    t0 = time.perf_counter()
+    gen = GeneratorProcess(auto, free_port(), work.with_suffix(".generator-checkpoint.log"))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await gen.wait_ready(session, timeout_s=600.0)
+        return time.perf_counter() - t0
+    finally:
+        gen.stop()
 
 
 def main() -> int:
