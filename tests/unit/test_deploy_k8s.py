@@ -243,10 +243,10 @@ def _workload_problems(w: dict, objs: list[dict], tmp: Path) -> tuple[Pod, Launc
     ):
         if not pod.mounted_at(path, "persistentVolumeClaim"):
             pod.problems.append(f"{pod.name}: {key} {path!r} is not on the shared volume")
-    if run.service == "generator" and pod.gpus() != cfg.policy.generation.vllm_cfg.tensor_parallel_size:
+    if run.service == "generator" and pod.gpus() != cfg.policy.generation.vllm_cfg.devices_per_engine():
         pod.problems.append(
-            f"{pod.name}: {pod.gpus()} GPUs but vllm_cfg.tensor_parallel_size "
-            f"{cfg.policy.generation.vllm_cfg.tensor_parallel_size}"
+            f"{pod.name}: {pod.gpus()} GPUs but the engine spans {cfg.policy.generation.vllm_cfg.devices_per_engine()} "
+            "(vllm_cfg tensor_parallel_size x pipeline and data parallel sizes)"
         )
     if run.service == "trainer":
         m, world = cfg.policy.megatron_cfg, getattr(pod, "world_size", 1)
@@ -371,7 +371,7 @@ BROKEN = [
         "nvidia.com/gpu: 8}\n            limits: {nvidia.com/gpu: 8}",
         "nvidia.com/gpu: 4}\n            limits: {nvidia.com/gpu: 4}",
         "multi-node",
-        "tensor_parallel_size 8",
+        "the engine spans 8",
     ),
     (
         "deploy/configs/recipes/qwen3_5_397b_a17b_64gpu.yaml",
