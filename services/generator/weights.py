@@ -13,7 +13,9 @@ One code path for every load (the watcher and ``POST /admin/load_weights`` both 
 A collective announcement without ``update_info`` asks this generator to join a new transfer
 group (the trainer opens it meanwhile); it is acknowledged only when joining fails. A generator
 that starts while the run's versions move collectively loads the newest snapshot on disk
-(``weights:snapshot``) and joins the group at the next refit.
+(``weights:snapshot``) and joins the group at the next refit. An engine that started on random
+weights (``load_format: dummy``) keeps the generator ``awaiting_weights`` (no generation) until
+its first version loads here.
 
 Checksum, load and reset share the ``generator.weight_load_timeout_s`` deadline. Any failure
 marks the generator failed (503 for generation, heartbeat state "failed") and is acked with
