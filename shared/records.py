@@ -74,6 +74,9 @@ class LearnerMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     # trainer / generator probability agreement (1.0 and 0.0 when they agree exactly)
     token_mult_prob_error: float | None = None
     gen_kl_error: float | None = None
+    # gen_kl_error over the rows whose every token the trainer's current weights generated (None:
+    # no such row this step): no policy drift in it, so it measures the refit alone
+    gen_kl_error_fresh: float | None = None
     sampling_importance_ratio: float | None = None
     is_oob_ratio: float | None = None
     clip_fraction: float | None = None

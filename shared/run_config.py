@@ -669,14 +669,13 @@ class RefitSection(_Section):
     max_gen_kl_error: Annotated[
         float | None,
         D(
-            "bound on gen_kl_error of the first step trained on a new version's samples; above it the refit "
-            "produced different weights on the two sides and the run fails loudly (null: not checked). Same "
-            "weights give numerical noise (below 0.004 in NeMo-RL's 397B release runs; the demo's worst step, "
-            "staleness included, 0.004); a refit that delivered other weights gives 0.1 to 1. The figure covers "
-            "every row of the step, older versions' samples too, so policy drift over the lag counts in it: "
-            "set the bound above your run's drift (0.1 on the demo at lag 1)"
+            "bound on gen_kl_error_fresh (gen_kl_error over the rows the trainer's current weights generated "
+            "wholly) of the first step with such rows after each refit; above it the refit delivered other "
+            "weights than the trainer holds and the run fails loudly, named (null: not checked). Same weights "
+            "give numerical noise only, no policy drift (whole steps, drift included, stay below 0.004 in "
+            "NeMo-RL's 397B release runs); weights that differ give 0.1 to 1"
         ),
-    ] = None
+    ] = 0.05
 
 
 class LoggerSection(_Section):

@@ -54,6 +54,8 @@ class Row:
     overlong_filtered: bool = False  # masked for it (grpo.overlong_filtering)
     reward_penalty: float = 0.0  # the overlong penalty (<= 0) added to reward for the advantage
     segments: list[Row] = field(default_factory=list)  # later samples of a rollout split at prefix breaks
+    # Every token came from the weights the trainer holds for this step (the refit fidelity check).
+    fresh: bool = False
     segment: int = 0  # which sample of its rollout this row is (0: the head; segments 1, 2, ...)
 
     @property
@@ -156,11 +158,17 @@ def build_step_batch(
     on_prefix_break: str = "mask",
     overlong_filtering: bool = False,
     overlong_penalty: OverlongPenalty | None = None,
+    trainer_version: int | None = None,
 ) -> StepBatch:
+    """The step's rows; ``trainer_version`` (the weights the trainer holds for the step) marks
+    the rows whose every token those weights generated (`Row.fresh`)."""
     trajs = [t for g in groups for t in g.ordered()]
     rows = [build_row(t, max_len, mask_flagged, on_prefix_break) for t in trajs]
     for t, r in zip(trajs, rows, strict=True):
         apply_overlong(t, r, filtering=overlong_filtering, penalty=overlong_penalty)
+        if trainer_version is not None and not r.placeholder and t.versions == [trainer_version]:
+            for row in (r, *r.segments):
+                row.fresh = True
     group_size = groups[0].group_size if groups else 0
     adv = batch_advantages(
         [r.group_id for r in rows],

@@ -254,7 +254,7 @@ class ControlPlane:
         batch = self._batch(sample)
         t_batch = time.perf_counter()
         learner_metrics = await self.learner.train(batch)
-        self._check_refit_fidelity(sample, learner_metrics)
+        self._check_refit_fidelity(learner_metrics)
         t_train = time.perf_counter()
         report = await self._refit(step + 1)
         self.step = step + 1
@@ -272,15 +272,15 @@ class ControlPlane:
         if self.early_stopped and not saved:
             await self._checkpoint(force=True)
 
-    def _check_refit_fidelity(self, sample: SampleResult, metrics: LearnerMetrics) -> None:
-        """The first step trained on samples of the newest version checks its ``gen_kl_error``
-        (`services.trainer.refit.check_refit_fidelity`); fails the run loudly when it is too big."""
+    def _check_refit_fidelity(self, metrics: LearnerMetrics) -> None:
+        """The first step with rows generated wholly by the newest version checks their
+        ``gen_kl_error`` (`services.trainer.refit.check_refit_fidelity`); fails the run loudly when
+        it is too big."""
         bound, version = self.cfg.refit.max_gen_kl_error, self.weight_version
-        if bound is None or version <= self._fidelity_checked:
+        if bound is None or version <= self._fidelity_checked or metrics.gen_kl_error_fresh is None:
             return
-        if any(version in t.versions for g in sample.groups for t in g.rows.values()):
-            self._fidelity_checked = version
-            check_refit_fidelity(version, metrics.gen_kl_error, bound)
+        self._fidelity_checked = version
+        check_refit_fidelity(version, metrics.gen_kl_error_fresh, bound)
 
     def _batch(self, sample: SampleResult) -> StepBatch:
         cfg = self.cfg
@@ -293,6 +293,7 @@ class ControlPlane:
             on_prefix_break=cfg.env.on_prefix_break,
             overlong_filtering=cfg.grpo.overlong_filtering,
             overlong_penalty=OverlongPenalty.from_config(cfg),
+            trainer_version=self.weight_version,  # the learner holds the version every generator confirmed
         )
 
     def _write_step_record(

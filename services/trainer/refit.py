@@ -336,15 +336,16 @@ class WeightPublisher:
 
 
 def check_refit_fidelity(version: int, gen_kl_error: float | None, bound: float) -> None:
-    """Raise when the first step trained on samples of ``version`` saw ``gen_kl_error`` above
-    ``bound`` (``refit.max_gen_kl_error``). The trainer and the generators held the same weights
-    when those samples were drawn, so the error is numerical noise (NeMo-RL's release runs assert
-    a mean below 0.004 on a 397B model); a refit that delivered other weights shows up as an error
-    of order 0.1 to 1 (garbage served with no error anywhere else, NeMo-RL #2895)."""
+    """Raise when the rows ``version`` generated wholly, in the first step that has some, saw
+    ``gen_kl_error`` above ``bound`` (``refit.max_gen_kl_error``). The trainer scores them with the
+    weights that generated them, so the error is numerical noise (NeMo-RL's release runs assert a
+    mean below 0.004 on a 397B model, drift included); a refit that delivered other weights shows
+    up as an error of order 0.1 to 1 (garbage served with no error anywhere else, NeMo-RL #2895)."""
     if gen_kl_error is not None and gen_kl_error > bound:
         raise RefitError(
-            f"gen_kl_error {gen_kl_error:.4g} on the first step trained on samples of weight version {version} "
-            f"exceeds refit.max_gen_kl_error {bound:g}: the generators serve other weights than the trainer holds"
+            f"gen_kl_error {gen_kl_error:.4g} on the rows weight version {version} generated (the first step "
+            f"trained on them) exceeds refit.max_gen_kl_error {bound:g}: the generators serve other weights than "
+            "the trainer holds"
         )
     log.info("refit to v%d checked: gen_kl_error %.3g <= %g", version, gen_kl_error or 0.0, bound)
 

@@ -104,3 +104,26 @@ def test_the_trainer_reports_the_mismatch_against_untruncated_logprobs_under_nuc
     m_full = untruncated.train_step(StepBatch(rows))  # top_p 1: no truncation, no diagnostic
     assert m_full.token_mult_prob_error == pytest.approx(want_mult, rel=1e-5)
     assert m_full.token_mult_prob_error_untruncated is None and m_full.gen_kl_error_untruncated is None
+
+
+def test_the_refit_fidelity_figure_counts_only_rows_of_the_trainers_weights(monkeypatch):
+    """gen_kl_error_fresh: rows the trainer's current weights generated score as the generator
+    reported them (here exactly: 0), whatever the other rows' drift; None without such rows."""
+    from services.trainer.batch import StepBatch
+
+    backend = _tiny_backend(monkeypatch, 1.0)
+    rows = _rows(backend)
+    with torch.no_grad():
+        gen = backend._token_logprobs(backend.model, backend._pad(rows))
+    for i, r in enumerate(rows):
+        r.gen_logprobs = (gen[i, : len(r.input_ids)].numpy() * r.token_mask).astype(np.float32)
+    rows[1].gen_logprobs = rows[1].gen_logprobs - 0.3 * rows[1].token_mask  # an older version's samples
+    rows[0].fresh = True
+    m = backend.train_step(StepBatch(rows))
+    assert m.gen_kl_error is not None and m.gen_kl_error > 1e-3
+    assert m.gen_kl_error_fresh is not None and m.gen_kl_error_fresh < 1e-6
+    rows[0].fresh, rows[1].fresh = False, True
+    drifted = _tiny_backend(monkeypatch, 1.0).train_step(StepBatch(rows))
+    assert drifted.gen_kl_error_fresh is not None and drifted.gen_kl_error_fresh > 1e-2
+    rows[1].fresh = False
+    assert _tiny_backend(monkeypatch, 1.0).train_step(StepBatch(rows)).gen_kl_error_fresh is None

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 def test_noise_passes_and_garbage_fails_naming_the_version():
     check_refit_fidelity(3, 0.0007, 0.01)  # same weights on both sides: numerical noise
     check_refit_fidelity(3, None, 0.01)  # a step without valid tokens has no error to check
-    with pytest.raises(RefitError, match=r"gen_kl_error 0\.55 .* weight version 7 .*max_gen_kl_error 0\.01"):
+    with pytest.raises(RefitError, match=r"gen_kl_error 0\.55 on the rows weight version 7 .*max_gen_kl_error 0\.01"):
         check_refit_fidelity(7, 0.55, 0.01)
 
 

@@ -227,3 +227,36 @@ def test_cancelled_pending_groups_are_dropped_with_their_entries():
     turn = make_turn(prompt_ids=[1], context_len=0, generated_ids=[2], generated_logprobs=[-0.1], weight_version=0)
     assert buf.add(_traj("g/0", [turn], group="g"), "e-1") is None
     assert buf.drop_pending({"g", "other"}) == ["e-1"] and buf.pending_groups() == 0
+
+
+def test_rows_generated_wholly_by_the_trainers_weights_are_fresh():
+    def turn(version: int, context_len: int = 0):
+        return make_turn(
+            prompt_ids=[1, 2],
+            context_len=context_len,
+            generated_ids=[5],
+            generated_logprobs=[-0.2],
+            weight_version=version,
+        )
+
+    rows = {
+        0: _traj("g/0", [turn(3)], reward=1.0),  # the trainer's version: fresh
+        1: _traj("g/1", [turn(2)], reward=0.0),  # an older version: drift, not fresh
+        2: _traj("g/2", [turn(2), turn(3, context_len=3)], reward=0.0),  # spans a refit: not fresh
+        3: _traj("g/3", [], reward=0.0, status="failed"),  # a placeholder
+        4: _traj("g/4", [turn(3), turn(3, context_len=1)], reward=1.0),  # a prefix break: both samples fresh
+    }
+    g = Group("g", 0, 5, 0, rows=rows)
+    batch = build_step_batch(
+        [g], max_len=100, leave_one_out=True, normalize=False, on_prefix_break="new_sample", trainer_version=3
+    )
+    assert [(r.key, r.fresh) for r in batch.rows] == [
+        ("g/0", True),
+        ("g/1", False),
+        ("g/2", False),
+        ("g/3", False),
+        ("g/4", True),
+        ("g/4#1", True),
+    ]
+    unversioned = build_step_batch([g], max_len=100, leave_one_out=True, normalize=False)
+    assert not any(r.fresh for r in unversioned.rows)

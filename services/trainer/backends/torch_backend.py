@@ -351,6 +351,9 @@ class TorchBackend(TorchInputs, TorchState, TorchStepMetrics, KLRewardShaping):
         )
         if plain:  # the old policy's logprobs without the truncation, taken at this pass's weights
             m.update(mismatch.untruncated_sums(prev_lp + (plain[0] - curr).detach(), mb["gen_lp"], mask))
+        # Before the sequence-error threshold: rows a bad refit ruins are the ones it masks.
+        fresh = torch.tensor([r.fresh for r in rows], device=curr.device)
+        m.update(mismatch.fresh_sums(prev_lp, mb["gen_lp"], mb["token_mask"] * mb["sample_mask"][:, None], fresh))
         for k, v in m.items():
             acc.sums[k] = max(acc.sums.get(k, 0.0), v) if k.startswith("max_") else acc.sums.get(k, 0.0) + v
         row_tokens = mask.sum(dim=1)

@@ -71,6 +71,9 @@ class TorchStepMetrics:
             train_time_s=train_time_s,
             token_mult_prob_error=sums.get("token_mult_prob_error_sum", 0.0) / tokens,
             gen_kl_error=sums.get("gen_kl_error_sum", 0.0) / tokens,
+            gen_kl_error_fresh=(
+                sums["gen_kl_error_fresh_sum"] / sums["fresh_tokens"] if sums.get("fresh_tokens") else None
+            ),
             sampling_importance_ratio=sums.get("sampling_importance_ratio_sum", 0.0) / tokens,
             is_oob_ratio=sums.get("is_oob_sum", 0.0) / tokens,
             clip_fraction=sums.get("clip_fraction_sum", 0.0) / tokens,
