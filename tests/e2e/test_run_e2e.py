@@ -155,6 +155,10 @@ def test_run_finishes_and_trains_every_step(finished_run):
     # Step 0 trains samples of v0 with the trainer at v0: under nucleus sampling (top_p 0.9) the
     # trainer scores tokens under the same truncated distribution vLLM sampled them from.
     assert abs(steps[0].learner.token_mult_prob_error - 1.0) < 1e-3, steps[0].learner
+    # The refit fidelity figure: rows a version generated wholly, scored by the trainer at that
+    # version (step 0: every row; the generators started on dummy weights, so v0 came by refit).
+    fresh = [s.learner.gen_kl_error_fresh for s in steps if s.learner.gen_kl_error_fresh is not None]
+    assert steps[0].learner.gen_kl_error_fresh is not None and max(fresh) < 1e-3, fresh
     assert (out / "reward_curve.png").is_file()
     final = out / "checkpoints" / f"step_{STEPS:06d}"
     assert (final / "meta.json").is_file()

@@ -30,6 +30,7 @@ from services.trainer.batch import StepBatch
 from services.trainer.control_plane import ControlPlane
 from services.trainer.intake import RunFailed
 from services.trainer.learner import Learner
+from services.trainer.refit import RefitError
 from shared import keys as K
 from shared.pause import PauseReason, launch_gate_closed
 from shared.protocol import Heartbeat, Task, Trajectory, WeightAck, WeightAnnouncement, make_turn
@@ -174,7 +175,17 @@ async def _stop(control: ControlPlane, peers: Peers, peer_task: asyncio.Task, ru
     await peers.redis.aclose()
 
 
-def _config(tmp_path, redis_url, tiny_model_dir, prefix: str, *, steps: int, lag: int, data_timeout_s: float):
+def _config(
+    tmp_path,
+    redis_url,
+    tiny_model_dir,
+    prefix: str,
+    *,
+    steps: int,
+    lag: int,
+    data_timeout_s: float,
+    max_gen_kl_error: float | None = None,  # the played generator's logprobs are made up
+):
     return trainer_config(
         tmp_path,
         redis_url,
@@ -182,9 +193,30 @@ def _config(tmp_path, redis_url, tiny_model_dir, prefix: str, *, steps: int, lag
         prefix,
         grpo={"max_num_steps": steps, "async_grpo": {"max_trajectory_age_steps": lag}},
         trainer={"data_timeout_s": data_timeout_s, "refit_timeout_s": 60.0, "startup_timeout_s": 60.0},
-        refit={"max_gen_kl_error": None},  # the played generator's logprobs are made up
+        refit={"max_gen_kl_error": max_gen_kl_error},
         logger={"plot": False, "tensorboard": False},
     )
+
+
+async def test_a_refit_that_delivered_other_weights_fails_the_run_naming_the_version(
+    tiny_model_dir, redis_url, tmp_path
+):
+    """The played generator's logprobs are not the model's: to the trainer, a generator serving
+    other weights than it published (garbage with no error anywhere, NeMo-RL #2895). The first step
+    trained on rows of v0 checks them against refit.max_gen_kl_error (on by default) and the run
+    fails, saying which version."""
+    cfg = _config(
+        tmp_path, redis_url, tiny_model_dir, "cp-fid", steps=3, lag=1, data_timeout_s=60.0, max_gen_kl_error=0.05
+    )
+    control, peers, peer_task, run = await _start(cfg, redis_url)
+    try:
+        with pytest.raises(
+            RefitError, match=r"on the rows weight version 0 generated .* exceeds refit.max_gen_kl_error 0.05"
+        ):
+            await asyncio.wait_for(run, 120)
+        assert control.state == TrainerState.FAILED and control.step == 0
+    finally:
+        await _stop(control, peers, peer_task, run)
 
 
 async def test_a_pause_before_the_first_task_holds_the_run_and_paused_time_is_not_a_data_timeout(
