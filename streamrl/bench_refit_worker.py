@@ -290,12 +290,15 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
         gen.stop()
         await learner.close()
         await redis.aclose()
-    return {"startup_s": startup_s, "startup_checkpoint_s": await checkpoint_startup(config, work), "refits": out}
+    return {"startup_s": startup_s, "bring_up_s": {f: await bring_up(config, work, f) for f in BRING_UP}, "refits": out}
 
 
-async def checkpoint_startup(config: Path, work: Path) -> float:
-    """Start to /ready of the same generator reading the checkpoint (``load_format: auto``), as
-    it would without the collective transport's dummy start."""
+BRING_UP = ("dummy", "auto")  # started alone, one after the other, the model's files in the page cache
+
+
+async def bring_up(config: Path, work: Path, load_format: str) -> float:
+    """Start to /ready of the same generator, alone on the host, with ``load_format``: ``auto``
+    reads the checkpoint; ``dummy`` (the collective transport's default) starts on random weights."""
     import aiohttp
     import yaml
 
@@ -303,12 +306,12 @@ async def checkpoint_startup(config: Path, work: Path) -> float:
     from streamrl.redis_server import free_port
 
     tree = yaml.safe_load(config.read_text())
-    tree["policy"]["generation"]["vllm_cfg"]["load_format"] = "auto"
-    tree["run"]["run_id"] += "-checkpoint"
-    auto = work / "run-checkpoint.yaml"
-    auto.write_text(yaml.safe_dump(tree))
+    tree["policy"]["generation"]["vllm_cfg"]["load_format"] = load_format
+    tree["run"]["run_id"] += f"-{load_format}"
+    path = work / f"run-{load_format}.yaml"
+    path.write_text(yaml.safe_dump(tree))
     t0 = time.perf_counter()
-    gen = GeneratorProcess(auto, free_port(), work.with_suffix(".generator-checkpoint.log"))
+    gen = GeneratorProcess(path, free_port(), work.with_suffix(f".generator-{load_format}.log"))
     try:
         async with aiohttp.ClientSession() as session:
             await gen.wait_ready(session, timeout_s=600.0)
