@@ -673,7 +673,8 @@ class RefitSection(_Section):
             "wholly) of the first step with such rows after each refit; above it the refit delivered other "
             "weights than the trainer holds and the run fails loudly, named (null: not checked). Same weights "
             "give numerical noise only, no policy drift (whole steps, drift included, stay below 0.004 in "
-            "NeMo-RL's 397B release runs); weights that differ give 0.1 to 1"
+            "NeMo-RL's 397B release runs); weights that differ give 0.1 to 1. Such rows exist at a run's or "
+            "resume's first step and at every step of a lag-0 run"
         ),
     ] = 0.05
 
