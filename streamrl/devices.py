@@ -7,13 +7,15 @@ explicitly instead; then the trainer's are left as the environment gives them). 
 with ``generator.cpu_cores_per_worker`` set, each generator is bound to its own cores
 (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's automatic binding puts every engine on the same cores).
 
-A slot is held by a member for as long as its process lives, restarts included (a restarted
+A node with fewer GPUs than the trainer and one generator need is shared as it is (a warning
+says so). A slot is held by a member for as long as its process lives, restarts included (a restarted
 member keeps its environment); a new member takes the first free slot, and a scale-up beyond the
 node's slots fails with what is held. Nothing is dealt when the node has neither.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +25,8 @@ from dataclasses import dataclass, field
 from shared.config_error import ConfigError
 from shared.run_config import RunConfig
 from streamrl.worker_pool import CannotStart
+
+log = logging.getLogger(__name__)
 
 GPU_ENV = "CUDA_VISIBLE_DEVICES"
 CPU_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -77,11 +81,15 @@ def plan_devices(cfg: RunConfig, gpus: list[str], cores: list[int]) -> DeviceLay
     if gpus:
         trainer_n = cfg.trainer.nproc_per_node
         if len(gpus) < trainer_n + per_engine:
-            raise ConfigError(
-                f"this node has {len(gpus)} GPU(s): the trainer's {trainer_n} (trainer.nproc_per_node) and one "
-                f"generator's {per_engine} (policy.generation.vllm_cfg parallel sizes) do not fit; set "
-                "generator.gpus to share them explicitly"
+            log.warning(
+                "this node has %d GPU(s), fewer than the trainer's %d (trainer.nproc_per_node) and one generator's "
+                "%d (policy.generation.vllm_cfg parallel sizes): every process sees all of them and they share "
+                "(set generator.gpus to choose)",
+                len(gpus),
+                trainer_n,
+                per_engine,
             )
+            return None
         trainer_env = {GPU_ENV: ",".join(gpus[:trainer_n])}
         return DeviceLayout(GPU_ENV, _deal(gpus[trainer_n:], per_engine, "gpus"), trainer_env)
     n = g.cpu_cores_per_worker
