@@ -72,6 +72,12 @@ def node_gpus(environ: dict[str, str] | None = None) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on (all of them where the platform cannot say)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return sorted(affinity(0)) if affinity is not None else list(range(os.cpu_count() or 1))
+
+
 def plan_devices(cfg: RunConfig, gpus: list[str], cores: list[int]) -> DeviceLayout | None:
     """The layout for ``gpus`` (this node's) or, without any, ``cores`` (this process's affinity)."""
     g = cfg.generator

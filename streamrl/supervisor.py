@@ -44,7 +44,7 @@ from shared.config import load
 from shared.config_error import ConfigError
 from shared.run_config import SERVICES, RunConfig
 from streamrl.child_guard import guarded
-from streamrl.devices import node_gpus, plan_devices
+from streamrl.devices import node_gpus, plan_devices, usable_cores
 from streamrl.progress import Progress
 from streamrl.redis_server import RedisServer, free_port
 from streamrl.restarts import RestartBudget
@@ -166,7 +166,7 @@ class Supervisor:
             ),
         }
         # Fails on a layout that cannot fit before anything starts.
-        self.devices = plan_devices(cfg, node_gpus(), sorted(os.sched_getaffinity(0)))
+        self.devices = plan_devices(cfg, node_gpus(), usable_cores())
         if self.devices is not None and len(self.devices.slots) < cfg.generator.num_workers:
             raise ConfigError(
                 f"generator.num_workers is {cfg.generator.num_workers} but this node has device slots for "
