@@ -244,7 +244,6 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
     config = work / "run.yaml"
     config.write_text(yaml.safe_dump(generator_config(model_dir, redis_url, run_id, bucket_mb)))
     cfg = load(RunConfig, config, env={})
-    t0 = time.perf_counter()
     gen = GeneratorProcess(config, free_port(), work.with_suffix(".generator.log"))
     learner = LocalLearner(lambda: TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1))
     redis = connect(redis_url)
@@ -252,7 +251,6 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
         await learner.start()
         async with aiohttp.ClientSession() as session:
             await gen.wait_ready(session, timeout_s=600.0)
-        startup_s = time.perf_counter() - t0
         keys = RunKeys(run_id)
         streams = StreamClient(redis, keys, "trainer")
         pause = PauseControl(redis, keys)
@@ -290,7 +288,7 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
         gen.stop()
         await learner.close()
         await redis.aclose()
-    return {"startup_s": startup_s, "bring_up_s": {f: await bring_up(config, work, f) for f in BRING_UP}, "refits": out}
+    return {"bring_up_s": {f: await bring_up(config, work, f) for f in BRING_UP}, "refits": out}
 
 
 BRING_UP = ("dummy", "auto")  # started alone, one after the other, the model's files in the page cache

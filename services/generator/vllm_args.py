@@ -59,12 +59,9 @@ def engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
             raise ConfigError(f"{_WHERE}.{key}: not a vLLM engine argument{hint}")
         out[key] = convert(f"{_WHERE}.{key}", value, action)
     load = actions["load_format"]
-    out["load_format"] = convert("policy.generation.vllm_cfg.load_format", initial_load_format(cfg), load)
+    load_format = vcfg.initial_load_format(cfg.refit.transport)
+    out["load_format"] = convert("policy.generation.vllm_cfg.load_format", load_format, load)
     return out
-
-
-def initial_load_format(cfg: RunConfig) -> str:
-    return cfg.policy.generation.vllm_cfg.initial_load_format(cfg.refit.transport)
 
 
 def convert(where: str, value: Any, action: argparse.Action) -> Any:

@@ -56,7 +56,7 @@ def _size(fs_s: tuple[float, ...] = (8.0, 10.0, 9.0), coll_s: tuple[float, ...] 
             "hash_gib_s": {"sha256": 1.0, "xxh3_128": 8.0},
         },
         "broadcast": {"num_bytes": BYTES, "buckets": 9, "s": 1.0, "load_avg": 1.2},
-        "refit": {"startup_s": 20.0, "bring_up_s": {"auto": 40.0, "dummy": 20.0}, "refits": refits},
+        "refit": {"bring_up_s": {"auto": 40.0, "dummy": 20.0}, "refits": refits},
         "peak_memory_bytes": 12 * GIB,
     }
 
