@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from shared.tasks import cancel_and_wait
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -47,11 +49,7 @@ class ServiceMetrics:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait([self._task], timeout_s=5.0, grace_s=0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

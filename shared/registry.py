@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from shared import keys as K
 from shared.protocol import Heartbeat, ProtocolError, decode, encode
 from shared.redis_replies import as_bytes, members
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +104,10 @@ class HeartbeatTask:
                 pass
 
     async def aclose(self, worker_id: str) -> None:
-        # The flag ends the loop even if the cancellation is lost: redis-py (8.1) can swallow a
-        # cancel that lands while a pipeline returns its connection to the pool.
         self._closing = True
         self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=3 * K.HEARTBEAT_INTERVAL_S)
-            if not self._task.done():
+            if await cancel_and_wait([self._task], timeout_s=3 * K.HEARTBEAT_INTERVAL_S, grace_s=0.0):
                 log.warning("heartbeat task of %s did not stop", worker_id)
             elif not self._task.cancelled() and self._task.exception() is not None:
                 log.warning("heartbeat task of %s ended with %r", worker_id, self._task.exception())

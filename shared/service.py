@@ -44,6 +44,7 @@ from fastapi.responses import Response
 
 from shared.http import MsgspecJSON
 from shared.metrics import CONTENT_TYPE
+from shared.tasks import bounded, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +124,11 @@ class ServiceLifecycle:
             begin_shutdown()
 
     async def stop_tasks(self, timeout_s: float = TASK_STOP_TIMEOUT_S) -> None:
-        """Cancel every task and wait a bounded time. Task loops also check a stop flag of their
-        own: a cancellation can be lost inside the Redis client."""
-        tasks = [t for t in self.tasks.values() if not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
-            for task in stuck:
-                log.warning("%s: task %s did not stop within %.0fs", self.name, task.get_name(), timeout_s)
+        """Stop every task within ``timeout_s`` (`shared.tasks.cancel_and_wait`: a cancel can be
+        lost inside the Redis client, so it is repeated)."""
+        stuck = await cancel_and_wait(self.tasks.values(), timeout_s=timeout_s)
+        for task in stuck:
+            log.warning("%s: task %s did not stop within %.0fs", self.name, task.get_name(), timeout_s)
 
 
 def freeze_startup_objects() -> int:
@@ -143,15 +140,6 @@ def freeze_startup_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
-
-
-async def bounded(coro: Awaitable[Any], what: str, timeout_s: float) -> None:
-    """Await a shutdown step for at most ``timeout_s``; a failure is logged, and shutdown goes on."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await coro
-    except Exception as exc:
-        log.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
 
 
 def add_probe_routes(
@@ -234,12 +222,7 @@ class DrainFirstServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            async with asyncio.timeout(self._drain_timeout_s):
-                await self._drain()
-        except TimeoutError:
-            log.warning("drain did not finish within %.0fs; shutting down anyway", self._drain_timeout_s)
-        except Exception:
-            log.exception("drain failed; shutting down anyway")
+            await bounded(self._drain(), "the drain (shutting down anyway)", self._drain_timeout_s)
         finally:
             if self._asked_from_inside:
                 self.should_exit = True

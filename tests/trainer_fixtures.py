@@ -4,8 +4,10 @@ and the app serving it in-process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from services.trainer.learner import LocalLearner
 from shared.auth import AuthPolicy
 from shared.config import decode_tree
 from shared.run_config import RunConfig
+from shared.tasks import cancel_and_wait
 
 
 def trainer_config(tmp_path: Path, redis_url: str, model_dir: Path, prefix: str, **sections: Any) -> RunConfig:
@@ -54,3 +57,18 @@ def control_plane(cfg: RunConfig, hooks: TrainerHooks | None = None, url: str = 
 def serving_app(cfg: RunConfig, control: ControlPlane, auth: AuthPolicy | None = None) -> FastAPI:
     """The trainer's REST app around ``control``, without running its loop."""
     return build_app(cfg, worker_id=control.worker_id, url=control.url, control=control, run=False, auth=auth)
+
+
+async def run_to_end(
+    run: asyncio.Task[None], timeout_s: float, where: Callable[[], Awaitable[str]] | None = None
+) -> None:
+    """Wait for the control plane's loop ``run`` to end and raise what it raised. Past
+    ``timeout_s`` the test fails, saying ``where`` the run stood, and the run is stopped
+    (`shared.tasks.cancel_and_wait`: one cancel can be lost in the Redis client, and
+    ``asyncio.wait_for`` would then wait for ever)."""
+    done, _ = await asyncio.wait({run}, timeout=timeout_s)
+    if not done:
+        stood = await where() if where is not None else ""
+        await cancel_and_wait([run], timeout_s=30.0)
+        raise AssertionError(f"the run did not end within {timeout_s:.0f}s{': ' + stood if stood else ''}")
+    run.result()

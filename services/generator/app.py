@@ -49,8 +49,9 @@ from shared.openapi import document_bodies
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
-from shared.service import Readiness, ServiceLifecycle, add_probe_routes, advertised_url, bounded
+from shared.service import Readiness, ServiceLifecycle, add_probe_routes, advertised_url
 from shared.streams import StreamClient, connect
+from shared.tasks import bounded
 
 log = logging.getLogger(__name__)
 

@@ -51,10 +51,10 @@ from shared.service import (
     ServiceLifecycle,
     add_probe_routes,
     advertised_url,
-    bounded,
     freeze_startup_objects,
 )
 from shared.streams import StreamClient, connect
+from shared.tasks import bounded
 
 log = logging.getLogger(__name__)
 

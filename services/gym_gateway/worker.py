@@ -53,8 +53,11 @@ from shared.pause import launch_gate_closed
 from shared.protocol import RolloutStatus, Task, Trajectory
 from shared.run_config import EnvSection
 from shared.streams import Delivery, StreamClient
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 5.0  # a drain's rollouts past its deadline: how long they get to stop
 
 
 @dataclass(frozen=True)
@@ -386,9 +389,12 @@ class GatewayWorker:
         log.info("draining %d running rollouts (up to %.0fs)", len(self.active), timeout_s)
         done, pending = await asyncio.wait(list(self.active.values()), timeout=timeout_s)
         unfinished = [self.deliveries[tid] for tid, t in list(self.active.items()) if t in pending]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        stuck = await cancel_and_wait(pending, timeout_s=STOP_TIMEOUT_S)
+        for t in pending - stuck:
+            if not t.cancelled():
+                t.exception()  # retrieved: the rollout was stopped, its error does not matter
+        if stuck:
+            log.warning("drain: %d rollouts still running %.0fs after they were stopped", len(stuck), STOP_TIMEOUT_S)
         if unfinished:
             log.warning("drain: %d rollouts did not finish in %.0fs; releasing their tasks", len(unfinished), timeout_s)
             await self._release(unfinished)

@@ -16,7 +16,7 @@ their choosing, and ``run=False`` to serve the API without running the loop.
 
 from __future__ import annotations
 
-import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -31,7 +31,10 @@ from shared.auth import AuthPolicy
 from shared.http import install_error_handlers
 from shared.openapi import document_bodies
 from shared.run_config import RunConfig
-from shared.service import Readiness, ServiceLifecycle, add_probe_routes, bounded
+from shared.service import Readiness, ServiceLifecycle, add_probe_routes
+from shared.tasks import bounded, cancel_and_wait
+
+log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 30.0
 
@@ -105,5 +108,7 @@ async def stop_run(app: FastAPI) -> None:
     task = app.state.lifecycle.tasks.get("run")
     if task is None or task.done():
         return
-    task.cancel()
-    await asyncio.wait({task}, timeout=_CLOSE_TIMEOUT_S)
+    # The run's own cleanup (the intake stopped, the reward curve drawn) gets a grace period
+    # before the cancel is repeated.
+    if await cancel_and_wait([task], timeout_s=_CLOSE_TIMEOUT_S, grace_s=_CLOSE_TIMEOUT_S / 3):
+        log.warning("the run did not stop within %.0fs", _CLOSE_TIMEOUT_S)

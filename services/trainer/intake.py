@@ -29,6 +29,7 @@ from shared import keys as K
 from shared.protocol import Trajectory
 from shared.run_config import EnvSection, backfills_failures
 from shared.streams import StreamClient
+from shared.tasks import cancel_and_wait
 from shared.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -75,14 +76,9 @@ class TrajectoryIntake:
         self._task = asyncio.create_task(self._consume(), name="trajectory-intake")
 
     async def stop(self, timeout_s: float = 5.0) -> None:
-        # The flag ends the loop within one blocking read even if the cancel is lost (redis-py
-        # can swallow one that lands while a connection returns to its pool).
         self._stopping = True
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            _, stuck = await asyncio.wait({self._task}, timeout=timeout_s)
-            if stuck:
-                log.warning("the trajectory intake did not stop within %.0fs", timeout_s)
+        if self._task is not None and await cancel_and_wait([self._task], timeout_s=timeout_s, grace_s=0.0):
+            log.warning("the trajectory intake did not stop within %.0fs", timeout_s)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

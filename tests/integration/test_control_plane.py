@@ -37,7 +37,8 @@ from shared.protocol import Heartbeat, Task, Trajectory, WeightAck, WeightAnnoun
 from shared.records import LearnerMetrics, MeanMaxMin, TrainerState, ValidationRecord, read_records, step_records
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
-from tests.trainer_fixtures import control_plane, serving_app, trainer_config
+from shared.tasks import cancel_and_wait
+from tests.trainer_fixtures import control_plane, run_to_end, serving_app, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -168,11 +169,11 @@ async def _start(cfg, redis_url: str, *, pause_after: int | None = None):
 
 
 async def _stop(control: ControlPlane, peers: Peers, peer_task: asyncio.Task, run: asyncio.Task) -> None:
-    for task in (run, peer_task):
-        task.cancel()
-    await asyncio.gather(run, peer_task, return_exceptions=True)
+    # A cancel can be lost in the Redis client (shared.tasks): repeated until both ended.
+    stuck = await cancel_and_wait([run, peer_task], timeout_s=30.0)
     await control.aclose()
     await peers.redis.aclose()
+    assert not stuck, f"still running 30s after they were stopped: {stuck}"
 
 
 def _config(
@@ -213,7 +214,7 @@ async def test_a_refit_that_delivered_other_weights_fails_the_run_naming_the_ver
         with pytest.raises(
             RefitError, match=r"on the rows weight version 0 generated .* exceeds refit.max_gen_kl_error 0.05"
         ):
-            await asyncio.wait_for(run, 120)
+            await run_to_end(run, 120)
         assert control.state == TrainerState.FAILED and control.step == 0
     finally:
         await _stop(control, peers, peer_task, run)
@@ -236,7 +237,7 @@ async def test_a_pause_before_the_first_task_holds_the_run_and_paused_time_is_no
         assert not run.done() and control.state == TrainerState.PAUSED
         assert await control.redis.xlen(control.keys.tasks) == 0  # nothing issued while paused
         assert await control.pause.resume(PauseReason.USER, epoch)
-        await asyncio.wait_for(run, 120)
+        await run_to_end(run, 120)
         assert control.state == TrainerState.FINISHED and control.step == 1
     finally:
         await _stop(control, peers, peer_task, run)
@@ -266,7 +267,7 @@ async def test_a_pause_that_lands_after_the_hold_holds_back_the_issue_until_the_
         await asyncio.sleep(1.0)
         assert await control.redis.xlen(control.keys.tasks) == 0  # held back
         assert await control.pause.resume(PauseReason.USER, paused["epoch"])
-        await asyncio.wait_for(run, 120)
+        await run_to_end(run, 120)
         assert control.state == TrainerState.FINISHED and control.step == 1
     finally:
         await _stop(control, peers, peer_task, run)
@@ -292,7 +293,7 @@ async def test_a_pause_at_a_boundary_holds_the_next_issue_and_a_lag_0_run_contin
         assert not run.done(), "time spent paused counted against trainer.data_timeout_s"
         peers.answer = lambda task: True
         await control.pause.resume(PauseReason.USER, epoch)
-        await asyncio.wait_for(run, 120)
+        await run_to_end(run, 120)
         assert control.step == 2 and control.state == TrainerState.FINISHED
         records = step_records(read_records(control.log_dir / "metrics.jsonl"))
         assert [r.step for r in records] == [0, 1] and all(len(r.consumed_ids) == 4 for r in records)
@@ -328,7 +329,7 @@ async def test_the_last_boundary_holds_and_a_validation_requested_there_runs_bef
             assert status["state"] == "paused" and status["last"]["step"] == 0 and "consumed_ids" not in status["last"]
             vid = (await client.post("/validate")).json()["validation_id"]
             assert (await client.post("/resume")).json()["resumed"] is True
-            await asyncio.wait_for(run, 120)
+            await run_to_end(run, 120)
             done = (await client.get(f"/validations/{vid}")).json()
             assert done["status"] == "done" and done["result"]["step"] == 1 and done["result"]["num_samples"] == 2
             refused = await client.post("/validate")
@@ -350,7 +351,7 @@ async def test_a_run_without_data_fails_loudly_and_drops_queued_validations(tiny
         await _until(lambda: control.step == 1 and control.state == TrainerState.COLLECTING, "step 1 waiting for data")
         queued = control.validation.request(control.step)
         with pytest.raises(RunFailed, match=r"step 1: no 2 usable groups within 1s \(trainer.data_timeout_s\)"):
-            await asyncio.wait_for(run, 60)
+            await run_to_end(run, 60)
         assert control.state == TrainerState.FAILED and "trainer.data_timeout_s" in (control.error or "")
         assert await control.redis.get(control.keys.stop) == b"failed"
         dropped = control.validation.statuses[queued.validation_id]
@@ -367,8 +368,8 @@ async def test_a_stopped_run_leaves_what_no_checkpoint_covers_unacknowledged(tin
         await _until(lambda: control.state == TrainerState.PAUSED, "the run held after step 0")
         held = list(control.checkpointer.unacked)
         assert len(held) == 4 and not any(control.checkpointer.ckpt_dir.glob("step_*"))
-        run.cancel()  # SIGTERM's path: the trainer stops at once
-        await asyncio.gather(run, return_exceptions=True)
+        # SIGTERM's path (services.trainer.app.stop_run): the trainer stops at once.
+        assert not await cancel_and_wait([run], timeout_s=30.0, grace_s=10.0)
         pending = await control.redis.xpending_range(control.keys.trajectories, K.TRAINER_GROUP, "-", "+", 100)
         assert sorted(p["message_id"].decode() for p in pending) == sorted(held)  # delivered again on restart
     finally:

@@ -28,8 +28,9 @@ from shared import keys as K
 from shared.protocol import Task, Trajectory, decode, make_turn
 from shared.records import StepRecord, read_records, step_records
 from shared.run_config import RunConfig
+from shared.tasks import cancel_and_wait
 from tests.integration.test_control_plane import Peers
-from tests.trainer_fixtures import control_plane, trainer_config
+from tests.trainer_fixtures import control_plane, run_to_end, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -69,24 +70,18 @@ async def _run(cfg: RunConfig, redis_url: str, reward=_reward) -> tuple[ControlP
     await control.open()
     run = asyncio.create_task(control.run())
     try:
-        await asyncio.wait_for(asyncio.shield(run), 180)
+        await run_to_end(run, 180)
         error = None
+    except AssertionError:  # it did not end
+        raise
     except Exception as exc:  # the run's own failure
         error = exc
     finally:
-        for task in (run, peer_task):
-            await _cancel(task)
+        stuck = await cancel_and_wait([run, peer_task], timeout_s=30.0)
         await control.aclose()
         await peers.redis.aclose()
+    assert not stuck, f"still running 30s after they were stopped: {stuck}"
     return control, error
-
-
-async def _cancel(task: asyncio.Task) -> None:
-    # Again until it ends: redis-py can swallow a cancel that lands while a read returns its
-    # connection to the pool.
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=1.0)
 
 
 async def _issued(control: ControlPlane) -> dict[str, int]:

@@ -31,7 +31,7 @@ from shared.protocol import Trajectory, decode
 from shared.records import TrainerState, read_records, step_records
 from shared.streams import connect
 from streamrl.redis_server import free_port
-from tests.trainer_fixtures import control_plane, trainer_config
+from tests.trainer_fixtures import control_plane, run_to_end, trainer_config
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ["tests.gateway_fixtures"]
@@ -135,7 +135,7 @@ async def test_a_run_trains_on_the_rollouts_an_external_agent_completed(
         agent.start()
         await control.open()
         try:
-            await asyncio.wait_for(control.run(), 300)
+            await run_to_end(asyncio.create_task(control.run()), 300)
         finally:
             agent.stop.set()
             await asyncio.to_thread(agent.join, 60)

@@ -37,7 +37,8 @@ from shared.protocol import Heartbeat, Task, Trajectory, WeightAck, WeightAnnoun
 from shared.records import TrainerState, ValidationRecord, read_records, step_records
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
-from tests.trainer_fixtures import control_plane, trainer_config
+from shared.tasks import cancel_and_wait
+from tests.trainer_fixtures import control_plane, run_to_end, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -166,16 +167,24 @@ class Run:
 
     async def finished(self) -> None:
         assert self.loop is not None
-        await asyncio.wait_for(self.loop, 180)
+        await run_to_end(self.loop, 180, self._where)
         assert self.control.state == TrainerState.FINISHED and self.control.step == 3
 
+    async def _where(self) -> str:
+        c = self.control
+        return (
+            f"state {c.state}, step {c.step}, pauses {await c.pause.reasons()}, "
+            f"in flight {c.scheduler.in_flight_by_target()}, staged {c.buffer.depth_by_target()}, "
+            f"validations {[(v.validation_id, v.status) for v in c.validation.statuses.values()]}, "
+            f"gateway running {[t.task_id for _, t, _ in self.peers.running]}"
+        )
+
     async def stop(self) -> None:
-        tasks = [t for t in (self.loop, self.peer_task) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # A cancel can be lost in the Redis client (shared.tasks): repeated until both ended.
+        stuck = await cancel_and_wait([t for t in (self.loop, self.peer_task) if t is not None], timeout_s=30.0)
         await self.control.aclose()
         await self.peers.redis.aclose()
+        assert not stuck, f"still running 30s after they were stopped: {stuck}"
 
     async def tasks(self) -> list[tuple[str, Task]]:
         """Every task issued: (stream entry id, task)."""
