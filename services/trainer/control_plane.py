@@ -182,6 +182,7 @@ class ControlPlane:
     async def aclose(self) -> None:
         await _safe(self.publisher.transport.aclose())
         await _safe(self.learner.close())
+        self.metrics.close()  # already closed when the loop ran (`_finish`); not when it never started
         await self.heartbeat.aclose(self.worker_id)
         await self.redis.aclose()
 
