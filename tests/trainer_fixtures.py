@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from redis.asyncio import Redis
 
 from services.trainer.app import build_app
 from services.trainer.backends import build_backend
@@ -72,3 +73,13 @@ async def run_to_end(
         await cancel_and_wait([run], timeout_s=30.0)
         raise AssertionError(f"the run did not end within {timeout_s:.0f}s{': ' + stood if stood else ''}")
     run.result()
+
+
+async def stop_plane(control: ControlPlane, peers_redis: Redis, *loops: asyncio.Task[None] | None) -> None:
+    """Stop ``loops`` (the run, the played peers), then close ``control`` and the peers' Redis;
+    fails if a loop is still running 30 s later (`shared.tasks`: a cancel can be lost in the
+    Redis client, so it is repeated)."""
+    stuck = await cancel_and_wait([t for t in loops if t is not None], timeout_s=30.0)
+    await control.aclose()
+    await peers_redis.aclose()
+    assert not stuck, f"still running 30s after they were stopped: {stuck}"

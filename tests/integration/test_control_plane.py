@@ -38,7 +38,7 @@ from shared.records import LearnerMetrics, MeanMaxMin, TrainerState, ValidationR
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
 from shared.tasks import cancel_and_wait
-from tests.trainer_fixtures import control_plane, run_to_end, serving_app, trainer_config
+from tests.trainer_fixtures import control_plane, run_to_end, serving_app, stop_plane, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -169,11 +169,7 @@ async def _start(cfg, redis_url: str, *, pause_after: int | None = None):
 
 
 async def _stop(control: ControlPlane, peers: Peers, peer_task: asyncio.Task, run: asyncio.Task) -> None:
-    # A cancel can be lost in the Redis client (shared.tasks): repeated until both ended.
-    stuck = await cancel_and_wait([run, peer_task], timeout_s=30.0)
-    await control.aclose()
-    await peers.redis.aclose()
-    assert not stuck, f"still running 30s after they were stopped: {stuck}"
+    await stop_plane(control, peers.redis, run, peer_task)
 
 
 def _config(

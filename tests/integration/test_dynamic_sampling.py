@@ -28,9 +28,8 @@ from shared import keys as K
 from shared.protocol import Task, Trajectory, decode, make_turn
 from shared.records import StepRecord, read_records, step_records
 from shared.run_config import RunConfig
-from shared.tasks import cancel_and_wait
 from tests.integration.test_control_plane import Peers
-from tests.trainer_fixtures import control_plane, run_to_end, trainer_config
+from tests.trainer_fixtures import control_plane, run_to_end, stop_plane, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -77,10 +76,7 @@ async def _run(cfg: RunConfig, redis_url: str, reward=_reward) -> tuple[ControlP
     except Exception as exc:  # the run's own failure
         error = exc
     finally:
-        stuck = await cancel_and_wait([run, peer_task], timeout_s=30.0)
-        await control.aclose()
-        await peers.redis.aclose()
-    assert not stuck, f"still running 30s after they were stopped: {stuck}"
+        await stop_plane(control, peers.redis, run, peer_task)
     return control, error
 
 

@@ -37,8 +37,7 @@ from shared.protocol import Heartbeat, Task, Trajectory, WeightAck, WeightAnnoun
 from shared.records import TrainerState, ValidationRecord, read_records, step_records
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
-from shared.tasks import cancel_and_wait
-from tests.trainer_fixtures import control_plane, run_to_end, trainer_config
+from tests.trainer_fixtures import control_plane, run_to_end, stop_plane, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -180,11 +179,7 @@ class Run:
         )
 
     async def stop(self) -> None:
-        # A cancel can be lost in the Redis client (shared.tasks): repeated until both ended.
-        stuck = await cancel_and_wait([t for t in (self.loop, self.peer_task) if t is not None], timeout_s=30.0)
-        await self.control.aclose()
-        await self.peers.redis.aclose()
-        assert not stuck, f"still running 30s after they were stopped: {stuck}"
+        await stop_plane(self.control, self.peers.redis, self.loop, self.peer_task)
 
     async def tasks(self) -> list[tuple[str, Task]]:
         """Every task issued: (stream entry id, task)."""
