@@ -21,7 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.trainer.backends.megatron_backend import MegatronBackend  # noqa: E402
+from services.trainer.backends import build_backend  # noqa: E402
+from services.trainer.backends.backend import Backend  # noqa: E402
 from services.trainer.batch import Row, StepBatch  # noqa: E402
 from shared.config import load  # noqa: E402
 from shared.run_config import RunConfig  # noqa: E402
@@ -54,11 +55,12 @@ def check(model_dir: Path, out: Path) -> None:
             "data.train_path=unused.jsonl",
             "trainer.backend=megatron",
             "policy.generation.temperature=1.0",
+            "run.seed=0",
         ],
         env={},
     )
-    backend = MegatronBackend(cfg.policy, cfg.loss_fn, seed=0)
-    assert backend._ddp_config.check_for_nan_in_grad, "check_for_nan_in_grad must default to on"
+    backend = build_backend(cfg)
+    assert backend.model.ddp_config.check_for_nan_in_grad, "check_for_nan_in_grad must default to on"
 
     from transformers import AutoModelForCausalLM
 
@@ -66,7 +68,7 @@ def check(model_dir: Path, out: Path) -> None:
     ids = torch.randint(10, hf.config.vocab_size, (2, 48), device="cuda")
     with torch.no_grad():
         ref = torch.log_softmax(hf(input_ids=ids).logits.float(), -1)
-        got = torch.log_softmax(backend._forward_logits(backend.model, ids)[..., : backend.vocab].float(), -1)
+        got = _megatron_logprobs(backend, ids)
     diff = (ref - got).abs().max().item()
     print(f"max |logprob(megatron) - logprob(transformers)| = {diff:.2e}")
     assert diff < 2e-3, diff
@@ -90,18 +92,29 @@ def check(model_dir: Path, out: Path) -> None:
         )
     for step in range(3):
         m = backend.train_step(StepBatch(rows))
-        print(f"step {step}: loss {m['loss']:.4f} grad_norm {m['grad_norm']:.4f}")
-        assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+        print(f"step {step}: loss {m.loss:.4f} grad_norm {m.grad_norm:.4f}")
+        assert np.isfinite(m.loss) and m.grad_norm > 0
 
     out.mkdir()
     backend.save_weights(out)
     back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).cuda().eval()
     with torch.no_grad():
         a = torch.log_softmax(back(input_ids=ids).logits.float(), -1)
-        b = torch.log_softmax(backend._forward_logits(backend.model, ids)[..., : backend.vocab].float(), -1)
+        b = _megatron_logprobs(backend, ids)
     diff = (a - b).abs().max().item()
     print(f"exported weights in transformers vs megatron: {diff:.2e}")
     assert diff < 2e-3, diff
+
+
+def _megatron_logprobs(backend: Backend, ids: torch.Tensor) -> torch.Tensor:
+    """log-softmax over the checkpoint's vocabulary of the megatron model's whole logits for ``ids``."""
+    n = ids.shape[1]
+    rows = [
+        Row(f"r{i}", "g", row.cpu().numpy(), np.ones(n, np.float32), np.zeros(n, np.float32), reward=0.0)
+        for i, row in enumerate(ids)
+    ]
+    logits = backend.adapter.logits(backend.model, backend.inputs(rows), whole=True)  # type: ignore[call-arg]
+    return torch.log_softmax(logits[..., : backend.adapter.vocab].float(), -1)  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

@@ -27,16 +27,20 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import msgspec
+import torch
 
 from services.gym_gateway import envs
 from services.gym_gateway.envs.base import Environment, ModelClient, Outcome
 from services.gym_gateway.proxy import GeneratorPool, SessionProxy
 from services.gym_gateway.worker import GatewayWorker
+from services.trainer.backends.layout import data_parallel
 from services.trainer.batch import StepBatch
+from services.trainer.ranks import SINGLE
+from services.trainer.step_plan import RankShare
 from shared import keys as K
 from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
 from shared.records import LearnerMetrics
@@ -46,9 +50,6 @@ from shared.streams import StreamClient, connect
 from shared.weights_format import write_hashed
 from streamrl.bench_schedule import Scenario
 from streamrl.child_guard import guarded
-
-if TYPE_CHECKING:
-    import torch
 
 ENV_NAME = "bench_sleep"
 GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
@@ -60,10 +61,18 @@ class SimBackend:
     benchmark plugs it into the real control plane as its learner's backend."""
 
     name = "sim"
+    dtype = torch.float32
 
     def __init__(self, train_s: float) -> None:
         self.train_s = train_s
         self.spans: list[tuple[float, float]] = []  # perf_counter start, end of every train_step
+        self.layout = data_parallel(SINGLE)
+
+    def plan(self, batch: StepBatch) -> list[RankShare]:
+        raise NotImplementedError("one rank: the benchmark's learner calls train_step")
+
+    def train_share(self, share: RankShare | None) -> LearnerMetrics:
+        raise NotImplementedError("one rank: the benchmark's learner calls train_step")
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> SimBackend:

@@ -205,7 +205,7 @@ def generator_config(model_dir: Path, redis_url: str, run_id: str, bucket_mb: in
             "transport": "collective",
             "collective": {"master_address": "127.0.0.1", "bucket_mb": bucket_mb, "snapshot_period": 1_000_000},
         },
-        "trainer": {"refit_timeout_s": 600.0},
+        "trainer": {"refit_timeout_s": 600.0, "torch_threads": 1},
         "generator": {"host": "127.0.0.1", "drain_timeout_s": 30.0, "weight_load_timeout_s": 600.0},
     }
 
@@ -228,7 +228,7 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
     import aiohttp
     import yaml
 
-    from services.trainer.backends.torch_backend import TorchBackend
+    from services.trainer.backends import build_backend
     from services.trainer.learner import LocalLearner
     from services.trainer.refit import WeightPublisher
     from services.trainer.weight_transport import FilesystemTransport, build_transport
@@ -245,7 +245,7 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
     config.write_text(yaml.safe_dump(generator_config(model_dir, redis_url, run_id, bucket_mb)))
     cfg = load(RunConfig, config, env={})
     gen = GeneratorProcess(config, free_port(), work.with_suffix(".generator.log"))
-    learner = LocalLearner(lambda: TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1))
+    learner = LocalLearner(lambda: build_backend(cfg))
     redis = connect(redis_url)
     try:
         await learner.start()

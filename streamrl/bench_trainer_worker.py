@@ -40,8 +40,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.trainer.backends import ranked_backend
-from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.backends import build_backend
+from services.trainer.backends.backend import Backend
+from services.trainer.backends.hf_adapter import HFAdapter
 from services.trainer.batch import Row, StepBatch
 from services.trainer.learner import Learner, LocalLearner
 from services.trainer.rank_learner import RankedLearner, follow
@@ -160,7 +161,7 @@ class BareLoop:
 def compare(cfg: RunConfig, batch: StepBatch, rounds: int) -> dict[str, Any]:
     """One warm-up step each (their losses show both sides train the same thing), then ``rounds``
     rounds of one step each, in the order backend bare, bare backend, ..."""
-    backend = ranked_backend(cfg, SINGLE)  # trainer.backend: torch or megatron
+    backend = build_backend(cfg, SINGLE)  # trainer.backend: torch or megatron
     bare = BareLoop(cfg)
     steps: dict[str, Callable[[], object]] = {
         "backend": lambda: backend.train_step(batch),
@@ -202,13 +203,13 @@ def scale(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[s
     others) against a one-rank learner of rank 0 with the same threads, alternated step by step;
     the other ranks wait in `follow` (a gloo wait takes no CPU) while the one-rank learner trains."""
     if not ranks.is_root:
-        follow(TorchBackend.from_config(cfg, ranks))
+        follow(build_backend(cfg, ranks))
         return None
     learners: dict[str, Learner] = {
         "ranked": RankedLearner(
-            lambda: TorchBackend.from_config(cfg, ranks), ranks, collective_timeout_s=cfg.trainer.collective_timeout_s
+            lambda: build_backend(cfg, ranks), ranks, collective_timeout_s=cfg.trainer.collective_timeout_s
         ),
-        "single": LocalLearner(lambda: TorchBackend.from_config(cfg)),
+        "single": LocalLearner(lambda: build_backend(cfg)),
     }
     return {"rounds": asyncio.run(_alternate(learners, batch, rounds))}
 
@@ -217,14 +218,14 @@ def alone(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[s
     """The learner as the trainer runs it at this world size (``trainer.backend`` either one), timed
     alone for ``rounds`` steps after a warm-up step; rank 0's training state after them."""
     if not ranks.is_root:
-        follow(ranked_backend(cfg, ranks))
+        follow(build_backend(cfg, ranks))
         return None
     learner: RankedLearner | LocalLearner
     if ranks.sharded:
         timeout_s = cfg.trainer.collective_timeout_s
-        learner = RankedLearner(lambda: ranked_backend(cfg, ranks), ranks, collective_timeout_s=timeout_s)
+        learner = RankedLearner(lambda: build_backend(cfg, ranks), ranks, collective_timeout_s=timeout_s)
     else:
-        learner = LocalLearner(lambda: ranked_backend(cfg, ranks))
+        learner = LocalLearner(lambda: build_backend(cfg, ranks))
 
     async def run() -> dict[str, Any]:
         await learner.start()
@@ -235,7 +236,7 @@ def alone(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[s
             await learner.train(batch)
             times.append(time.perf_counter() - t0)
         backend = learner.backend
-        assert isinstance(backend, TorchBackend)
+        assert isinstance(backend, Backend)
         out = {"step_s": times, "state": state_bytes(backend), "load_avg": os.getloadavg()[0]}
         await learner.close()
         return out
@@ -252,7 +253,7 @@ def _local_bytes(t: torch.Tensor | None) -> int:
     return int(local.numel()) * int(local.element_size())
 
 
-def state_bytes(backend: TorchBackend) -> dict[str, int]:
+def state_bytes(backend: Backend) -> dict[str, int]:
     """Bytes of this rank's parameters, gradients and optimizer state (local shards)."""
     params = list(backend.model.parameters())
     from services.trainer.backends.megatron_optim import owned_states  # a sharded optimizer's own state too
@@ -272,19 +273,19 @@ def state(cfg: RunConfig, ranks: Ranks, batch: StepBatch, saves: int, work: Path
     (a one-rank backend of its own, freed before the sharded one is built); then the saves."""
     single = None
     if ranks.is_root:
-        one = TorchBackend.from_config(cfg)
+        one = build_backend(cfg)
         one.train_step(batch)
         single = state_bytes(one)
         del one
         gc.collect()
-    backend = TorchBackend.from_config(cfg, ranks)
+    backend = build_backend(cfg, ranks)
     shares = plan_step(batch, ranks.world_size, cfg.policy.train_global_batch_size)
     backend.train_share(shares[ranks.rank])
     out: dict[str, Any] = {"single": single, "ranks": ranks.gather(state_bytes(backend)), "saves": []}
     for i in range(-2, 2 * saves):  # two warm-up saves (one of each), then sync/async alternated
-        backend.async_save = i % 4 in (1, 2)  # the trainer's checkpointing.async_save
+        backend.checkpoint.async_save = i % 4 in (1, 2)  # the trainer's checkpointing.async_save
         out["saves"].append(
-            {"async": backend.async_save, "warm_up": i < 0, **_save(backend, ranks, work / f"ckpt{i + 2}")}
+            {"async": backend.checkpoint.async_save, "warm_up": i < 0, **_save(backend, ranks, work / f"ckpt{i + 2}")}
         )
     return out if ranks.is_root else None
 
@@ -300,7 +301,6 @@ def building(cfg: RunConfig, ranks: Ranks, whole: bool) -> dict[str, Any] | None
     import torch.distributed.fsdp  # noqa: F401  (imports are not what is measured)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    TorchBackend.read_own_shards = not whole
     with torch.device("meta"):  # the model's code imported, nothing allocated
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.policy.model_name))
     gc.collect()
@@ -315,7 +315,7 @@ def building(cfg: RunConfig, ranks: Ranks, whole: bool) -> dict[str, Any] | None
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    backend = TorchBackend.from_config(cfg, ranks)
+    backend = build_backend(cfg, ranks, adapter=HFAdapter.from_config(cfg, ranks, read_own_shards=not whole))
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()
@@ -333,7 +333,7 @@ def _anon_bytes() -> int:
     return 0
 
 
-def _save(backend: TorchBackend, ranks: Ranks, path: Path) -> dict[str, float]:
+def _save(backend: Backend, ranks: Ranks, path: Path) -> dict[str, float]:
     """Seconds until `save_checkpoint` returns and until the checkpoint is on disk, the slowest rank's."""
     import torch.distributed as dist
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.trainer.backends import megatron_cpu  # noqa: E402
 from services.trainer.backends.megatron_convert import hf_to_megatron, megatron_to_hf  # noqa: E402
-from services.trainer.backends.megatron_model import build_gpt_model  # noqa: E402
 from services.trainer.backends.megatron_moe import mlp_megatron_to_hf  # noqa: E402
+from services.trainer.backends.megatron_setup import build_gpt_model  # noqa: E402
 
 
 def init_parallel(expert_parallel: int, seed: int = 0) -> None:
@@ -34,8 +34,8 @@ def init_parallel(expert_parallel: int, seed: int = 0) -> None:
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
-    megatron_cpu.prepare(seed)
-    megatron_cpu.prepare_moe()
+    megatron_cpu.apply(moe=True, pipeline=False)
+    megatron_cpu.seed_rng(seed)
 
 
 def build_megatron(hf: dict[str, Any], expert_parallel: int) -> torch.nn.Module:

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.trainer.backends import ranked_backend  # noqa: E402
+from services.trainer.backends import build_backend  # noqa: E402
 from services.trainer.ranks import SINGLE, join, launched_world_size, leave  # noqa: E402
 from tests.ranked_step import config  # noqa: E402
 
@@ -35,8 +35,7 @@ def main() -> int:
     cfg = config(args.model, ["trainer.backend=megatron", *args.set])
     ranks = join(cfg.trainer.collective_timeout_s) if launched_world_size() > 1 else SINGLE
     try:
-        backend = ranked_backend(cfg, ranks)
-        backend.max_weight_file_bytes = 512 * 1024  # many files, written by every rank
+        backend = build_backend(cfg, ranks, max_weight_file_bytes=512 * 1024)  # many files, written by every rank
         backend.save_weights(out / "weights")
         metadata = backend.weight_metadata()
         every_ranks = ranks.gather(metadata)

@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.trainer.backends import ranked_backend  # noqa: E402
-from services.trainer.backends.torch_backend import TorchBackend  # noqa: E402
+from services.trainer.backends import build_backend  # noqa: E402
+from services.trainer.backends.backend import Backend  # noqa: E402
 from services.trainer.batch import Row, StepBatch  # noqa: E402
 from services.trainer.learner import Learner, LocalLearner  # noqa: E402
 from services.trainer.rank_learner import RankedLearner, follow  # noqa: E402
@@ -107,12 +107,10 @@ def main() -> int:
     cfg = config(args.model, args.set)
     ranks = join(cfg.trainer.collective_timeout_s) if launched_world_size() > 1 else SINGLE
 
-    def build() -> TorchBackend:
-        backend = ranked_backend(cfg, ranks)
+    def build() -> Backend:
+        backend = build_backend(cfg, ranks, max_weight_file_bytes=args.max_weight_file_bytes)
         if ranks.rank == args.kill_rank:
             _kill_in_step(backend, args.kill_step - args.first_step)
-        if args.max_weight_file_bytes is not None:
-            backend.max_weight_file_bytes = args.max_weight_file_bytes
         _record_manifest(backend, out / f"manifest-rank{ranks.rank}.json")
         (out / f"load-rank{ranks.rank}.json").write_text(json.dumps({"bytes_read": backend.checkpoint_bytes_read}))
         return backend
@@ -130,7 +128,7 @@ def main() -> int:
     return 0
 
 
-def _record_manifest(backend: TorchBackend, path: Path) -> None:
+def _record_manifest(backend: Backend, path: Path) -> None:
     """Write what the backend's ``save_weights`` returns to ``path``."""
     inner = backend.save_weights
 
@@ -142,20 +140,20 @@ def _record_manifest(backend: TorchBackend, path: Path) -> None:
     backend.save_weights = save_weights  # type: ignore[method-assign]
 
 
-def _kill_in_step(backend: TorchBackend, step: int) -> None:
+def _kill_in_step(backend: Backend, step: int) -> None:
     """SIGKILL this process in the first forward pass of its ``step``-th train_share."""
     calls = {"n": 0}
     inner = backend.train_share
 
     def train_share(share):  # type: ignore[no-untyped-def]
         if calls["n"] == step:
-            forward = backend._forward_logits
+            forward = backend.adapter.logits
 
             def dying(*a, **kw):  # type: ignore[no-untyped-def]
                 os.kill(os.getpid(), signal.SIGKILL)
                 return forward(*a, **kw)
 
-            backend._forward_logits = dying  # type: ignore[method-assign]
+            backend.adapter.logits = dying  # type: ignore[method-assign]
         calls["n"] += 1
         return inner(share)
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, command)
     if launched_world_size() > 1:
         if cfg.trainer.backend == "megatron":  # refuse a layout that cannot fit before joining the others
-            from services.trainer.backends.megatron_model import check_supported
+            from services.trainer.backends.megatron_setup import check_supported
             from shared.config_error import ConfigError
 
             try:
@@ -77,7 +77,7 @@ def _serve(cfg: RunConfig, port: int | None, worker_id: str | None, learner: Lea
 
 def _ranked(cfg: RunConfig, port: int | None, worker_id: str | None) -> int:
     """One rank of a trainer of many: rank 0 serves, the others follow."""
-    from services.trainer.backends import ranked_backend
+    from services.trainer.backends import build_backend
     from services.trainer.rank_learner import RankedLearner, follow
     from services.trainer.ranks import join, leave
 
@@ -85,10 +85,10 @@ def _ranked(cfg: RunConfig, port: int | None, worker_id: str | None) -> int:
     ranks = join(timeout_s)
     try:
         if ranks.is_root:
-            learner = RankedLearner(lambda: ranked_backend(cfg, ranks), ranks, collective_timeout_s=timeout_s)
+            learner = RankedLearner(lambda: build_backend(cfg, ranks), ranks, collective_timeout_s=timeout_s)
             return _serve(cfg, port, worker_id, learner)
         try:
-            follow(ranked_backend(cfg, ranks))
+            follow(build_backend(cfg, ranks))
         except Exception:
             log.exception("trainer rank %d of %d failed", ranks.rank, ranks.world_size)
             return 1

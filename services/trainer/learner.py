@@ -135,7 +135,4 @@ def sender_of(backend: TrainingBackend, rank: int) -> CollectiveSender:
     """The collective sender over ``backend``'s weight stream (`TrainingBackend.weight_tensors`),
     in its compute precision. Every rank makes it at once (the backend's metadata may be
     gathered)."""
-    dtype = getattr(backend, "dtype", None)
-    if dtype is None:
-        raise RuntimeError(f"{type(backend).__name__} has no compute dtype to send its weights in")
-    return CollectiveSender(weight_source(backend, dtype), rank)
+    return CollectiveSender(weight_source(backend, backend.dtype), rank)

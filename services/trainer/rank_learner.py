@@ -46,7 +46,7 @@ from shared.weight_wire import TransferError
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
-    from services.trainer.backends.torch_backend import TorchBackend
+    from services.trainer.backends.base import TrainingBackend
     from services.trainer.step_plan import RankShare
 
 log = logging.getLogger(__name__)
@@ -93,18 +93,18 @@ class RankLost(LearnerLost):
 class RankedLearner:
     """The learner of rank 0 in a trainer of many ranks (see the module docstring)."""
 
-    def __init__(self, build: Callable[[], TorchBackend], ranks: Ranks, *, collective_timeout_s: float) -> None:
+    def __init__(self, build: Callable[[], TrainingBackend], ranks: Ranks, *, collective_timeout_s: float) -> None:
         self._build = build
         self.ranks = ranks
         self.keepalive_s = collective_timeout_s / 4
-        self._backend: TorchBackend | None = None
+        self._backend: TrainingBackend | None = None
         self._sender: CollectiveSender | None = None
         self._lock = threading.Lock()  # one command at a time, whichever thread sends it
         self._last_command = time.monotonic()
         self._closed = False
 
     @property
-    def backend(self) -> TorchBackend:
+    def backend(self) -> TrainingBackend:
         if self._backend is None:
             raise RuntimeError("the learner has not started: call start() first")
         return self._backend
@@ -131,18 +131,12 @@ class RankedLearner:
 
     async def train(self, batch: StepBatch) -> LearnerMetrics:
         def run() -> LearnerMetrics:
-            from services.trainer.step_plan import plan_step
-
             backend = self.backend
-            shares = plan_step(
-                batch,
-                backend.data_ranks.world_size,
-                backend.policy.train_global_batch_size,
-                reward_kl=backend.loss_cfg.use_kl_in_reward,
-            )
-            # each rank gets its data rank's share (tensor-parallel peers the same one)
-            mine = _scatter([shares[d] for d in backend.data_rank_of] if shares else [None] * self.ranks.world_size)
-            return self.backend.train_share(mine)
+            shares = backend.plan(batch)
+            # each rank gets its data rank's share (tensor-parallel and pipeline peers the same one)
+            of_rank = backend.layout.data_rank_of
+            mine = _scatter([shares[d] for d in of_rank] if shares else [None] * self.ranks.world_size)
+            return backend.train_share(mine)
 
         return await asyncio.to_thread(self._command, Command(Op.TRAIN), run)
 
@@ -193,9 +187,9 @@ def _is_comm_error(exc: BaseException) -> bool:
     )
 
 
-def follow(backend: TorchBackend) -> None:
+def follow(backend: TrainingBackend) -> None:
     """A follower rank's life: run rank 0's commands until STOP (raises when one fails)."""
-    ranks = backend.ranks
+    ranks = backend.layout.world
     sender: CollectiveSender | None = None
     while True:
         command = _broadcast(None)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.backends import build_backend
 from services.trainer.learner import LocalLearner
 from services.trainer.refit import WeightPublisher
 from services.trainer.weight_transport import build_transport
@@ -46,12 +46,13 @@ async def test_a_generator_killed_mid_transfer_is_dropped_and_the_rest_confirm(t
             "refit.collective.bucket_mb": 1,
             "policy.precision": "float32",
             "trainer.refit_timeout_s": 120.0,
+            "trainer.torch_threads": 1,
         },
     )
     cfg = load(RunConfig, config, env={})
     run = FaultRun(tmp_path, config)
     redis = connect(redis_url)
-    learner = LocalLearner(lambda: TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1))
+    learner = LocalLearner(lambda: build_backend(cfg))
     try:
         gens = [run.start("services.generator", f"generator-{i}") for i in range(2)]
         await learner.start()

@@ -1,5 +1,5 @@
 """The training-backend contract (`services.trainer.backends.base.TrainingBackend`), run against
-every registered backend (megatron on CPU through `services.trainer.backends.megatron_cpu`): built
+every registered model adapter (megatron on CPU through `services.trainer.backends.megatron_cpu`): built
 from the run config by the registry, one step returns typed metrics, the exported weights load in transformers,
 and a checkpoint restores model, optimizer and schedule so the next step is the same step."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.backends import BACKENDS, backend_class, build_backend
+from services.trainer.backends import ADAPTERS, adapter_class, build_backend
 from services.trainer.batch import Row, StepBatch
 from shared.config import load
 from shared.config_error import ConfigError
@@ -47,7 +47,7 @@ def _batch(seed: int) -> StepBatch:
     return StepBatch(rows)
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+@pytest.fixture(params=sorted(ADAPTERS))
 def backend_name(request):
     return request.param
 
@@ -91,7 +91,7 @@ def test_every_backend_trains_exports_and_resumes_the_same_step(backend_name, ti
 
 def test_an_unknown_backend_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"trainer.backend 'jax' is not one of: megatron, torch"):
-        backend_class("jax")
+        adapter_class("jax")
 
 
 def test_the_megatron_backend_trains_the_steps_the_torch_backend_does(tiny_model_dir):

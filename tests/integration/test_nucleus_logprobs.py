@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from services.generator.engine import GenerationParams, build_engine
-from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.backends import build_backend
+from services.trainer.backends.backend import Backend
+from services.trainer.backends.micro_batch import sampled_logprobs_of
 from services.trainer.batch import Row, StepBatch
 from shared.config import decode_tree
 from shared.run_config import RunConfig
@@ -21,9 +23,15 @@ PROMPT = [1, 355, 207, 567, 291, 229, 26, 2, 207, 1, 367, 207]
 TEMPERATURE, TOP_P = 0.8, 0.9
 
 
-def _mult_prob_error(backend: TorchBackend, rows: list[Row]) -> float:
+def _mult_prob_error(backend: Backend, rows: list[Row], top_p: float = TOP_P) -> float:
+    """Mean exp|logp_gen - logp_train| with the trainer's logprobs under ``top_p`` (the backend's
+    own scoring at the configured top_p; the same logits under another nucleus otherwise)."""
     with torch.no_grad():
-        lp = backend._token_logprobs(backend.model, backend._pad(rows)).numpy()
+        if top_p == TOP_P:
+            lp = backend.logprobs(rows).numpy()
+        else:
+            mb = backend.inputs(rows)
+            lp = sampled_logprobs_of(backend.adapter.logits(backend.model, mb), mb, TEMPERATURE, top_p).numpy()
     errs = [np.exp(np.abs(lp[i] - r.gen_logprobs))[r.token_mask > 0] for i, r in enumerate(rows)]
     return float(np.concatenate(errs).mean())
 
@@ -49,13 +57,14 @@ async def test_trainer_and_engine_agree_under_nucleus_sampling(tiny_model_dir, g
         gen = np.zeros(n, np.float32)
         gen[len(PROMPT) :] = c.logprobs
         rows.append(Row("t", "g", np.array(PROMPT + c.token_ids, np.int64), mask, gen, reward=0.0))
-    backend = TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1)
+    tree.setdefault("run", {})["seed"] = 0
+    tree.setdefault("trainer", {})["torch_threads"] = 1
+    backend = build_backend(decode_tree(tree, RunConfig))
     assert abs(_mult_prob_error(backend, rows) - 1.0) < 1e-3
-    backend.top_p = 1.0  # scoring under the untruncated distribution: the bias this test guards against
-    biased = _mult_prob_error(backend, rows)
+    # scoring under the untruncated distribution: the bias this test guards against
+    biased = _mult_prob_error(backend, rows, top_p=1.0)
     assert biased > 1.0 + 1e-3
     # A training step at top_p 0.9 reports both: the error it trains with and the biased one.
-    backend.top_p = TOP_P
     metrics = backend.train_step(StepBatch(rows))
     assert abs(metrics.token_mult_prob_error - 1.0) < 1e-3
     assert metrics.token_mult_prob_error_untruncated == pytest.approx(biased, rel=1e-4)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from services.trainer.advantages import group_advantages
-from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.backends import build_backend
+from services.trainer.backends.backend import Backend
 from services.trainer.batch import Row, StepBatch
 from shared.config import load
 from shared.run_config import RunConfig
@@ -17,7 +18,7 @@ from shared.run_config import RunConfig
 pytestmark = pytest.mark.integration
 
 
-def _backend(model_dir, beta: float, *extra: str, moved: bool = True) -> TorchBackend:
+def _backend(model_dir, beta: float, *extra: str, moved: bool = True) -> Backend:
     """A backend whose reference is the tiny model and whose policy (``moved``) is the tiny model
     with every weight nudged by the same seeded noise (as after some training)."""
     overrides = [
@@ -26,10 +27,11 @@ def _backend(model_dir, beta: float, *extra: str, moved: bool = True) -> TorchBa
         "policy.max_grad_norm=1e9",  # gradients are compared before any clipping
         f"loss_fn.reference_policy_kl_penalty={beta}",
         "grpo.num_generations_per_prompt=3",
+        "run.seed=0",
+        "trainer.torch_threads=1",
         *extra,
     ]
-    cfg = load(RunConfig, None, overrides, env={})
-    backend = TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1, grpo=cfg.grpo)
+    backend = build_backend(load(RunConfig, None, overrides, env={}))
     if moved:
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
@@ -38,7 +40,7 @@ def _backend(model_dir, beta: float, *extra: str, moved: bool = True) -> TorchBa
     return backend
 
 
-def _rows(backend: TorchBackend, advantages=(1.0, -1.0, 0.5)) -> list[Row]:
+def _rows(backend: Backend, advantages=(1.0, -1.0, 0.5)) -> list[Row]:
     """One group of rows whose generator logprobs equal the policy's (importance weights 1)."""
     rng = np.random.default_rng(0)
     rows = []
@@ -50,25 +52,24 @@ def _rows(backend: TorchBackend, advantages=(1.0, -1.0, 0.5)) -> list[Row]:
         rows.append(Row(f"t{i}", "g0", ids, tmask, np.zeros(n, np.float32), reward=1.0, advantage=adv))
     with torch.no_grad():
         for row in rows:
-            lp = backend._token_logprobs(backend.model, backend._pad([row]))[0].numpy()
+            lp = backend.logprobs([row])[0].numpy()
             row.gen_logprobs = (lp * row.token_mask).astype(np.float32)
     return rows
 
 
-def _k3(backend: TorchBackend, ref: TorchBackend, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+def _k3(backend: Backend, ref: Backend, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token k3 of ``backend``'s policy to ``ref``'s reference model, with autograd through the
     policy, and the loss mask ([rows, T] each)."""
     assert ref.ref_model is not None
-    mb = backend._pad(rows)
-    lp = backend._token_logprobs(backend.model, mb)
+    lp = backend.logprobs(rows)
     with torch.no_grad():
-        ref_lp = ref._token_logprobs(ref.ref_model, mb)
+        ref_lp = ref.logprobs(rows, reference=True)
     log_r = ref_lp - lp
     weight = torch.exp(lp - lp.detach())  # 1, with the score-function gradient
-    return weight * (torch.exp(log_r) - 1.0 - log_r), mb["token_mask"]
+    return weight * (torch.exp(log_r) - 1.0 - log_r), backend.inputs(rows).token_mask
 
 
-def _grads(backend: TorchBackend) -> torch.Tensor:
+def _grads(backend: Backend) -> torch.Tensor:
     return torch.cat(
         [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten() for p in backend.model.parameters()]
     )

@@ -5,26 +5,25 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.backends import build_backend
+from services.trainer.backends.backend import Backend
 from services.trainer.batch import Row, StepBatch
 from services.trainer.step_plan import plan_step
 from shared.config import load
 from shared.run_config import RunConfig
 
 pytestmark = pytest.mark.integration
+_AS_BEFORE = ["run.seed=0", "trainer.torch_threads=1"]
 
 
-def _backend(model_dir, threshold=None) -> TorchBackend:
-    cfg = load(
-        RunConfig,
-        None,
-        [f"policy.model_name={model_dir}", "data.train_path=t.jsonl", "policy.optimizer.lr=1e-3"],
-        env={},
-    )
-    return TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1, seq_logprob_error_threshold=threshold)
+def _backend(model_dir, threshold=None) -> Backend:
+    overrides = [f"policy.model_name={model_dir}", "data.train_path=t.jsonl", "policy.optimizer.lr=1e-3", *_AS_BEFORE]
+    if threshold is not None:
+        overrides.append(f"grpo.seq_logprob_error_threshold={threshold}")
+    return build_backend(load(RunConfig, None, overrides, env={}))
 
 
-def _rows(backend: TorchBackend) -> tuple[Row, Row]:
+def _rows(backend: Backend) -> tuple[Row, Row]:
     """A row whose generator logprobs equal the trainer's, and one that disagrees by 3 nats a token."""
     rng = np.random.default_rng(0)
     rows = []
@@ -34,7 +33,7 @@ def _rows(backend: TorchBackend) -> tuple[Row, Row]:
         tmask[6:] = 1.0
         row = Row(f"t{i}", "g0", ids, tmask, np.zeros(14, np.float32), reward=1.0, advantage=1.0 - 2 * i)
         with torch.no_grad():
-            lp = backend._token_logprobs(backend.model, backend._pad([row]))[0].numpy()
+            lp = backend.logprobs([row])[0].numpy()
         row.gen_logprobs = ((lp - shift) * tmask).astype(np.float32)
         rows.append(row)
     return rows[0], rows[1]
@@ -105,26 +104,26 @@ def _varied_rows(n=7, seed=1):
     return rows
 
 
-def _packing_backend(model_dir, packed: bool) -> TorchBackend:
+def _packing_backend(model_dir, packed: bool) -> Backend:
     overrides = [
         f"policy.model_name={model_dir}",
         "data.train_path=t.jsonl",
         "policy.train_micro_batch_size=3",
         f"policy.sequence_packing.enabled={'true' if packed else 'false'}",
         "policy.sequence_packing.train_mb_tokens=64",
+        *_AS_BEFORE,
     ]
-    cfg = load(RunConfig, None, overrides, env={})
-    return TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1)
+    return build_backend(load(RunConfig, None, overrides, env={}))
 
 
 def test_packed_and_unpacked_training_agree(tiny_model_dir):
     plain, packed = _packing_backend(tiny_model_dir, False), _packing_backend(tiny_model_dir, True)
     rows = _varied_rows()
     with torch.no_grad():
-        inputs = plain._inputs(rows)
-        a = plain._token_logprobs(plain.model, inputs) * inputs["attention_mask"]  # padding scored too
-        b = packed._token_logprobs(packed.model, packed._inputs(rows))
-    assert "pack" in packed._inputs(rows) and "pack" not in inputs
+        inputs = plain.inputs(rows)
+        a = plain.logprobs(rows) * inputs.attention_mask  # padding scored too
+        b = packed.logprobs(rows)
+    assert packed.inputs(rows).pack is not None and inputs.pack is None
     assert torch.allclose(a, b, atol=1e-5)  # no row attends to another inside a pack
     m_plain = plain.train_step(StepBatch(_varied_rows()))
     m_packed = packed.train_step(StepBatch(_varied_rows()))
@@ -146,12 +145,12 @@ def test_the_samples_of_a_rollout_split_at_a_prefix_break_keep_their_own_old_log
     other, _ = _rows(_backend(tiny_model_dir))
     other.task_id, other.advantage = "t2", -1.0
     overrides = [f"policy.model_name={tiny_model_dir}", "data.train_path=t.jsonl", "policy.train_global_batch_size=1"]
-    cfg = load(RunConfig, None, overrides, env={})
-    backend = TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1)
+    cfg = load(RunConfig, None, [*overrides, *_AS_BEFORE], env={})
+    backend = build_backend(cfg)
     shares = plan_step(StepBatch([head, other, tail]), 1, cfg.policy.train_global_batch_size)
     [share] = shares
     assert len(share.updates) == 3  # one row per update: the old-policy scores are taken first
-    prev = backend._rows_logprobs(backend.model, share.rows, share.filler)
+    prev = backend.rows_logprobs(share.rows, share.filler)
     assert set(prev) == {"t0", "t0#1", "t2"}
     assert prev["t0"].shape[0] == len(head.input_ids) and prev["t0#1"].shape[0] == len(tail.input_ids)
     torch.testing.assert_close(prev["t0#1"][:9], prev["t0"][:9])  # the same prefix scores the same

@@ -18,11 +18,12 @@ import contextlib
 import uuid
 
 import httpx
+import msgspec
 import pytest
 import torch
 
 from services.generator.app import build_app
-from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.backends import build_backend
 from services.trainer.learner import LocalLearner
 from services.trainer.refit import RefitError, WeightPublisher
 from services.trainer.weight_transport import build_transport
@@ -45,7 +46,7 @@ def run_config(tiny_model_dir, redis_url, config_tree, transport: str, run_id: s
     tree["policy"]["precision"] = "float32"
     tree["data"] = {"train_path": "unused.jsonl"}
     # bounds the transfer group too: a broadcast to a generator that stopped taking part ends then
-    tree["trainer"] = {"refit_timeout_s": 20.0}
+    tree["trainer"] = {"refit_timeout_s": 20.0, "torch_threads": 1}
     return decode_tree(tree, RunConfig)
 
 
@@ -69,12 +70,11 @@ async def rig(request, tiny_model_dir, redis_url, generator_config_tree, tmp_pat
     cfg = run_config(tiny_model_dir, redis_url, generator_config_tree, transport, f"wt-{uuid.uuid4().hex[:6]}")
     if backend == "megatron":
         pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
-        from services.trainer.backends.megatron_backend import MegatronBackend
-
-        learner = LocalLearner(lambda: MegatronBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1))
+        megatron = msgspec.structs.replace(cfg.trainer, backend="megatron")
+        learner = LocalLearner(lambda: build_backend(msgspec.structs.replace(cfg, trainer=megatron)))
         request.addfinalizer(_leave_megatron_groups)
     else:
-        learner = LocalLearner(lambda: TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1))
+        learner = LocalLearner(lambda: build_backend(cfg))
     await learner.start()
     nudge(learner.backend.model, seed=1)
     redis = connect(redis_url)

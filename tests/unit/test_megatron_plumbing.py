@@ -17,7 +17,7 @@ from services.trainer.backends.megatron_convert import (  # noqa: E402
     read_hf_state,
     transformer_config_kwargs,
 )
-from services.trainer.backends.megatron_model import build_gpt_model, ddp_config  # noqa: E402
+from services.trainer.backends.megatron_setup import build_gpt_model, ddp_config  # noqa: E402
 from shared.config import load  # noqa: E402
 from shared.config_error import ConfigError  # noqa: E402
 from shared.run_config import RunConfig  # noqa: E402

@@ -48,7 +48,7 @@ def test_sampled_logprobs_truncate_and_report_the_untruncated_figures_on_request
 def _tiny_backend(monkeypatch, top_p: float, *extra: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from services.trainer.backends import torch_backend
+    from services.trainer.backends import build_backend, hf_adapter
     from shared.config import load
     from shared.run_config import RunConfig
 
@@ -57,10 +57,11 @@ def _tiny_backend(monkeypatch, top_p: float, *extra: str):
         spec = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
         return Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, **spec)).to(dtype)
 
-    monkeypatch.setattr(torch_backend, "_load_model", tiny)
+    monkeypatch.setattr(hf_adapter, "_load_model", tiny)
     overrides = ["policy.model_name=tiny", "data.train_path=t.jsonl", "policy.generation.temperature=0.8"]
+    overrides += ["run.seed=0", "trainer.torch_threads=1"]
     cfg = load(RunConfig, None, [*overrides, f"policy.generation.top_p={top_p}", *extra], env={})
-    return torch_backend.TorchBackend(cfg.policy, cfg.loss_fn, seed=0, threads=1)
+    return build_backend(cfg)
 
 
 def _rows(backend):
@@ -84,11 +85,11 @@ def test_the_trainer_reports_the_mismatch_against_untruncated_logprobs_under_nuc
     truncated, untruncated = _tiny_backend(monkeypatch, 0.9), _tiny_backend(monkeypatch, 1.0)
     rows = _rows(truncated)
     with torch.no_grad():
-        gen = truncated._token_logprobs(truncated.model, truncated._pad(rows))
-        plain = untruncated._token_logprobs(untruncated.model, untruncated._pad(rows))
+        gen = truncated.logprobs(rows)
+        plain = untruncated.logprobs(rows)
     for i, r in enumerate(rows):
         r.gen_logprobs = (gen[i, : len(r.input_ids)].numpy() * r.token_mask).astype(np.float32)
-    mask = truncated._pad(rows)["token_mask"]
+    mask = truncated.inputs(rows).token_mask
     log_w = (plain - gen) * mask
     want_mult = float((torch.exp(log_w.abs()) * mask).sum() / mask.sum())
     want_kl = float(((torch.exp(log_w) - log_w - 1.0) * mask).sum() / mask.sum())
@@ -114,7 +115,7 @@ def test_the_refit_fidelity_figure_counts_only_rows_of_the_trainers_weights(monk
     backend = _tiny_backend(monkeypatch, 1.0)
     rows = _rows(backend)
     with torch.no_grad():
-        gen = backend._token_logprobs(backend.model, backend._pad(rows))
+        gen = backend.logprobs(rows)
     for i, r in enumerate(rows):
         r.gen_logprobs = (gen[i, : len(r.input_ids)].numpy() * r.token_mask).astype(np.float32)
     rows[1].gen_logprobs = rows[1].gen_logprobs - 0.3 * rows[1].token_mask  # an older version's samples

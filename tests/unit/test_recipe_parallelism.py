@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer.backends.megatron_model import check_supported
+from services.trainer.backends.megatron_setup import check_supported
 from shared.config import load
 from shared.config_error import ConfigError
 from shared.run_config import RunConfig

@@ -1,40 +1,63 @@
 """The training-backend contract: what the learner needs from a backend, whatever engine runs it.
 
-A backend owns the policy model, its optimizer and its learning-rate schedule on this process. It
-is built from the run config (`from_config`), trains on one step's batch at a time (`train_step`:
-one or more optimizer updates, returning typed `LearnerMetrics`), writes the policy as a
-safetensors folder that generators load and returns its files' digests (`save_weights`), streams
-it tensor by tensor for a collective refit (`weight_metadata`, `weight_tensors`), and
-saves and restores everything training needs to resume (`save_checkpoint` / `load_checkpoint`,
-into a folder of its own inside the step's checkpoint). Implementations:
-`torch_backend.TorchBackend`, `megatron_backend.MegatronBackend`; the registry in
-`services.trainer.backends` picks one by ``trainer.backend``. The contract test
-(tests/integration/test_backend_contract.py) runs every backend that can run on this machine.
+A backend owns the policy model, its optimizer and its learning-rate schedule on this process,
+as one rank of the trainer (`layout`: its place among the ranks, computed before the model was
+built). It splits a step's batch into each data rank's share (`plan`, on the rank that drives),
+trains this rank's share with every other rank at once (`train_share`: one or more optimizer
+updates, returning the step's global `LearnerMetrics`; `train_step` is the one-rank step), writes
+the policy as a safetensors folder that generators load and returns its files' digests
+(`save_weights`), streams it tensor by tensor in ``dtype`` for a collective refit
+(`weight_metadata`, `weight_tensors`), and saves and restores everything training needs to resume
+(`save_checkpoint` / `load_checkpoint`, into a folder of its own inside the step's checkpoint).
+
+The learners depend on this Protocol only: `services.trainer.learner.LocalLearner` (one
+process), `services.trainer.rank_learner.RankedLearner` and `follow` (many ranks), and the
+collective sender (`services.trainer.weight_send`). The implementation is
+`services.trainer.backends.backend.Backend`, one step runner composed with a model adapter
+(`adapter.ModelAdapter`) that ``trainer.backend`` picks from the registry in
+`services.trainer.backends`. The contract test (tests/integration/test_backend_contract.py) runs
+every adapter that can run on this machine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol, Self
+from typing import Protocol
 
 import torch
 
+from services.trainer.backends.layout import Layout
 from services.trainer.batch import StepBatch
+from services.trainer.step_plan import RankShare
 from shared.records import LearnerMetrics
-from shared.run_config import RunConfig
 
 
 class TrainingBackend(Protocol):
-    name: str
+    @property
+    def name(self) -> str:
+        """The ``trainer.backend`` value."""
+        ...
 
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> Self:
-        """Build the backend and load the policy ``cfg.policy.model_name`` (slow: call in a thread)."""
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The precision the policy computes in and is published in."""
+        ...
+
+    def plan(self, batch: StepBatch) -> list[RankShare]:
+        """Each data rank's share of the step (`Layout.data`), empty when nothing is trainable."""
+        ...
+
+    def train_share(self, share: RankShare | None) -> LearnerMetrics:
+        """This rank's share of a step, with every other rank at once (None: nothing trainable,
+        on every rank); the step's global metrics."""
         ...
 
     def train_step(self, batch: StepBatch) -> LearnerMetrics:
-        """One training step on the batch (one or more optimizer updates)."""
+        """One step on the whole batch, on a trainer of one rank."""
         ...
 
     def save_weights(self, out_dir: Path) -> dict[str, str]:

@@ -17,8 +17,13 @@ still has them):
   (`causal_mask`).
 
 Everything else (fused kernels, Transformer Engine, apex) is off by configuration already (the
-local layer spec, no fusions). Mixture-of-experts models need two more (`prepare_moe`). Called by
-`services.trainer.backends.megatron_backend`.
+local layer spec, no fusions). Mixture-of-experts models and pipeline stages need a few more.
+
+`apply` is the one place the process is changed: the megatron adapter calls it once, when it is
+built on a machine without CUDA, before megatron-core seeds its RNG (`seed_rng`) or builds a
+model; nothing it changes is touched where CUDA is present. What the router needs without
+Transformer Engine (on any machine) is not a CPU patch: `without_transformer_engine`, called where
+the model is built (`megatron_setup.build_gpt_model`).
 """
 
 from __future__ import annotations
@@ -34,19 +39,31 @@ log = logging.getLogger(__name__)
 _on_cpu = False
 
 
-def prepare(seed: int) -> None:
-    """Seed megatron's model-parallel RNG tracker; without CUDA, first let megatron run on CPU."""
-    from megatron.core import tensor_parallel
-
-    if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        return
+def apply(*, moe: bool, pipeline: bool) -> None:
+    """Let megatron-core run without CUDA: device lookups answer the CPU, and with ``moe`` the
+    alltoall dispatcher, with ``pipeline`` the schedule, run without CUDA streams. Idempotent."""
     global _on_cpu
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_cpu.apply is for machines without CUDA")
     if not _on_cpu:
         torch.cuda.current_device = _cpu_device
         _on_cpu = True
         log.info("megatron-core on CPU: CUDA device lookups answer the CPU, RNG tracker without forks")
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+    if moe:
+        _moe_without_cuda()
+    if pipeline:
+        _pipeline_without_cuda()
+
+
+def seed_rng(seed: int) -> None:
+    """Seed megatron's model-parallel RNG tracker: per model-parallel rank on GPUs, megatron's
+    inference tracker (whose fork does nothing) on CPU, after `apply`."""
+    from megatron.core import tensor_parallel
+
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
 
 def _cpu_device() -> torch.device:
@@ -76,20 +93,24 @@ _NO_STREAM = "no CUDA stream: split sizes are already on the host"
 _SPLIT_SIZES = ("input_splits", "output_splits", "output_splits_tp")
 
 
-def prepare_moe() -> None:
-    """What an MoE model needs beyond `prepare`, before it is built: the router's GEMM without
-    Transformer Engine (any machine), and the alltoall dispatcher without CUDA. Nothing is touched
-    where Transformer Engine and CUDA are present."""
-    from megatron.core.transformer.moe import moe_utils
+def _moe_without_cuda() -> None:
+    """The alltoall dispatcher without CUDA streams (see above)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    if torch.cuda.is_available() or MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize is _split_sizes_as_numpy:
+    if MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize is _split_sizes_as_numpy:
         return
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _split_sizes_as_numpy
     log.info("megatron-core MoE on CPU: alltoall dispatcher without CUDA streams")
+
+
+def without_transformer_engine() -> None:
+    """The router's gating GEMM without Transformer Engine (see above; on any machine: a no-op
+    where Transformer Engine imported)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _split_sizes_as_numpy(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -122,11 +143,11 @@ class _TorchOnCpu(types.ModuleType):
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
-def prepare_pipeline() -> None:
-    """What pipeline stages need beyond `prepare` without CUDA (nothing where CUDA is present)."""
+def _pipeline_without_cuda() -> None:
+    """The pipeline schedule without CUDA (see above)."""
     from megatron.core.pipeline_parallel import schedules
 
-    if torch.cuda.is_available() or isinstance(schedules.torch, _TorchOnCpu):
+    if isinstance(schedules.torch, _TorchOnCpu):
         return
     schedules.torch = _TorchOnCpu("torch")
     torch.cuda.synchronize = _nothing_to_synchronize

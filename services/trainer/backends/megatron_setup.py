@@ -1,8 +1,8 @@
-"""Setting up the megatron backend's model: the layouts it can run (`check_supported`, before the
-ranks join), megatron-core's process groups (`init_distributed`), the GPTModel of a Hugging Face
-config split over them (`build_gpt_model`) and its DDP settings (`ddp_config`). Used by
-`services.trainer.backends.megatron_backend`, and by ``python -m services.trainer`` to refuse a
-layout before joining the other ranks."""
+"""Setting up the megatron backend: the layouts it can run (`check_supported`, before the ranks
+join), megatron-core's process groups (`init_distributed`) and this rank's place among them
+(`megatron_layout`), the GPTModel of a Hugging Face config split over them (`build_gpt_model`)
+and its DDP settings (`ddp_config`). Used by `services.trainer.backends.megatron_adapter`, and by
+``python -m services.trainer`` to refuse a layout before joining the other ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from services.trainer.backends import megatron_cpu, megatron_moe
+from services.trainer.backends.layout import Layout
 from services.trainer.backends.megatron_convert import rope_base, transformer_config_kwargs
+from services.trainer.ranks import Ranks
 from shared.config_error import ConfigError
 from shared.run_config import MegatronSection, PolicySection
 
@@ -82,10 +84,9 @@ def check_supported(policy: PolicySection, world_size: int = 1) -> None:
         )
 
 
-def init_distributed(cfg: MegatronSection, seed: int, timeout_s: float | None = None) -> None:
-    """torch.distributed (torchrun's environment, or a single local rank), Megatron's groups (each
-    bounded by ``timeout_s``, in whole minutes as megatron-core takes it) and its model-parallel
-    RNG (`services.trainer.backends.megatron_cpu`: on CPU too)."""
+def init_distributed(cfg: MegatronSection, timeout_s: float | None = None) -> None:
+    """torch.distributed (torchrun's environment, or a single local rank) and Megatron's groups,
+    each bounded by ``timeout_s`` (in whole minutes, as megatron-core takes it)."""
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
@@ -104,9 +105,36 @@ def init_distributed(cfg: MegatronSection, seed: int, timeout_s: float | None = 
             expert_model_parallel_size=cfg.expert_model_parallel_size,
             distributed_timeout_minutes=max(1, math.ceil((timeout_s or 1800) / 60)),
         )
-    megatron_cpu.prepare(seed)
-    if cfg.pipeline_model_parallel_size > 1:
-        megatron_cpu.prepare_pipeline()
+
+
+def megatron_layout(world: Ranks, num_layers: int) -> Layout:
+    """This rank's place among Megatron's groups (after `init_distributed`): tensor-parallel and
+    pipeline peers train the same rows, so the rows are shared out over the data ranks; each
+    stage holds ``num_layers / stages`` consecutive layers; every rank joins each stage's group,
+    in order (collective)."""
+    from megatron.core import parallel_state
+
+    data = world.over(parallel_state.get_data_parallel_group())
+    data_rank_of = tuple(int(r) for r in world.gather(data.rank))
+    pipeline = world.over(parallel_state.get_pipeline_model_parallel_group())
+    stage, stages = pipeline.rank, pipeline.world_size
+    stage_ranks = world
+    if stages > 1:
+        of_rank = [int(s) for s in world.gather(stage)]
+        for s in range(stages):
+            group = torch.distributed.new_group([r for r, x in enumerate(of_rank) if x == s])
+            if s == stage:
+                stage_ranks = world.over(group)
+    return Layout(
+        world=world,
+        data=data,
+        data_rank_of=data_rank_of,
+        pipeline=pipeline,
+        stage=stage_ranks,
+        layer_offset=stage * (num_layers // stages),
+        expert_rank=int(parallel_state.get_expert_model_parallel_rank()),
+        expert_size=int(parallel_state.get_expert_model_parallel_world_size()),
+    )
 
 
 def build_gpt_model(
@@ -129,7 +157,7 @@ def build_gpt_model(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if megatron_moe.is_moe(hf):
-        megatron_cpu.prepare_moe()
+        megatron_cpu.without_transformer_engine()
     kwargs = {**transformer_config_kwargs(hf), **megatron_moe.moe_config_kwargs(hf, expert_parallel=expert_parallel)}
     stages = int(parallel_state.get_pipeline_model_parallel_world_size())
     if stages > 1:  # megatron checks the (unused) dispatcher of a dense model against variable lengths too
