@@ -12,7 +12,7 @@
   the bytes the collective transport sends, in the same buckets (`shared.weight_wire.plan_buckets`
   over the model's parameter list), preallocated buffers, no digests; rank 0 times it to a barrier.
 * ``refit``: a vLLM generator service process (``python -m services.generator``) and, here, the
-  trainer's learner (`LocalLearner` over `TorchBackend`, one thread) with one `WeightPublisher`
+  trainer's learner (`LocalLearner` over the torch backend, one thread) with one `WeightPublisher`
   per transport (filesystem, collective over gloo) on the same generator. One warm-up refit per
   transport (the collective one forms the transfer group and writes the first snapshot), then N
   per transport alternated (A B, B A, ...), each timed by `RefitReport` with the generator's ack,

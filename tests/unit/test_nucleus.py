@@ -57,7 +57,7 @@ def _tiny_backend(monkeypatch, top_p: float, *extra: str):
         spec = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
         return Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, **spec)).to(dtype)
 
-    monkeypatch.setattr(hf_adapter, "_load_model", tiny)
+    monkeypatch.setattr(hf_adapter, "load_pretrained", tiny)
     overrides = ["policy.model_name=tiny", "data.train_path=t.jsonl", "policy.generation.temperature=0.8"]
     overrides += ["run.seed=0", "trainer.torch_threads=1"]
     cfg = load(RunConfig, None, [*overrides, f"policy.generation.top_p={top_p}", *extra], env={})

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def _load_model(path: str, dtype: torch.dtype) -> PreTrainedModel:
+def load_pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
+    """A Hugging Face causal LM from ``path`` (a folder, or a hub id where reachable) in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -89,7 +90,7 @@ class HFAdapter:
                 cpu_offload=dtensor.cpu_offload,
             )
             return LoadedModel(model, read)
-        model = _load_model(path, torch.float32)
+        model = load_pretrained(path, torch.float32)
         if dtensor.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not ranks.sharded:

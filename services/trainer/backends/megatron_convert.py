@@ -7,7 +7,7 @@ group, k, v] per group) and gate/up into one ``linear_fc1``; an MoE layer's rout
 through `services.trainer.backends.megatron_moe`. Conversion works a layer at a time
 (`hf_layer_to_megatron`, `megatron_layer_to_hf`), so loading and publishing never hold more than a
 layer beyond the rank's own part; `hf_to_megatron` / `megatron_to_hf` convert whole state dicts.
-Used by `services.trainer.backends.megatron_backend`.
+Used by `services.trainer.backends.megatron_adapter`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Qwen3-MoE on the megatron backend: the TransformerConfig arguments, the layer spec and the
 HF <-> megatron-core layout of one decoder layer's MLP, with expert parallelism.
 
-Called by `services.trainer.backends.megatron_backend`, which converts attention, norms and
+Called by `services.trainer.backends.megatron_adapter`, which converts attention, norms and
 embeddings itself and asks this module for every layer's MLP (dense models included, so that one
 call covers both).
 
