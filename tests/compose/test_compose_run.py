@@ -1,8 +1,8 @@
 """docker compose for real, on a Docker engine (marker ``compose``; tests/docker_engine.py finds or
 starts one):
 
-* the README's compose section as written: ``bash scripts/compose_smoke.sh`` builds the image
-  (base image made offline where no registry answers) and runs
+* the compose section of docs/deploying.md as written: ``bash scripts/compose_smoke.sh`` builds
+  the image (base image made offline where no registry answers) and runs
   ``docker compose up --build --attach trainer --exit-code-from trainer`` on a fresh volume; the
   script checks that every container exited 0 and that the metrics hold every step;
 * the trainer runs as two ranks in its container (``STREAMRL_TRAINER_NPROC=2``: torchrun, FSDP2

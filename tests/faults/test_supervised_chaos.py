@@ -1,10 +1,10 @@
 """A `streamrl up` job heals itself: a generator, a gateway worker, the trainer and the embedded
-Valkey are each killed (SIGKILL) once, in a seeded random order at seeded random steps of the
-run, and nobody restarts anything but the supervisor. The job must end with exit code 0, and the
-ledger, read from metrics.jsonl and from the streams (the Valkey's append-only file is opened again
-after the job), must show what the README promises: every step trained once with its full batch,
-no trajectory trained twice, and every published training trajectory trained, evicted by id, or
-still pending; none lost.
+Valkey are each killed (SIGKILL) once, in a seeded random order at seeded random steps of the run,
+and nobody restarts anything but the supervisor. The job must end with exit code 0, and the ledger,
+read from metrics.jsonl and from the streams (the Valkey's append-only file is opened again after
+the job), must show what docs/fault_tolerance.md promises: every step trained once with its full
+batch, no trajectory trained twice, and every published training trajectory trained, evicted by id,
+or still pending; none lost.
 
 The seed is printed; set STREAMRL_CHAOS_SEED to replay one. Kill points are steps, not times, and
 each kill waits until the previous victim is back, so the test does not depend on how fast the

@@ -3,7 +3,7 @@ one process: the trainer's control plane running its real loop (torch learner on
 a generator (transformers engine) and a gym gateway served on loopback ports, a real Valkey, and
 the API token set.
 
-The run's prompts are rows of environment ``external``. The agent is the README's loop in a
+The run's prompts are rows of environment ``external``. The agent is docs/sessions.md's loop in a
 thread: plain ``httpx`` to claim a task (POST /sessions) and complete it with its reward, the
 official ``openai`` client for two chat turns through the session's URL, the model's first answer
 replayed as text. What a user relies on: every step trains a full batch of the agent's rollouts,
@@ -41,8 +41,8 @@ STEPS, PROMPTS, GENERATIONS = 2, 2, 2
 
 
 class Agent(threading.Thread):
-    """The README's agent loop: claim, chat twice, complete with reward 1 for odd rows of a group.
-    ``done`` maps each completed task id to (grant, the two answers, the complete's answer)."""
+    """The agent loop of docs/sessions.md: claim, chat twice, complete with reward 1 for odd rows of
+    a group. ``done`` maps each completed task id to (grant, the two answers, the complete's answer)."""
 
     def __init__(self, gateway_url: str) -> None:
         super().__init__(name="external-agent", daemon=True)

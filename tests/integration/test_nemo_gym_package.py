@@ -1,14 +1,14 @@
-"""The real NeMo-Gym package against streamrl, set up and started exactly as the README's NeMo-Gym
-section says: its YAML blocks and its command are read from README.md, only hosts and ports are
-replaced. So NeMo-Gym's head server, the package's ``example_session_state_mgmt`` resources server
-and its ``simple_agent`` run unchanged, in the package's own virtualenv (scripts/setup_nemo_gym.sh),
-started by scripts/nemo_gym_serve.py, with a real gateway (worker, session proxy, NeMo-Gym routes)
-as their policy model server.
+"""The real NeMo-Gym package against streamrl, set up and started exactly as the set-up of
+docs/nemo_gym.md says: its YAML blocks and its command are read from that section, only hosts and
+ports are replaced. So NeMo-Gym's head server, the package's ``example_session_state_mgmt``
+resources server and its ``simple_agent`` run unchanged, in the package's own virtualenv
+(scripts/setup_nemo_gym.sh), started by scripts/nemo_gym_serve.py, with a real gateway (worker,
+session proxy, NeMo-Gym routes) as their policy model server.
 
 The policy is the scripted generator (a deterministic policy, so the package's verifier has a
 non-trivial reward to give): ``counter`` does what the task row asks, one tool call per turn
 (increment by each number, read the counter, say the count), ``idle`` answers at once without a
-tool. The rows are the package's own example rows, as shipped (no ``agent_ref``: the README's
+tool. The rows are the package's own example rows, as shipped (no ``agent_ref``: the guide's
 ``default_agent`` names the agent). Checked through the tasks and trajectories streams: the reward
 is the verifier's (1.0 when the counter the agent's tool calls left in the resources server's
 session matches the row, 0.0 otherwise), every model call of the episode is a turn, and no turn
@@ -46,13 +46,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest_plugins = ["tests.gateway_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[2]
-POLICY_FILE = "streamrl_policy.yaml"  # the NeMo-Gym config the README's first step writes
+POLICY_FILE = "streamrl_policy.yaml"  # the NeMo-Gym config the guide's first step writes
 STARTUP_TIMEOUT_S = 300.0  # a slow 2-core machine importing NeMo-Gym in three processes
 
 
 @dataclass(frozen=True)
 class Readme:
-    """What the README's NeMo-Gym section has the reader write and run."""
+    """What the set-up of docs/nemo_gym.md has the reader write and run."""
 
     policy_config: dict[str, Any]  # step 1: the NeMo-Gym config naming the gateway
     command: list[str]  # step 2: the command starting NeMo-Gym's servers
@@ -66,8 +66,8 @@ class Readme:
 
 @pytest.fixture(scope="module")
 def readme() -> Readme:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## NeMo-Gym agents\n", 1)[1].split("\n## ", 1)[0]
+    text = (ROOT / "docs/nemo_gym.md").read_text()
+    section = text.split("\n## Set-up\n", 1)[1].split("\n## ", 1)[0]
     blocks = [textwrap.dedent(m[2]) for m in re.finditer(r"^( *)```\w*\n(.*?)^\1```", section, re.S | re.M)]
     [policy_config] = [yaml.safe_load(b) for b in blocks if "policy_model:" in b]
     [script] = [b for b in blocks if "nemo_gym_serve.py" in b]
@@ -87,7 +87,7 @@ def nemo_gym_venv(readme):
 
 @pytest.fixture(scope="module")
 def example_rows(readme) -> list[dict]:
-    """The rows the package ships for the README's environment, as they are."""
+    """The rows the package ships for the guide's environment, as they are."""
     venv = Path(readme.command[0]).parents[1]
     data = Path(readme.package_config).parents[1] / "data/example.jsonl"
     [path] = ROOT.glob(f"{venv}/lib/python3.*/site-packages/{data}")
@@ -115,7 +115,7 @@ POLICIES = {"counter": _counter, "idle": lambda messages: say("The count is 0.")
 
 @contextlib.asynccontextmanager
 async def nemo_gym_servers(command: list[str], workdir: Path) -> AsyncIterator[dict[str, str]]:
-    """The README's command, run in ``workdir``; yields the URLs of its ``ready`` line by name.
+    """The guide's command, run in ``workdir``; yields the URLs of its ``ready`` line by name.
     Stopped with SIGTERM (it stops its servers), its process group killed if it lingers."""
     log = workdir / "nemo_gym_serve.log"
     python, script, *args = command
@@ -145,8 +145,8 @@ async def nemo_gym_servers(command: list[str], workdir: Path) -> AsyncIterator[d
 
 @contextlib.asynccontextmanager
 async def deployment(scripted_gateway, readme: Readme, workdir: Path):
-    """The scripted gateway configured with the README's env section and, pointing at it, NeMo-Gym's
-    servers started as the README says; only hosts and ports differ."""
+    """The scripted gateway configured with the guide's env section and, pointing at it, NeMo-Gym's
+    servers started as the guide says; only hosts and ports differ."""
     held = HeldPorts(("head",))
     try:
         policy_config = json.loads(json.dumps(readme.policy_config))

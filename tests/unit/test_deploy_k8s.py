@@ -107,7 +107,7 @@ class Pod:
     def _check_secret(self, name: str, keys: list[str]) -> None:
         if name != SECRET or not set(keys) <= SECRET_KEYS:
             self.problems.append(
-                f"{self.name}: secret {name} keys {keys}; the README documents {SECRET} {sorted(SECRET_KEYS)}"
+                f"{self.name}: secret {name} keys {keys}; docs/deploying.md documents {SECRET} {sorted(SECRET_KEYS)}"
             )
 
     def _mount_files(self) -> dict[str, Path]:
