@@ -5,7 +5,7 @@
 #      (debootstrap of Debian bookworm, `docker import`; needs root) and kept by the engine;
 #   2. puts the torch 2.13.0 CPU wheel from $PIP_FIND_LINKS (if it holds one) into deploy/docker/wheels/
 #      (PyPI's torch is the multi-GB CUDA build);
-#   3. runs the README's command on a fresh volume, with a random API token:
+#   3. runs the compose command of docs/deploying.md on a fresh volume, with a random API token:
 #        docker compose up --build --attach trainer --exit-code-from trainer
 #   4. checks what compose's exit code alone does not prove: the image was built, every container of
 #      the project (prepare, redis, generator, gym-gateway, trainer) exited 0 and none runs, and the

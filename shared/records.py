@@ -174,7 +174,7 @@ class NemoRLTiming(msgspec.Struct, kw_only=True):
 
 class NemoRLPerformance(msgspec.Struct, kw_only=True):
     """NeMo-RL's ``performance/*`` throughputs; ``_per_gpu``: per worker (a trainer rank or a
-    generator), see docs/trainer.md."""
+    generator), see docs/trainer_records.md."""
 
     samples_per_sec: float
     tokens_per_sec: float

@@ -1,6 +1,6 @@
 """Redis Streams client: produce, consume with consumer groups, ack, reclaim, dead-letter.
 
-Delivery contract (README, "Fault tolerance"): a consumer acks an entry only once its effect is durable.
+Delivery contract (docs/fault_tolerance.md): a consumer acks an entry only once its effect is durable.
 Entries a dead consumer left pending are taken over with XAUTOCLAIM after an idle timeout.
 An entry that cannot be decoded or validated (malformed, truncated, another schema version, or
 larger than its stream's ``keys.MAX_ENTRY_BYTES``) is copied to the dead-letter stream with the

@@ -10,7 +10,7 @@ Most are figures the record already has under streamrl's names (``total_step_tim
 ``refit.total_s``); the per-token advantage range, the valid samples, the token count and the
 per-rollout aggregates are computed here from the step's batch. NeMo-RL divides by GPUs; streamrl
 also runs on CPUs, so a ``_per_gpu`` figure is per worker: trainer ranks for training figures,
-generators for generation ones, both for end-to-end ones (the table in docs/trainer.md).
+generators for generation ones, both for end-to-end ones (the table in docs/trainer_records.md).
 
 Called by the control plane once a step's record is built.
 """
