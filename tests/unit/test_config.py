@@ -177,7 +177,8 @@ def test_every_shipped_config_loads(path):
 
 
 def test_backfill_comes_from_the_policy_or_nemo_rls_flag():
-    from shared.run_config import EnvSection, NemoGymSection, backfills_failures
+    from shared.sections.env_nemo_gym import NemoGymSection
+    from shared.sections.gateway import EnvSection, backfills_failures
 
     assert not backfills_failures(EnvSection())
     assert not backfills_failures(EnvSection(failure_policy="retry"))

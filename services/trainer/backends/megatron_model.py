@@ -17,7 +17,7 @@ import torch
 from services.trainer.backends import megatron_cpu, megatron_moe
 from services.trainer.backends.megatron_convert import rope_base, transformer_config_kwargs
 from shared.config_error import ConfigError
-from shared.run_config import MegatronSection, PolicySection
+from shared.sections.policy import MegatronSection, PolicySection
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig

@@ -61,7 +61,9 @@ from services.trainer.sharded_load import load_sharded, shard_readable
 from services.trainer.sharding import shard_model
 from services.trainer.step_plan import RankShare, lr_schedule, plan_step
 from shared.records import LearnerMetrics
-from shared.run_config import GrpoSection, LossSection, PolicySection, RunConfig
+from shared.run_config import RunConfig
+from shared.sections.grpo import GrpoSection, LossSection
+from shared.sections.policy import PolicySection
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -17,7 +17,7 @@ from services.trainer import packing
 from services.trainer.batch import Row
 from services.trainer.ranks import Ranks
 from shared.nucleus import sampled_logprobs
-from shared.run_config import PolicySection
+from shared.sections.policy import PolicySection
 
 
 class TorchInputs:

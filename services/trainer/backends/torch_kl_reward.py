@@ -17,7 +17,8 @@ from services.trainer.batch import Row
 from services.trainer.loss import kl_estimate
 from services.trainer.ranks import Ranks
 from services.trainer.step_plan import RankShare
-from shared.run_config import GrpoSection, LossSection, PolicySection
+from shared.sections.grpo import GrpoSection, LossSection
+from shared.sections.policy import PolicySection
 
 
 class KLRewardShaping:

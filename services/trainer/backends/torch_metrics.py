@@ -14,7 +14,8 @@ import numpy as np
 from services.trainer import mismatch
 from services.trainer.ranks import Ranks
 from shared.records import LearnerMetrics
-from shared.run_config import LossSection, PolicySection
+from shared.sections.grpo import LossSection
+from shared.sections.policy import PolicySection
 
 
 @dataclass
