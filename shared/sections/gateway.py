@@ -34,6 +34,13 @@ class GatewaySection(Section):
     drain_timeout_s: Annotated[
         float, D("at SIGTERM or the run's end, deadline for running rollouts to finish; the rest go back to the group")
     ] = 30.0
+    release_margin_s: Annotated[
+        float,
+        D(
+            "time past drain_timeout_s to release the rollouts still running to the group before the server "
+            "shuts down anyway"
+        ),
+    ] = 5.0
 
 
 class EnvSection(Section):

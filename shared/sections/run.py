@@ -43,6 +43,20 @@ class SupervisorSection(Section):
     restart_backoff_s: Annotated[
         float, D("delay before the first restart in the window, doubled for each further one (at most 60 s)")
     ] = 1.0
+    generator_ready_timeout_s: Annotated[
+        float,
+        D(
+            "how long a generator `streamrl up` starts (or restarts, or scales out) may take to answer /ready "
+            "(its engine loads the model) before the job fails"
+        ),
+    ] = 600.0
+    gateway_ready_timeout_s: Annotated[
+        float,
+        D(
+            "how long a gym gateway worker `streamrl up` starts (or restarts, or scales out) may take to answer "
+            "/ready before the job fails"
+        ),
+    ] = 120.0
 
 
 class AuthSection(Section):

@@ -30,6 +30,13 @@ class TrainerSection(Section):
             "every rank a shard of the learner"
         ),
     ] = 1
+    drain_timeout_s: Annotated[
+        float,
+        D(
+            "at SIGTERM, deadline for stopping the run (its own cleanup, then a cancel) before the server shuts "
+            "down; a restart resumes from the newest checkpoint"
+        ),
+    ] = 60.0
     collective_timeout_s: Annotated[
         float,
         D("longest wait of any collective between trainer ranks; a rank that died or hangs fails the trainer after it"),

@@ -90,6 +90,20 @@ def test_a_job_and_config_check_require_what_every_service_of_the_run_reads(tmp_
 BASE = "policy:\n  model_name: m\ndata:\n  train_path: t.jsonl\n"
 
 
+def test_streamrl_up_waits_for_its_workers_as_long_as_the_config_says(tmp_path):
+    from streamrl.supervisor import Supervisor
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(BASE)
+    default = Supervisor(str(cfg), [], progress=False)
+    assert default.pools["generator"].ready_timeout_s == 600.0
+    assert default.pools["gym-gateway"].ready_timeout_s == 120.0
+    overrides = ["supervisor.generator_ready_timeout_s=1800", "supervisor.gateway_ready_timeout_s=30"]
+    tuned = Supervisor(str(cfg), overrides, progress=False)
+    assert tuned.pools["generator"].ready_timeout_s == 1800.0
+    assert tuned.pools["gym-gateway"].ready_timeout_s == 30.0
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
