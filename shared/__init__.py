@@ -6,5 +6,7 @@ key names (`keys`), the streams client (`streams`), the pause protocol (`pause`)
 registry (`registry`), the service lifecycle and probes (`service`), config loading (`config`,
 `config_error`) and the run's config tree (`run_config`, composed of its owners' `sections`),
 auth (`auth`), HTTP error mapping (`http`), logging (`logs`) and metrics (`metrics`). Nothing
-service-specific.
+service-specific, and nothing heavy: no module here imports torch, vLLM or transformers at import
+(the gym gateway and the command line import it); the torch and vLLM code the trainer and the generator share
+is in `shared_torch`.
 """

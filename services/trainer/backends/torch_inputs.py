@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from services.trainer import packing
 from services.trainer.batch import Row
 from services.trainer.ranks import Ranks
-from shared.nucleus import sampled_logprobs
 from shared.sections.policy import PolicySection
+from shared_torch.nucleus import sampled_logprobs
 
 
 class TorchInputs:
@@ -79,7 +79,7 @@ class TorchInputs:
         self, logits: torch.Tensor, mb: dict[str, torch.Tensor], untruncated: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
         """The micro-batch's token logprobs from its logits (`_token_logprobs`), under temperature and
-        the top-p nucleus (`shared.nucleus.sampled_logprobs`). With top_p < 1, ``untruncated``
+        the top-p nucleus (`shared_torch.nucleus.sampled_logprobs`). With top_p < 1, ``untruncated``
         receives the same figures under the temperature-only softmax."""
         ids = mb["pack"][0] if "pack" in mb else mb["input_ids"]
         both = sampled_logprobs(
