@@ -8,7 +8,7 @@ bash scripts/k8s_tools.sh  # kubectl (with kustomize) for the offline checks of 
 bash scripts/setup_openhands.sh  # the OpenHands driver's tests run a real agent in its own virtualenv
 bash scripts/setup_nemo_gym.sh  # the NeMo-Gym driver's tests run the nemo-gym package's servers in its own virtualenv
 
-.venv/bin/ruff check services shared streamrl tests scripts
-.venv/bin/ruff format --check services shared streamrl tests scripts
+.venv/bin/ruff check services shared shared_torch streamrl tests scripts
+.venv/bin/ruff format --check services shared shared_torch streamrl tests scripts
 .venv/bin/mypy  # files and strictness from [tool.mypy] in pyproject.toml
 exec .venv/bin/python -m pytest "$@"

@@ -1,14 +1,16 @@
 """Config loading: defaults, then a YAML file, then environment (addresses/secrets), then dotted
 command-line overrides, decoded strictly into a typed tree.
 
-Unknown keys are errors that name the key (``unknown config key 'grpo.num_prompt_per_step'``);
-type errors name the key and the expected type, a bad choice also the allowed values, and a YAML
-syntax error the file, line and column. The run's schema lives in `shared.run_config`; this module
-only knows how to load into any msgspec Struct tree.
+Unknown keys are errors that name the key and, when one is close, the nearest known key
+(``unknown config key 'grpo.num_prompt_per_step' (did you mean 'grpo.num_prompts_per_step'?)``),
+in a file as in a dotted override; type errors name the key and the expected type, a bad choice
+also the allowed values, and a YAML syntax error the file, line and column. The run's schema
+lives in `shared.run_config`; this module only knows how to load into any msgspec Struct tree.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -88,7 +90,8 @@ def _explain(exc: msgspec.ValidationError, cls: type) -> str:
     if m:
         where = (m.group(2) or "").lstrip(".")
         key = f"{where}.{m.group(1)}" if where else m.group(1)
-        return f"unknown config key {key!r}"
+        near = _nearest_key(cls, key)
+        return f"unknown config key {key!r}" + (f" (did you mean {near!r}?)" if near else "")
     m = _AT.match(msg)
     if m:
         key = m.group(2).lstrip(".")
@@ -100,19 +103,65 @@ def _explain(exc: msgspec.ValidationError, cls: type) -> str:
 
 def _choices(cls: type, key: str) -> tuple[object, ...] | None:
     """The allowed values of the Literal field at dotted ``key`` of ``cls``, if it is one."""
-    t: Any = mi.type_info(cls)
-    for part in key.split("."):
-        while isinstance(t, mi.Metadata):
-            t = t.type
-        field = next((f for f in getattr(t, "fields", ()) if f.encode_name == part), None)
-        if not isinstance(t, mi.StructType) or field is None:
-            return None
-        t = field.type
-    while isinstance(t, mi.Metadata):
-        t = t.type
+    t = _type_at(cls, key)
+    if t is None:
+        return None
     members = t.types if isinstance(t, mi.UnionType) else (t,)
     values = tuple(v for u in members if isinstance(u, mi.LiteralType) for v in u.values)
     return values or None
+
+
+def _nearest_key(cls: type, key: str) -> str | None:
+    """The known key of ``cls`` an unknown dotted ``key`` most likely meant: a close sibling (a
+    typo), else the same name in another section (a key put in the wrong place), else the closest
+    dotted key of the whole tree; None when nothing is close."""
+    parent, _, name = key.rpartition(".")
+    section = _type_at(cls, parent)
+    siblings = [f.encode_name for f in section.fields] if isinstance(section, mi.StructType) else []
+    close = difflib.get_close_matches(name, siblings, n=1, cutoff=_SIBLING_CUTOFF)
+    if close:
+        return f"{parent}.{close[0]}" if parent else close[0]
+    ancestors = {key.rsplit(".", n)[0] for n in range(1, key.count(".") + 1)}
+    known = [k for k in _dotted_keys(mi.type_info(cls)) if k not in ancestors]
+    moved = [k for k in known if k.rpartition(".")[2] == name]
+    close = difflib.get_close_matches(key, moved, n=1, cutoff=0.0) or difflib.get_close_matches(
+        key, known, n=1, cutoff=_TREE_CUTOFF
+    )
+    return close[0] if close else None
+
+
+# difflib ratios: a sibling's name is short, so a typo costs more of it; over whole dotted keys
+# the shared section prefix inflates every ratio, so only a near match counts.
+_SIBLING_CUTOFF = 0.75
+_TREE_CUTOFF = 0.8
+
+
+def _type_at(cls: type, key: str) -> Any:
+    """The msgspec type info at dotted ``key`` of ``cls`` ('': ``cls`` itself), metadata unwrapped;
+    None when the path leaves the tree."""
+    t: Any = _unwrap(mi.type_info(cls))
+    for part in key.split(".") if key else ():
+        field = next((f for f in getattr(t, "fields", ()) if f.encode_name == part), None)
+        if not isinstance(t, mi.StructType) or field is None:
+            return None
+        t = _unwrap(field.type)
+    return t
+
+
+def _unwrap(t: Any) -> Any:
+    while isinstance(t, mi.Metadata):
+        t = t.type
+    return t
+
+
+def _dotted_keys(t: Any, prefix: str = "") -> list[str]:
+    """Every key of the struct tree ``t``, sections and leaves, dotted."""
+    keys: list[str] = []
+    for f in t.fields if isinstance(t, mi.StructType) else ():
+        key = f"{prefix}{f.encode_name}"
+        keys.append(key)
+        keys.extend(_dotted_keys(_unwrap(f.type), key + "."))
+    return keys
 
 
 def decode_tree(tree: Mapping[str, Any], cls: type[T]) -> T:

@@ -3,7 +3,7 @@ demo's own settings, each run shortened to ``STEPS`` steps, on the demo's seed a
 policy for all three runs.
 
 1. Nucleus sampling (``policy.generation.top_p: 0.9``). The trainer scores the sampled tokens
-   under the top-p nucleus they were drawn from (`shared.nucleus.sampled_logprobs`); before that
+   under the top-p nucleus they were drawn from (`shared_torch.nucleus.sampled_logprobs`); before that
    fix it scored them under the temperature-only softmax. The same run reports both: the step's
    ``token_mult_prob_error`` and ``gen_kl_error`` (as trained) and their ``*_untruncated``
    figures, the same tokens and forward pass scored without the truncation

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from services.gym_gateway.envs.base import ModelClient, Outcome
     from shared.openai_api import ChatCompletionResponse
-    from shared.run_config import EnvSection
+    from shared.sections.gateway import EnvSection
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Gym gateway"

@@ -181,7 +181,7 @@ async def _round(env: OpenHandsEnv, url: str, instances: list[dict[str, Any]]) -
 
 async def _run(work: Path) -> dict[str, Any]:
     from services.gym_gateway.envs.openhands import OpenHandsEnv
-    from shared.run_config import OpenHandsSection
+    from shared.sections.env_openhands import OpenHandsSection
 
     model = ScriptedModel()
     url = await model.start()

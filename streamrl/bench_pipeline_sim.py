@@ -45,7 +45,8 @@ from shared import keys as K
 from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
 from shared.records import LearnerMetrics
 from shared.registry import HeartbeatTask, publish_heartbeat
-from shared.run_config import EnvSection, RunConfig
+from shared.run_config import RunConfig
+from shared.sections.gateway import EnvSection
 from shared.streams import StreamClient, connect
 from shared.weights_format import write_hashed
 from streamrl.bench_schedule import Scenario

@@ -9,7 +9,7 @@
   ``save_file`` + ``load_file`` back into the same tensors (page cache), and sha256 / xxh3-128
   over the same bytes; and, apart, the float32 -> bfloat16 cast of the model with one thread.
 * ``broadcast``: baseline A, a raw ``torch.distributed`` gloo broadcast from rank 0 to rank 1 of
-  the bytes the collective transport sends, in the same buckets (`shared.weight_wire.plan_buckets`
+  the bytes the collective transport sends, in the same buckets (`shared_torch.weight_wire.plan_buckets`
   over the model's parameter list), preallocated buffers, no digests; rank 0 times it to a barrier.
 * ``refit``: a vLLM generator service process (``python -m services.generator``) and, here, the
   trainer's learner (`LocalLearner` over the torch backend, one thread) with one `WeightPublisher`
@@ -138,7 +138,7 @@ def bucket_sizes(model_dir: Path, bucket_bytes: int) -> list[int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shared.weight_wire import ParamSpec, nbytes, plan_buckets
+    from shared_torch.weight_wire import ParamSpec, nbytes, plan_buckets
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))

@@ -5,8 +5,9 @@
     torchrun --nproc-per-node N -m streamrl.bench_trainer_worker state MODEL OUT.json --saves S
     torchrun --nproc-per-node N -m streamrl.bench_trainer_worker load MODEL OUT.json [--whole]
 
-* ``compare`` (one rank): the real backend (`Backend.train_step` over the transformers adapter) against `BareLoop`, the same
-  model, batch, loss and AdamW written plainly in torch, alternated step by step for R rounds.
+* ``compare`` (one rank): the real backend (`Backend.train_step` over the transformers adapter)
+  against `BareLoop`, the same model, batch, loss and AdamW written plainly in torch, alternated
+  step by step for R rounds.
 * ``scale``: the learner over N ranks as the trainer runs it (`RankedLearner` on rank 0, `follow`
   on the others) against a one-rank learner (`LocalLearner`) in rank 0 with the same threads,
   alternated step by step; rank 0 times each ``train`` call.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.run_config import SupervisorSection
+from shared.sections.run import SupervisorSection
 
 MAX_BACKOFF_S = 60.0
 

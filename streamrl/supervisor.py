@@ -156,13 +156,13 @@ class Supervisor:
                 "generator",
                 self._generator,
                 stop_timeout_s=cfg.generator.drain_timeout_s + STOP_MARGIN_S,
-                ready_timeout_s=600.0,
+                ready_timeout_s=cfg.supervisor.generator_ready_timeout_s,
             ),
             "gym-gateway": WorkerPool(
                 "gym-gateway",
                 self._gateway,
                 stop_timeout_s=cfg.gym_gateway.drain_timeout_s + STOP_MARGIN_S,
-                ready_timeout_s=120.0,
+                ready_timeout_s=cfg.supervisor.gateway_ready_timeout_s,
             ),
         }
         # Fails on a layout that cannot fit before anything starts.
@@ -210,14 +210,17 @@ class Supervisor:
             signal.signal(sig, _interrupt)
         try:
             self._start_redis()
-            wait_ready(self.pools["generator"].start_initial(cfg.generator.num_workers), timeout_s=600)
+            wait_ready(
+                self.pools["generator"].start_initial(cfg.generator.num_workers),
+                timeout_s=cfg.supervisor.generator_ready_timeout_s,
+            )
             self.pools["generator"].mark_ready()
             gateways = self.pools["gym-gateway"].start_initial(cfg.gym_gateway.num_workers)
             # trainer.nproc_per_node > 1: the trainer starts its ranks under torchrun itself
             self.trainer = trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
             trainer.env.update(self.devices.trainer_env if self.devices is not None else {})
             trainer.start()
-            wait_ready(gateways, timeout_s=120)  # while the trainer loads its policy
+            wait_ready(gateways, timeout_s=cfg.supervisor.gateway_ready_timeout_s)  # while the trainer loads its policy
             self.pools["gym-gateway"].mark_ready()
             self.channel = ScaleChannel(redis.Redis.from_url(self.redis_url), K.RunKeys(cfg.run.run_id), self.pools)
             self._write_run_file(trainer)

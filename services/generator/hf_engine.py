@@ -60,7 +60,7 @@ class HfEngine:
         self._generated_tokens_total = 0
         self._group: Any = None  # the weight-transfer group joined (collective refits)
         self._bucket_bytes = 256 << 20
-        self._receive_buffers: list[Any] = []  # kept across transfers (`shared.weight_wire`)
+        self._receive_buffers: list[Any] = []  # kept across transfers (`shared_torch.weight_wire`)
 
     @property
     def info(self) -> EngineInfo:
@@ -175,7 +175,7 @@ class HfEngine:
             self._model.load_state_dict(state, strict=True)
 
     async def join_weight_group(self, init_info: dict[str, Any]) -> None:
-        from shared.weight_wire import open_group
+        from shared_torch.weight_wire import open_group
 
         if self._group is not None:
             self._group.close()
@@ -197,7 +197,7 @@ class HfEngine:
         )
 
     async def receive_weights(self, update_info: dict[str, Any]) -> str | None:
-        """The gloo wire format of `shared.weight_wire`, copied into the parameters by name (a
+        """The gloo wire format of `shared_torch.weight_wire`, copied into the parameters by name (a
         transfer in vLLM's checkpoint names is the Hugging Face state dict)."""
         if self._active and self._running.is_set():
             raise RuntimeError("receive_weights called while a generation is running; pause the engine first")
@@ -206,7 +206,7 @@ class HfEngine:
     def _receive(self, update_info: dict[str, Any]) -> str:
         import torch
 
-        from shared.weight_wire import TransferError, metas_from_update, receive_buckets, transfer_checksum
+        from shared_torch.weight_wire import TransferError, metas_from_update, receive_buckets, transfer_checksum
 
         if self._group is None:
             raise TransferError("no weight-transfer group joined")
@@ -317,7 +317,7 @@ def _sample(logits: Any, temperature: float, top_p: float, gen: Any) -> tuple[An
 
 
 def _top_p_mask(logits: Any, top_p: float) -> Any:
-    """vLLM's rule (`shared.nucleus`): the tokens outside the nucleus set to -inf."""
-    from shared.nucleus import top_p_mask
+    """vLLM's rule (`shared_torch.nucleus`): the tokens outside the nucleus set to -inf."""
+    from shared_torch.nucleus import top_p_mask
 
     return top_p_mask(logits, top_p)

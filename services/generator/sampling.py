@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared.http import HTTPError, bad_request
-from shared.run_config import GenerationSection
+from shared.sections.generator import GenerationSection
 
 _TOLERANCE = 1e-6
 MAX_TOP_LOGPROBS = 20

@@ -43,7 +43,7 @@ from shared.openai_api import (
     TopLogprob,
     Usage,
 )
-from shared.run_config import GenerationSection
+from shared.sections.generator import GenerationSection
 
 
 def token_label(token_id: int) -> str:

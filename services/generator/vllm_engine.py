@@ -9,7 +9,7 @@ Prompts go in as token ids (`TokensPrompt`), nothing is detokenised inside the e
 logprobs are the engine's ``processed_logprobs`` (after temperature and top-p), the distribution
 tokens are actually sampled from. Weights are reloaded in place from safetensors with
 ``collective_rpc("reload_weights")``, or, with ``refit.transport: collective``, received through
-vLLM's weight-transfer engine (``gloo`` from `shared.gloo_weights` on CPU, vLLM's ``nccl`` on
+vLLM's weight-transfer engine (``gloo`` from `shared_torch.gloo_weights` on CPU, vLLM's ``nccl`` on
 GPUs). Pause/resume use the scheduler's wait/keep modes without clearing the cache (the refit
 resets the prefix cache itself and checks the answer).
 
@@ -105,7 +105,7 @@ class VllmEngine:
     def _worker_extension(self) -> str:
         if self._cfg.refit.transport != "collective":
             return ""
-        from shared.gloo_weights import EXTENSION
+        from shared_torch.gloo_weights import EXTENSION
 
         return EXTENSION
 
@@ -114,7 +114,7 @@ class VllmEngine:
             return None
         from vllm.config.weight_transfer import WeightTransferConfig
 
-        from shared.gloo_weights import register, transfer_backend
+        from shared_torch.gloo_weights import register, transfer_backend
 
         register()  # vLLM's plugin entry point does it in the engine's processes; this covers this one
         return WeightTransferConfig(backend=transfer_backend(self._cfg.refit.collective.backend))
@@ -219,7 +219,7 @@ class VllmEngine:
     async def weight_checksum(self) -> str | None:
         if not self._cfg.refit.collective.verify_engine_checksums:
             return None
-        from shared.weight_wire import checksum_of_checksums
+        from shared_torch.weight_wire import checksum_of_checksums
 
         return checksum_of_checksums(await self._llm.compute_weight_checksums())
 

@@ -20,9 +20,6 @@ import sys
 
 log = logging.getLogger("services.gym_gateway")
 
-# The drain's own deadline is gym_gateway.drain_timeout_s; releasing what is left takes a moment more.
-RELEASE_MARGIN_S = 5.0
-
 
 def main(argv: list[str] | None = None) -> int:
     from shared.service_cli import load_service_config, parse_service_args
@@ -46,17 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     async def drain() -> None:
         await app.state.worker.drain(gw.drain_timeout_s)
 
+    # The drain's own deadline is drain_timeout_s; releasing what is left takes release_margin_s more.
+    limit_s = gw.drain_timeout_s + gw.release_margin_s
     # Keep-alive well above the clients' idle expiry, so a pooled connection is never reused
     # just as the server closes it (a ReadError on a healthy rollout).
     config = uvicorn.Config(
         app,
         log_level="warning",
         lifespan="on",
-        timeout_graceful_shutdown=int(gw.drain_timeout_s + RELEASE_MARGIN_S),
+        timeout_graceful_shutdown=int(limit_s),
         timeout_keep_alive=120,
     )
     log.info("gym gateway %s listening on %s:%d", worker_id, gw.host, port)
-    return run_server(app, config, drain=drain, drain_timeout_s=gw.drain_timeout_s + RELEASE_MARGIN_S, sockets=[sock])
+    return run_server(app, config, drain=drain, drain_timeout_s=limit_s, sockets=[sock])
 
 
 if __name__ == "__main__":

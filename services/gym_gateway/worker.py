@@ -51,7 +51,7 @@ from services.gym_gateway.tool_call_errors import failure_reason
 from shared import keys as K
 from shared.pause import launch_gate_closed
 from shared.protocol import RolloutStatus, Task, Trajectory
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 from shared.streams import Delivery, StreamClient
 from shared.tasks import cancel_and_wait
 

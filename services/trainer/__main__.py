@@ -2,8 +2,8 @@
 
 Parses the command line and loads the config before importing torch or transformers, so
 ``--help`` and config errors are instant. Exits 0 when the run finishes, 1 when it fails (or the
-policy cannot load); SIGTERM or SIGINT stops the run (a restart resumes from the newest
-checkpoint) and the process ends by that signal.
+policy cannot load); SIGTERM or SIGINT stops the run within ``trainer.drain_timeout_s`` (a
+restart resumes from the newest checkpoint) and the process ends by that signal.
 
 With ``trainer.nproc_per_node`` > 1 and no launcher around it, the process replaces itself with
 ``torchrun --standalone --nproc-per-node N -m services.trainer`` and the same arguments. Under
@@ -72,7 +72,7 @@ def _serve(cfg: RunConfig, port: int | None, worker_id: str | None, learner: Lea
         cfg, worker_id=worker_id or default_worker_id("trainer"), url=advertised_url(t.host, bound), learner=learner
     )
     config = uvicorn.Config(app, log_level="warning", lifespan="on")
-    return run_server(app, config, drain=lambda: stop_run(app), drain_timeout_s=60.0, sockets=[sock])
+    return run_server(app, config, drain=lambda: stop_run(app), drain_timeout_s=t.drain_timeout_s, sockets=[sock])
 
 
 def _ranked(cfg: RunConfig, port: int | None, worker_id: str | None) -> int:

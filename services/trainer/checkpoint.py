@@ -31,7 +31,7 @@ import msgspec
 from services.trainer.learner import Learner
 from services.trainer.scheduler import SchedulerState
 from shared import keys as K
-from shared.run_config import CheckpointSection
+from shared.sections.trainer import CheckpointSection
 from shared.streams import StreamClient
 
 log = logging.getLogger(__name__)

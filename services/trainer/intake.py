@@ -27,7 +27,7 @@ from services.trainer.buffer import ReplayBuffer
 from services.trainer.scheduler import Scheduler
 from shared import keys as K
 from shared.protocol import Trajectory
-from shared.run_config import EnvSection, backfills_failures
+from shared.sections.gateway import EnvSection, backfills_failures
 from shared.streams import StreamClient
 from shared.tasks import cancel_and_wait
 from shared.wakeup import Wakeup

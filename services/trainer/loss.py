@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.run_config import LossSection
+from shared.sections.grpo import LossSection
 
 
 @dataclass

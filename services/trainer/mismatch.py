@@ -21,7 +21,7 @@ masked (the kept set is empty)::
     [lp-mask-debug] masked(len,err,rew)=L1,E1,R1;... | kept_len mean=M p90=P max=X | masked_len mean=Q
 
 With nucleus sampling (``policy.generation.top_p`` < 1) the trainer scores tokens under the
-truncated distribution they were sampled from (`shared.nucleus.sampled_logprobs`). As a diagnostic
+truncated distribution they were sampled from (`shared_torch.nucleus.sampled_logprobs`). As a diagnostic
 of the bias that removes, the step also reports ``token_mult_prob_error_untruncated`` and
 ``gen_kl_error_untruncated``: the same figures as the loss's ``token_mult_prob_error`` and
 ``gen_kl_error``, against the old policy's logprobs under the temperature-only softmax, from the

@@ -41,7 +41,7 @@ from services.trainer.learner import LearnerLost, sender_of
 from services.trainer.ranks import Ranks
 from services.trainer.weight_send import CollectiveSender, SendOrder
 from shared.records import LearnerMetrics
-from shared.weight_wire import TransferError
+from shared_torch.weight_wire import TransferError
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient

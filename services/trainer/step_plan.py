@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from services.trainer.batch import Row, StepBatch
 from services.trainer.kl_reward import Rollout, rollouts_of
-from shared.run_config import OptimizerSection
+from shared.sections.policy import OptimizerSection
 
 
 def lr_schedule(opt: OptimizerSection, total_updates: int) -> Callable[[int], float]:

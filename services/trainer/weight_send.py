@@ -6,7 +6,7 @@ it). Rank 0 is the sender: it holds the transfer group with the generators and b
 other ranks only iterate the source, which is their part of each FSDP gather (one tensor at a
 time, so no rank holds the whole model). The engine is vLLM's, picked by the order's backend from
 `vllm.distributed.weight_transfer.factory.WeightTransferTrainerFactory`: ``gloo``
-(`shared.gloo_weights`, CPU) or vLLM's ``nccl``. One engine lives per transfer group: a new group
+(`shared_torch.gloo_weights`, CPU) or vLLM's ``nccl``. One engine lives per transfer group: a new group
 id (membership changed, or the last transfer failed) closes the old one and opens the new.
 """
 
@@ -117,7 +117,7 @@ class CollectiveSender:
 def _trainer_init(order: SendOrder, rank: int, client: Any, source: Any) -> Any:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from shared.gloo_weights import BACKEND, GlooTrainerInitInfo, register
+    from shared_torch.gloo_weights import BACKEND, GlooTrainerInitInfo, register
 
     register()
     info: Any

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.protocol import CollectiveOrder, WeightAnnouncement, WeightSnapshot, WeightTransportName, encode
-from shared.weight_wire import nbytes
 from shared.weights_format import dir_num_bytes, folder_digests, manifest_checksum
+from shared_torch.weight_wire import nbytes
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -328,7 +328,7 @@ def build_transport(
     files = FilesystemTransport(weights_dir, learner.export_weights)
     if cfg.refit.transport == "filesystem":
         return files
-    from shared.gloo_weights import transfer_backend
+    from shared_torch.gloo_weights import transfer_backend
 
     c = cfg.refit.collective
     v = cfg.policy.generation.vllm_cfg

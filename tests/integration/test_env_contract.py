@@ -29,7 +29,7 @@ from services.gym_gateway.envs.swe.agent import SHIPPED_INSTANCES
 from services.gym_gateway.envs.swe.tools import TOOLS
 from shared.openai_api import ChatMessage, ResponseMessage
 from shared.protocol import SamplingParams, Task, Trajectory
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 from tests.gateway_fixtures import collect
 from tests.ports import refused_port
 from tests.scripted_generator import Policy, call, say, write

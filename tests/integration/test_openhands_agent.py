@@ -22,7 +22,7 @@ import pytest
 from services.gym_gateway.envs.base import ChatClient, ModelRequestError
 from services.gym_gateway.envs.openhands import OpenHandsEnv
 from shared.protocol import SamplingParams, Task
-from shared.run_config import OpenHandsSection
+from shared.sections.env_openhands import OpenHandsSection
 from tests.gateway_fixtures import collect
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -23,7 +23,7 @@ from services.gym_gateway.envs.base import SandboxError
 from services.gym_gateway.envs.swe import apply_patch, evaluate, load_instances, make_runtime
 from services.gym_gateway.envs.swe.agent import SHIPPED_INSTANCES
 from services.gym_gateway.envs.swe.container import engine_problem
-from shared.run_config import SweSection
+from shared.sections.env_swe import SweSection
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 
 from services.gym_gateway.envs.swe import apply_patch, evaluate, load_instances, make_runtime
 from services.gym_gateway.envs.swe.agent import SHIPPED_INSTANCES
-from shared.run_config import SweSection
+from shared.sections.env_swe import SweSection
 
 pytestmark = pytest.mark.integration
 

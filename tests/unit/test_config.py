@@ -1,10 +1,12 @@
 """Config loading: strict keys, dotted overrides, environment, cross-field checks, shipped files."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shared.config import load
 from shared.config_error import ConfigError
@@ -26,6 +28,39 @@ def test_unknown_key_in_yaml_file(tmp_path):
     f.write_text("policy:\n  model_name: m\n  generaton:\n    temperature: 1.0\n")
     with pytest.raises(ConfigError, match="unknown config key 'policy.generaton'"):
         load(RunConfig, f)
+
+
+@pytest.mark.parametrize(
+    "key, unknown, nearest",
+    [
+        # a typo: the closest sibling
+        ("trainer.colective_timeout_s", "trainer.colective_timeout_s", "trainer.collective_timeout_s"),
+        ("grop.max_num_steps", "grop", "grpo"),
+        ("policy.generaton.top_p", "policy.generaton", "policy.generation"),
+        # the right name in the wrong section, or a section left out
+        ("grpo.ratio_clip_min", "grpo.ratio_clip_min", "loss_fn.ratio_clip_min"),
+        ("generator.max_new_tokens", "generator.max_new_tokens", "policy.generation.max_new_tokens"),
+        ("policy.lr", "policy.lr", "policy.optimizer.lr"),
+        ("vllm_cfg.max_model_len", "vllm_cfg", "policy.generation.vllm_cfg"),
+    ],
+)
+def test_unknown_key_names_the_nearest_known_key(tmp_path, key, unknown, nearest):
+    expected = "^" + re.escape(f"unknown config key '{unknown}' (did you mean '{nearest}'?)") + "$"
+    with pytest.raises(ConfigError, match=expected):  # as a dotted override
+        load(RunConfig, None, [*REQUIRED, f"{key}=1"], env={})
+    tree: object = 1
+    for part in reversed(key.split(".")):
+        tree = {part: tree}
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError, match=expected):  # in a file
+        load(RunConfig, f, REQUIRED, env={})
+
+
+@pytest.mark.parametrize("key", ["trainer.no_such_key", "loss_fn.kl_penalty", "foo"])
+def test_an_unknown_key_close_to_none_gets_no_guess(key):
+    with pytest.raises(ConfigError, match=rf"^unknown config key '{key}'$"):
+        load(RunConfig, None, REQUIRED + [f"{key}=1"], env={})
 
 
 def test_type_error_names_key():
@@ -90,6 +125,20 @@ def test_a_job_and_config_check_require_what_every_service_of_the_run_reads(tmp_
 BASE = "policy:\n  model_name: m\ndata:\n  train_path: t.jsonl\n"
 
 
+def test_streamrl_up_waits_for_its_workers_as_long_as_the_config_says(tmp_path):
+    from streamrl.supervisor import Supervisor
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(BASE)
+    default = Supervisor(str(cfg), [], progress=False)
+    assert default.pools["generator"].ready_timeout_s == 600.0
+    assert default.pools["gym-gateway"].ready_timeout_s == 120.0
+    overrides = ["supervisor.generator_ready_timeout_s=1800", "supervisor.gateway_ready_timeout_s=30"]
+    tuned = Supervisor(str(cfg), overrides, progress=False)
+    assert tuned.pools["generator"].ready_timeout_s == 1800.0
+    assert tuned.pools["gym-gateway"].ready_timeout_s == 30.0
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -100,7 +149,8 @@ BASE = "policy:\n  model_name: m\ndata:\n  train_path: t.jsonl\n"
         # unknown key deep in the tree
         (
             BASE.replace("model_name: m", "model_name: m\n  generation:\n    vllm_cfg:\n      max_modle_len: 9"),
-            r"^unknown config key 'policy.generation.vllm_cfg.max_modle_len'$",
+            r"^unknown config key 'policy.generation.vllm_cfg.max_modle_len' "
+            r"\(did you mean 'policy.generation.vllm_cfg.max_model_len'\?\)$",
         ),
         # wrong types, for a value and for a whole section
         (
@@ -177,7 +227,8 @@ def test_every_shipped_config_loads(path):
 
 
 def test_backfill_comes_from_the_policy_or_nemo_rls_flag():
-    from shared.run_config import EnvSection, NemoGymSection, backfills_failures
+    from shared.sections.env_nemo_gym import NemoGymSection
+    from shared.sections.gateway import EnvSection, backfills_failures
 
     assert not backfills_failures(EnvSection())
     assert not backfills_failures(EnvSection(failure_policy="retry"))

@@ -17,7 +17,7 @@ from shared.config import decode_tree
 from shared.config_error import ConfigError
 from shared.openai_api import FunctionCall, ResponseMessage, ToolCall, ToolCallError
 from shared.protocol import SamplingParams, Task, make_turn
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from services.generator.sampling import check_choices, output_budget, requested_
 from services.generator.serving import request_kind
 from shared.http import HTTPError
 from shared.openai_api import RequestTag
-from shared.run_config import GenerationSection
+from shared.sections.generator import GenerationSection
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
-from shared.run_config import LossSection
+from shared.sections.grpo import LossSection
 
 pytestmark = pytest.mark.unit
 
@@ -99,7 +99,7 @@ def test_token_level_normalisation_is_global_across_micro_batches():
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     from services.trainer.step_plan import lr_schedule
-    from shared.run_config import OptimizerSection
+    from shared.sections.policy import OptimizerSection
 
     f = lr_schedule(OptimizerSection(scheduler="cosine", warmup_steps=2, min_lr_ratio=0.1), total_updates=12)
     assert [round(f(n), 3) for n in (0, 1)] == [0.5, 1.0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.trainer.loss import LossNormalizer, clipped_pg_loss, kl_estimate
-from shared.run_config import LossSection
+from shared.sections.grpo import LossSection
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,8 @@ import torch
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
 from shared.config import load
 from shared.config_error import ConfigError
-from shared.run_config import LossSection, RunConfig
+from shared.run_config import RunConfig
+from shared.sections.grpo import LossSection
 
 pytestmark = pytest.mark.unit
 

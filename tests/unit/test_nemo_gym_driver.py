@@ -10,7 +10,8 @@ from services.gym_gateway.envs import get_env
 from services.gym_gateway.envs.base import ChatClient, InfraError
 from services.gym_gateway.envs.nemo_gym import NemoGymEnv, NemoGymFailure, VerifyResult, server_entry
 from shared.protocol import SamplingParams
-from shared.run_config import EnvSection, NemoGymSection
+from shared.sections.env_nemo_gym import NemoGymSection
+from shared.sections.gateway import EnvSection
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.nucleus import sampled_logprobs, top_p_mask
+from shared_torch.nucleus import sampled_logprobs, top_p_mask
 
 pytestmark = pytest.mark.unit
 

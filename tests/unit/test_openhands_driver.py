@@ -25,7 +25,8 @@ from services.gym_gateway.envs.openhands import (
     runner_env,
 )
 from shared.protocol import SamplingParams
-from shared.run_config import EnvSection, OpenHandsSection
+from shared.sections.env_openhands import OpenHandsSection
+from shared.sections.gateway import EnvSection
 from tests.pids import gone, text_of
 
 pytestmark = pytest.mark.unit

@@ -53,6 +53,19 @@ def test_bad_config_exits_with_the_key_named(tmp_path, service):
     assert f"unknown config key '{service}.no_such_key'" in out.stderr
 
 
+def test_a_mistyped_override_is_answered_with_the_nearest_key(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("policy: {model_name: m}\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "services.generator", "--config", str(cfg), "generator.drain_timout_s=5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "unknown config key 'generator.drain_timout_s' (did you mean 'generator.drain_timeout_s'?)" in out.stderr
+
+
 @pytest.mark.parametrize("service", SERVICES)
 def test_a_service_requires_only_the_config_it_reads(tmp_path, service):
     """No dataset in the config: only the trainer reads one, so only the trainer refuses it."""

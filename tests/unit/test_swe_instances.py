@@ -22,7 +22,8 @@ from services.gym_gateway.envs.swe.runtime import _Capped
 from services.gym_gateway.envs.swe.tools import edit, resolve, run_tool
 from shared.config import load
 from shared.config_error import ConfigError
-from shared.run_config import RunConfig, SweSection
+from shared.run_config import RunConfig
+from shared.sections.env_swe import SweSection
 
 pytestmark = pytest.mark.unit
 

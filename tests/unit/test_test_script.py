@@ -14,8 +14,8 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 GATES = [
-    "ruff check services shared streamrl tests scripts",
-    "ruff format --check services shared streamrl tests scripts",
+    "ruff check services shared shared_torch streamrl tests scripts",
+    "ruff format --check services shared shared_torch streamrl tests scripts",
     "mypy",
 ]
 

@@ -4,7 +4,7 @@ parameter list, and the receiver's per-bucket digest check."""
 import pytest
 import torch
 
-from shared.weight_wire import (
+from shared_torch.weight_wire import (
     DIGEST_BYTES,
     ParamSpec,
     TransferError,

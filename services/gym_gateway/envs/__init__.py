@@ -32,7 +32,7 @@ from services.gym_gateway.envs.nemo_gym import NemoGymEnv
 from services.gym_gateway.envs.openhands import OpenHandsEnv
 from services.gym_gateway.envs.swe.agent import SweEnv
 from services.gym_gateway.envs.tool_calc import ToolCalcEnv
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 
 _BUILT_IN: dict[str, type[Environment]] = {
     "crossing": CrossingEnv,

@@ -29,7 +29,7 @@ import msgspec
 from services.gym_gateway.tool_call_errors import describe, failure_reason
 from shared.openai_api import ChatCompletionResponse, ResponseMessage, ToolCallError
 from shared.protocol import SamplingParams
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 
 
 class InfraError(RuntimeError):

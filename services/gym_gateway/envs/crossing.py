@@ -25,7 +25,7 @@ from typing import Any
 
 from services.gym_gateway.envs.base import ModelClient, Outcome, assistant_message, tool_call_error_observation
 from services.gym_gateway.tool_call_errors import arguments_error
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 
 LOOK_TOOL = {
     "type": "function",

@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 from services.gym_gateway.envs.base import ModelClient, Outcome
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 
 WORDS = (
     "apple banana cherry grape lemon mango orange peach pear plum red green blue yellow "

@@ -26,7 +26,7 @@ import random
 from typing import Any
 
 from services.gym_gateway.envs.base import ModelClient, Outcome, tool_call_error_observation
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 
 GUESS_TOOL = {
     "type": "function",

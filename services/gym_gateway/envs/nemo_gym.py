@@ -52,7 +52,8 @@ import msgspec
 import yaml
 
 from services.gym_gateway.envs.base import InfraError, ModelClient, Outcome, TransportError
-from shared.run_config import EnvSection, NemoGymSection
+from shared.sections.env_nemo_gym import NemoGymSection
+from shared.sections.gateway import EnvSection
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from services.gym_gateway.envs.base import ModelClient, ModelRequestError, Outcome, SandboxError, TransportError
 from services.gym_gateway.envs.openhands_pool import RunnerPool, kill_group, log_tail, runner_start_error
-from shared.run_config import EnvSection, OpenHandsSection, SweSection
+from shared.sections.env_openhands import OpenHandsSection
+from shared.sections.env_swe import SweSection
+from shared.sections.gateway import EnvSection
 
 if TYPE_CHECKING:
     from services.gym_gateway.envs.swe.agent import SweEnv

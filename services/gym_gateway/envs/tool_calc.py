@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from services.gym_gateway.envs.base import ModelClient, Outcome, assistant_message, tool_call_error_observation
-from shared.run_config import EnvSection
+from shared.sections.gateway import EnvSection
 
 CALCULATOR_TOOL = {
     "type": "function",

@@ -34,7 +34,8 @@ from services.trainer.ranks import Ranks
 from services.trainer.sharded_load import load_sharded, shard_readable
 from services.trainer.sharding import shard_model
 from services.trainer.weight_export import ShardWriter, gathered, rank_tensors, refit_threads
-from shared.run_config import PolicySection, RunConfig
+from shared.run_config import RunConfig
+from shared.sections.policy import PolicySection
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

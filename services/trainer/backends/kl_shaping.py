@@ -16,7 +16,7 @@ from services.trainer.backends.step_metrics import StepTotals
 from services.trainer.batch import Row
 from services.trainer.loss import kl_estimate
 from services.trainer.step_plan import RankShare
-from shared.run_config import GrpoSection, LossSection
+from shared.sections.grpo import GrpoSection, LossSection
 
 # each rollout's KL sum (task id -> sum), and the sum and token count over all of them
 KLSums = tuple[dict[str, float], float, float]

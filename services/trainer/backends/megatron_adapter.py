@@ -79,7 +79,8 @@ from services.trainer.backends.micro_batch import MicroBatch, sampled_logprobs_o
 from services.trainer.ranks import Ranks
 from services.trainer.weight_export import ShardWriter, deal
 from shared.config_error import ConfigError
-from shared.run_config import PolicySection, RunConfig
+from shared.run_config import RunConfig
+from shared.sections.policy import PolicySection
 
 # what a published folder carries beside the weights, copied from the policy's folder
 _BESIDE_WEIGHTS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

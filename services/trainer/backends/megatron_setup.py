@@ -19,7 +19,7 @@ from services.trainer.backends.layout import Layout
 from services.trainer.backends.megatron_convert import rope_base, transformer_config_kwargs
 from services.trainer.ranks import Ranks
 from shared.config_error import ConfigError
-from shared.run_config import MegatronSection, PolicySection
+from shared.sections.policy import MegatronSection, PolicySection
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig

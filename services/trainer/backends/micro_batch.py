@@ -8,7 +8,7 @@ first part of the step runner (`services.trainer.backends.step`), plain function
 * `micro_batch`: rows right-padded into [rows, T] tensors (`MicroBatch`), and with packing the
   same rows laid end to end as one sequence whose position ids restart at every row;
 * `sampled_logprobs_of`: each token's logprob under the distribution the generator sampled it
-  from (temperature, then the top-p nucleus: `shared.nucleus`), from whole logits, as
+  from (temperature, then the top-p nucleus: `shared_torch.nucleus`), from whole logits, as
   [rows, T] (position 0 gets 0; a pack's are cut back into rows).
 
 Used by the backend and by both model adapters.
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from services.trainer import packing
 from services.trainer.batch import Row
 from services.trainer.ranks import Ranks
-from shared.nucleus import sampled_logprobs
-from shared.run_config import SequencePackingSection
+from shared.sections.policy import SequencePackingSection
+from shared_torch.nucleus import sampled_logprobs
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def sampled_logprobs_of(
     untruncated: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The micro-batch's token logprobs from its whole logits, under ``temperature`` and the top-p
-    nucleus (`shared.nucleus.sampled_logprobs`). With top_p < 1, ``untruncated`` receives
+    nucleus (`shared_torch.nucleus.sampled_logprobs`). With top_p < 1, ``untruncated`` receives
     the same figures under the temperature-only softmax."""
     both = sampled_logprobs(
         logits[:, :-1].float(), mb.ids[:, 1:], temperature, top_p, untruncated=untruncated is not None

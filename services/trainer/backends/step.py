@@ -27,7 +27,7 @@ from services.trainer.backends.micro_batch import MicroBatch, stacked
 from services.trainer.backends.step_metrics import StepTotals
 from services.trainer.batch import Row
 from services.trainer.loss import LossNormalizer, clipped_pg_loss
-from shared.run_config import LossSection
+from shared.sections.grpo import LossSection
 
 # Each micro-batch's loss is a sum; the update divides the gradients once its count is known.
 SUMS = LossNormalizer(valid_tokens=1.0, valid_sequences=1.0)

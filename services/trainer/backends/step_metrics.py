@@ -14,7 +14,7 @@ import numpy as np
 from services.trainer import mismatch
 from services.trainer.backends.layout import Layout
 from shared.records import LearnerMetrics
-from shared.run_config import SequencePackingSection
+from shared.sections.policy import SequencePackingSection
 
 
 @dataclass

@@ -34,7 +34,8 @@ from services.gym_gateway.envs.swe.evaluate import evaluate
 from services.gym_gateway.envs.swe.instance import Instance, InstanceError, instance_from_row, load_instances
 from services.gym_gateway.envs.swe.runtime import Workspace, make_runtime
 from services.gym_gateway.envs.swe.tools import TOOLS, run_tool
-from shared.run_config import EnvSection, SweSection
+from shared.sections.env_swe import SweSection
+from shared.sections.gateway import EnvSection
 
 SHIPPED_INSTANCES = Path(__file__).resolve().parents[4] / "data" / "swe_instances"
 # No workspace path in the prompt: it differs per rollout, and the same instance should give the

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from services.gym_gateway.envs.base import SandboxError
 from services.gym_gateway.envs.swe.runtime import CommandResult, Runtime, Workspace, spawn
-from shared.run_config import SweSection
+from shared.sections.env_swe import SweSection
 
 ENGINE_ERROR_EXIT = 125  # docker and podman: the engine itself failed, not the command
 # 126/127 are also what a shell returns for a command it cannot run, so they are the engine's only

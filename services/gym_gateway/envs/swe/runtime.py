@@ -34,7 +34,7 @@ from pathlib import Path
 from services.gym_gateway.envs.base import SandboxError
 from services.gym_gateway.envs.swe.copies import copy_snapshot
 from services.gym_gateway.envs.swe.instance import Instance
-from shared.run_config import SweSection
+from shared.sections.env_swe import SweSection
 
 _READ_GRACE_S = 2.0  # output still buffered after the process group is gone
 _GIT_ENV = {

@@ -9,7 +9,7 @@ control plane::
 The receiver checks each bucket's digest before loading it, so a torn or corrupted transfer fails
 loudly instead of serving garbage; the digest over all bucket digests (`transfer_checksum`) is
 what both sides report for the version. Every broadcast is bounded by the group's timeout.
-Used by the vLLM engines of `shared.gloo_weights` and by the transformers fallback engine.
+Used by the vLLM engines of `shared_torch.gloo_weights` and by the transformers fallback engine.
 """
 
 from __future__ import annotations

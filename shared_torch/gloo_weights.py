@@ -7,7 +7,7 @@ its own registry. Its built-in engines need GPUs (NCCL, CUDA IPC). This module r
 ``gloo`` engine in both registries, so the same path (a real `AsyncLLM` receiving into its model
 while serving) runs on CPU machines and in CI; on GPUs the run uses vLLM's own ``nccl`` engine.
 
-The wire format (`shared.weight_wire`: buckets of packed parameters, each followed by its
+The wire format (`shared_torch.weight_wire`: buckets of packed parameters, each followed by its
 xxh3 digest, checked by the receiver before it loads) is derived from the parameter list alone.
 Group members: the trainer's sending rank is rank 0, each
 generator worker ``rank_offset + its rank inside its engine`` (the trainer assigns the offsets).
@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from shared.weight_wire import (
+from shared_torch.weight_wire import (
     DEFAULT_BUCKET_BYTES,
     Group,
     TransferError,
