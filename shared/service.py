@@ -42,6 +42,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from shared.admin_api import Readiness
 from shared.http import MsgspecJSON
 from shared.metrics import CONTENT_TYPE
 from shared.tasks import bounded, cancel_and_wait
@@ -51,15 +52,6 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 TASK_STOP_TIMEOUT_S = 5.0
-
-
-class Readiness(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The body of every service's ``GET /ready`` (200 when ``ready``, else 503)."""
-
-    ready: bool
-    state: str
-    error: str | None = None
-    weight_version: int | None = None  # generators and the trainer: the version they serve / published
 
 
 class ServiceLifecycle:

@@ -42,6 +42,7 @@ from services.generator.routes_openai import router as openai_router
 from services.generator.runtime import Runtime
 from services.generator.serving import GenerationService
 from services.generator.weights import WeightSync
+from shared.admin_api import Readiness
 from shared.auth import AuthPolicy
 from shared.http import install_error_handlers, require_agent_token
 from shared.keys import RunKeys
@@ -49,7 +50,7 @@ from shared.openapi import document_bodies
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
-from shared.service import Readiness, ServiceLifecycle, add_probe_routes, advertised_url
+from shared.service import ServiceLifecycle, add_probe_routes, advertised_url
 from shared.streams import StreamClient, connect
 from shared.tasks import bounded
 

@@ -40,6 +40,7 @@ from services.gym_gateway.session_calls import SessionCalls
 from services.gym_gateway.session_routes import router as session_router
 from services.gym_gateway.worker import GatewayWorker
 from shared import keys as K
+from shared.admin_api import Readiness
 from shared.auth import AuthPolicy, client_headers
 from shared.http import install_error_handlers, require_agent_token
 from shared.openapi import document_bodies
@@ -47,7 +48,6 @@ from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
 from shared.service import (
-    Readiness,
     ServiceLifecycle,
     add_probe_routes,
     advertised_url,
