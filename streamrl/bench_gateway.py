@@ -75,7 +75,10 @@ def _messages(i: int, turn: int, replies: list[str]) -> list[dict[str, Any]]:
 
 def _agent_keys(run_id: str, rnd: str) -> tuple[str, str]:
     """The list the environment pushes session URLs to, and the prefix of its per-session done keys."""
-    return f"bench:{run_id}:{rnd}:sessions", f"bench:{run_id}:{rnd}:done:"
+    from shared.keys import RunKeys
+
+    keys = RunKeys(run_id)
+    return keys.env_key(ENV_NAME, rnd, "sessions"), keys.env_key(ENV_NAME, rnd, "done") + ":"
 
 
 class BenchChatEnv:
