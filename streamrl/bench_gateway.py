@@ -98,6 +98,12 @@ class BenchChatEnv:
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{"i": i} for i in range(n)]
 
+    async def aclose(self) -> None:
+        """Close the connection the waiting rollouts shared (the gateway's shutdown)."""
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         from services.gym_gateway.envs.base import Outcome
         from shared.streams import connect
