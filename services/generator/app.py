@@ -125,6 +125,17 @@ def _mark_failed(app: FastAPI, error: str) -> None:
         app.state.heartbeat.beat_now()
 
 
+async def drain(app: FastAPI) -> None:
+    """The generator's drain at SIGTERM, while the server still listens: "draining" in the registry
+    at once (gateways stop routing new sessions here), then the sessions it has until none called
+    for generator.drain_session_idle_s, at most generator.drain_timeout_s. A failed generator has
+    no sessions to keep."""
+    begin_drain(app)
+    if not app.state.lifecycle.failed:
+        gen_cfg = app.state.cfg.generator
+        await app.state.runtime.drain_sessions(gen_cfg.drain_session_idle_s, gen_cfg.drain_timeout_s)
+
+
 def begin_drain(app: FastAPI) -> None:
     """Stop admitting requests and tell the registry (called at SIGTERM, before uvicorn drains)."""
     app.state.runtime.draining = True

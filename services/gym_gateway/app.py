@@ -81,6 +81,13 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int) -> FastAPI:
     return app
 
 
+async def drain(app: FastAPI) -> None:
+    """The gateway's drain at SIGTERM (or the run's end), while the session routes still listen:
+    the worker stops reading tasks, lets running rollouts finish within
+    gym_gateway.drain_timeout_s and releases the rest to the group."""
+    await app.state.worker.drain(app.state.cfg.gym_gateway.drain_timeout_s)
+
+
 def mount_session_routes(app: FastAPI) -> None:
     """The session routes behind the agent token, and in front of them the held sessions' model
     calls without the framework's per-call work (`services.gym_gateway.session_calls`)."""
