@@ -151,7 +151,7 @@ class Scheduler:
         self.in_flight: dict[int, set[str]] = defaultdict(set)  # target -> group ids not yet complete
         self._prompt_of: dict[str, int] = {}  # in-flight group id -> its prompt index
         self.group_seq = 0
-        self.group_prefix = "g"  # "r<incarnation>-g" once the control plane knows its incarnation
+        self.group_prefix = "g"  # "r<incarnation>-g" once `set_incarnation` was told the trainer's start
         self.issued_total = 0
 
     @classmethod
@@ -167,6 +167,12 @@ class Scheduler:
             rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
             batch_multiplier=g.batch_multiplier if g.use_dynamic_sampling else 1.0,
         )
+
+    def set_incarnation(self, incarnation: int) -> None:
+        """Prefix the group ids issued from now on with this trainer start's incarnation (the
+        control plane learns it from Redis when it opens), so a trainer resumed from a checkpoint
+        never reuses an id the crashed one already handed out."""
+        self.group_prefix = f"r{incarnation}-g"
 
     def window(self, step: int, max_steps: int) -> range:
         return range(step, min(step + self.max_age, max_steps - 1) + 1)
