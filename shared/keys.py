@@ -36,6 +36,18 @@ DEFAULT_MAX_ENTRY_BYTES = 64 * 2**20  # any other stream
 DEADLETTER_PAYLOAD_MAX_BYTES = 64 * 2**10
 
 
+_RUN_PREFIX = "streamrl:{"  # every key of a run starts so; the run id runs to the "}:" after it
+
+
+def run_id_of(key: str) -> str:
+    """``streamrl:{<run_id>}:tasks`` -> ``<run_id>`` (a key found with a `RunKeys.pattern` scan);
+    ValueError for a key of no run."""
+    end = key.rfind("}:")
+    if not key.startswith(_RUN_PREFIX) or end < len(_RUN_PREFIX):
+        raise ValueError(f"{key!r} is not a key of a streamrl run")
+    return key[len(_RUN_PREFIX) : end]
+
+
 def stream_name(stream_key: str) -> str:
     """``streamrl:{run}:tasks`` -> ``tasks``: the stream's name inside its run."""
     return stream_key.rsplit(":", 1)[-1]
@@ -56,8 +68,19 @@ class RunKeys:
 
     run_id: str
 
+    @classmethod
+    def pattern(cls) -> RunKeys:
+        """Keys whose names are SCAN patterns matching that key of every run
+        (``RunKeys.pattern().tasks`` is ``streamrl:{*}:tasks``); `run_id_of` reads the run back."""
+        return cls("*")
+
     def _k(self, name: str) -> str:
-        return f"streamrl:{{{self.run_id}}}:{name}"
+        return f"{_RUN_PREFIX}{self.run_id}}}:{name}"
+
+    def env_key(self, *parts: str) -> str:
+        """A key an environment keeps for itself under the run, e.g. to hand sessions to an agent
+        outside the gateway (the gateway benchmark's does): ``streamrl:{<run>}:env:<parts>``."""
+        return self._k(":".join(("env", *parts)))
 
     @property
     def tasks(self) -> str:

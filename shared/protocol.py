@@ -1,4 +1,5 @@
-"""The wire protocol: every message that crosses a process boundary through Redis.
+"""The wire protocol: every message that crosses a process boundary through Redis, and the run
+file a `streamrl up` job leaves for the command line.
 
 Messages are msgspec Structs, tagged (field ``type``) so one decoder handles the union, encoded as
 msgpack. Token ids and logprobs travel as packed little-endian int32/float32 bytes (see
@@ -15,6 +16,9 @@ Who writes what:
     any      -> deadletter   DeadLetter          (entries that failed to decode or validate)
     CLI      -> scale:request ScaleRequest       (`streamrl scale`, read by the `streamrl up` supervisor)
     supervisor -> scale:status ScaleStatus       (its progress on the latest request)
+    supervisor -> run.json  RunFile              (a JSON file in the job's output folder, not a
+                                                 stream entry: `streamrl status`, pause, resume,
+                                                 validate and scale find the run through it)
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -260,6 +265,44 @@ class ScaleStatus(_Message, tag="scale_status"):
     stopping: dict[str, int] = msgspec.field(default_factory=dict)  # signalled, still draining
     error: str | None = None
     at: float = msgspec.field(default_factory=time.time)
+
+
+class RunChild(msgspec.Struct, kw_only=True):
+    """One child process of a `streamrl up` job, as its run file records it."""
+
+    pid: int | None  # None: not started
+    url: str
+    log: str  # its log file
+
+
+class RunFile(msgspec.Struct, kw_only=True):
+    """``run.json`` in the output folder of a `streamrl up` job: written by its supervisor once every
+    service is up, and again whenever a child is restarted or the worker counts change. Read by
+    `streamrl status` (run id, Redis, trainer), ``pause``/``resume``/``validate`` (the trainer's
+    URL) and ``scale`` (run id, Redis). JSON, not a stream message: no tag and no schema version;
+    a field this reader does not know is ignored."""
+
+    run_id: str
+    trainer_url: str
+    redis_url: str  # without its password (`shared.auth.redact_url`): a reader then needs REDIS_URL
+    children: dict[str, RunChild] = {}  # by name: generator-0, gateway-0, trainer, ...
+    restarts: dict[str, int] = {}  # per service, by the supervisor (supervisor.max_restarts)
+
+
+RUN_FILE = "run.json"
+
+
+def write_run_file(folder: Path, run: RunFile) -> None:
+    """Write ``run`` as ``folder/run.json`` (indented: people read it too)."""
+    (folder / RUN_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(run), indent=2))
+
+
+def read_run_file(path: Path) -> RunFile:
+    """The run file at ``path``; ProtocolError naming the file and the field when it is not one."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RunFile)
+    except msgspec.DecodeError as exc:  # not JSON, or a field missing or of the wrong type
+        raise ProtocolError(f"{path} is not the run file of a `streamrl up` job: {exc}") from exc
 
 
 Message = (

@@ -134,8 +134,8 @@ async def snapshot(redis: aioredis.Redis, run_id: str) -> RunSnapshot:
 async def find_runs(redis: aioredis.Redis) -> list[str]:
     """Run ids that have a worker registry or a task stream in this Redis."""
     runs: set[str] = set()
-    for pattern in ("streamrl:{*}:registry", "streamrl:{*}:tasks"):
+    every_run = K.RunKeys.pattern()
+    for pattern in (every_run.registry, every_run.tasks):
         async for key in redis.scan_iter(match=pattern, count=1000):
-            k = _s(key)
-            runs.add(k[len("streamrl:{") : k.rindex("}:")])
+            runs.add(K.run_id_of(_s(key)))
     return sorted(runs)

@@ -1,10 +1,11 @@
-"""The trainer's records, typed: what it writes to ``metrics.jsonl`` and what its REST API answers.
+"""The trainer's records, typed: what it writes to ``metrics.jsonl``, what its REST API answers,
+and the one body it reads.
 
     metrics.jsonl   one `StepRecord` (``"kind": "train"``) per step, one `ValidationRecord`
                     (``"kind": "validation"``) per validation, as JSON lines
     GET  /status            `TrainerStatus` (its ``last`` is the last StepRecord without the id ledger)
     POST /validate          `ValidationAccepted`;  GET /validations/<id>: `ValidationStatus`
-    POST /pause, /resume    `PauseAnswer`, `ResumeAnswer`
+    POST /pause, /resume    `PauseAnswer`, `ResumeAnswer` (the body of /resume: `ResumeRequest`)
 
 A step record groups its figures by who produced them: ``batch`` (the control plane's batch builder:
 rewards, masks, environment metrics), ``learner`` (forward, backward, optimizer), ``staleness``,
@@ -299,6 +300,12 @@ class ValidationAccepted(msgspec.Struct, kw_only=True):
 
 class PauseAnswer(msgspec.Struct, kw_only=True):
     epoch: int
+
+
+class ResumeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The body of ``POST /resume`` (`streamrl resume` sends it); an empty body is the same as ``{}``."""
+
+    epoch: int | None = None  # the pause to end; None: the active user pause
 
 
 class ResumeAnswer(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -7,7 +7,10 @@ Every service is a FastAPI app built the same way:
                 route modules and the probes (`add_probe_routes`), attach a `ServiceLifecycle`
     lifespan:   open the components, start background tasks with `ServiceLifecycle.supervise`,
                 yield, then stop the tasks and close the components (each bounded in time)
-    run_server: a `DrainFirstServer` around the app; returns the process exit code
+    drain(app): in the service's ``app.py`` (the trainer's is ``stop_run``): what the first
+                SIGTERM does while the server still listens
+    run_server: a `DrainFirstServer` around the app; returns the process exit code (the generator
+                and the gym gateway through `serve_worker`)
 
 A supervised task that raises fails the service loudly, the same way everywhere: its traceback is
 logged, the service's failure hooks run (its state becomes "failed" with the error, its heartbeat
@@ -42,6 +45,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from shared.admin_api import Readiness
 from shared.http import MsgspecJSON
 from shared.metrics import CONTENT_TYPE
 from shared.tasks import bounded, cancel_and_wait
@@ -51,15 +55,6 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 TASK_STOP_TIMEOUT_S = 5.0
-
-
-class Readiness(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The body of every service's ``GET /ready`` (200 when ``ready``, else 503)."""
-
-    ready: bool
-    state: str
-    error: str | None = None
-    weight_version: int | None = None  # generators and the trainer: the version they serve / published
 
 
 class ServiceLifecycle:
@@ -265,3 +260,30 @@ def run_server(
     if lifecycle.exit_code is not None:
         return lifecycle.exit_code
     return EXIT_OK if server.started else EXIT_FAILED
+
+
+# Keep-alive well above the clients' idle expiry, so a pooled connection is never reused just as
+# the server closes it (a ReadError on a healthy rollout).
+WORKER_KEEP_ALIVE_S = 120
+
+
+def serve_worker(
+    app: FastAPI,
+    sock: socket.socket,
+    *,
+    drain: Callable[[FastAPI], Awaitable[object]],
+    drain_timeout_s: float,
+    graceful_timeout_s: float,
+    **uvicorn_options: Any,
+) -> int:
+    """Serve a worker service's ``app`` (a generator, a gym gateway) on ``sock`` (`bind`) with
+    `run_server`: ``drain(app)`` runs at the first signal, bounded by ``drain_timeout_s``; uvicorn
+    then waits up to ``graceful_timeout_s`` for open requests. The process exit code."""
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        timeout_graceful_shutdown=int(graceful_timeout_s),
+        timeout_keep_alive=WORKER_KEEP_ALIVE_S,
+        **uvicorn_options,
+    )
+    return run_server(app, config, drain=lambda: drain(app), drain_timeout_s=drain_timeout_s, sockets=[sock])

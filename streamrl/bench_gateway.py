@@ -75,7 +75,10 @@ def _messages(i: int, turn: int, replies: list[str]) -> list[dict[str, Any]]:
 
 def _agent_keys(run_id: str, rnd: str) -> tuple[str, str]:
     """The list the environment pushes session URLs to, and the prefix of its per-session done keys."""
-    return f"bench:{run_id}:{rnd}:sessions", f"bench:{run_id}:{rnd}:done:"
+    from shared.keys import RunKeys
+
+    keys = RunKeys(run_id)
+    return keys.env_key(ENV_NAME, rnd, "sessions"), keys.env_key(ENV_NAME, rnd, "done") + ":"
 
 
 class BenchChatEnv:
@@ -94,6 +97,12 @@ class BenchChatEnv:
 
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{"i": i} for i in range(n)]
+
+    async def aclose(self) -> None:
+        """Close the connection the waiting rollouts shared (the gateway's shutdown)."""
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
 
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         from services.gym_gateway.envs.base import Outcome

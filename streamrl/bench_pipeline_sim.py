@@ -131,6 +131,9 @@ class SleepEnv:
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         raise ValueError(f"{ENV_NAME} rows are written by the pipeline benchmark ({{'prompt': i}}), not generated")
 
+    async def aclose(self) -> None:
+        """Nothing is kept between rollouts."""
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         seconds = self.next_duration(int(instance["prompt"]))
         sleep_from = time.time()

@@ -20,12 +20,14 @@ STREAMRL_API_TOKEN_FILE is set.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from msgspec import Struct
 
 T = TypeVar("T")
 
@@ -88,18 +90,23 @@ def _trainer_url(url: str | None, run_dir: Path | None) -> str:
         return url.rstrip("/")
     if os.environ.get("STREAMRL_TRAINER_URL"):
         return os.environ["STREAMRL_TRAINER_URL"].rstrip("/")
+    from shared.protocol import RUN_FILE, ProtocolError, read_run_file
+
     for d in [run_dir] if run_dir else [Path("runs/demo"), *sorted(Path("runs").glob("*"))]:
-        f = Path(d) / "run.json"
+        f = Path(d) / RUN_FILE
         if f.is_file():
-            trainer_url: str = json.loads(f.read_text())["trainer_url"]
-            return trainer_url
+            try:
+                return read_run_file(f).trainer_url
+            except ProtocolError as exc:
+                _fail(str(exc), 1)
     return "http://127.0.0.1:8300"
 
 
 def _call(
-    method: str, path: str, url: str | None, run_dir: Path | None, answer: type[T], body: dict[str, Any] | None = None
+    method: str, path: str, url: str | None, run_dir: Path | None, answer: type[T], body: Struct | None = None
 ) -> T:
-    """Call a trainer control route; its answer decoded as ``answer`` (a `shared.records` Struct)."""
+    """Call a trainer control route with ``body`` (a `shared.records` Struct) as JSON; its answer
+    decoded as ``answer`` (a `shared.records` Struct)."""
     import httpx
     import msgspec
 
@@ -112,7 +119,10 @@ def _call(
     except ConfigError as exc:
         _fail(f"config error: {exc}")
     try:
-        r = httpx.request(method, f"{base}{path}", json=body, headers=headers, timeout=10.0)
+        if body is not None:
+            headers = {**headers, "content-type": "application/json"}
+        content = None if body is None else msgspec.json.encode(body)
+        r = httpx.request(method, f"{base}{path}", content=content, headers=headers, timeout=10.0)
     except httpx.HTTPError as exc:
         _fail(f"cannot reach the trainer at {base}: {exc}", 1)
     if r.status_code >= 400:
@@ -190,9 +200,9 @@ def resume(
     run_dir: Path | None = RUN_DIR,
 ) -> None:
     """End a pause (the active one, or the one with --epoch)."""
-    from shared.records import ResumeAnswer
+    from shared.records import ResumeAnswer, ResumeRequest
 
-    _echo(_call("POST", "/resume", url, run_dir, ResumeAnswer, {"epoch": epoch} if epoch is not None else {}))
+    _echo(_call("POST", "/resume", url, run_dir, ResumeAnswer, ResumeRequest(epoch=epoch)))
 
 
 @app.command()

@@ -10,7 +10,6 @@ The Redis URL: ``--redis-url``, else REDIS_URL, else run.json (which holds it wi
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -19,7 +18,7 @@ from pathlib import Path
 import redis
 
 from shared import keys as K
-from shared.protocol import ProtocolError, ScaleRequest, ScaleStatus, decode, encode
+from shared.protocol import RUN_FILE, ProtocolError, ScaleRequest, ScaleStatus, decode, encode, read_run_file
 from shared.redis_replies import as_bytes
 from streamrl.scale import ScaleError, ScaleResult
 
@@ -30,15 +29,16 @@ class LocalBackend:
     name = "local"
 
     def __init__(self, run_dir: Path, redis_url: str | None = None) -> None:
-        run_file = Path(run_dir) / "run.json"
+        run_file = Path(run_dir) / RUN_FILE
         if not run_file.is_file():
             raise ScaleError(f"no {run_file}: is `streamrl up` running with run.output_dir={run_dir}? (--run-dir)")
-        info = json.loads(run_file.read_text())
-        if "scale" not in info:
-            raise ScaleError(f"{run_file} was written by a `streamrl up` without scaling; restart the run to scale it")
-        self.run_id = info["run_id"]
+        try:
+            run = read_run_file(run_file)
+        except ProtocolError as exc:
+            raise ScaleError(str(exc)) from None
+        self.run_id = run.run_id
         self.keys = K.RunKeys(self.run_id)
-        url = redis_url or os.environ.get("REDIS_URL") or info["redis_url"]
+        url = redis_url or os.environ.get("REDIS_URL") or run.redis_url
         self.redis = redis.Redis.from_url(url, socket_timeout=10.0)
 
     def status(self) -> ScaleStatus:

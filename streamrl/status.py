@@ -22,11 +22,12 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from shared.auth import client_headers, load_api_token, redact_url
+from shared.protocol import RUN_FILE, ProtocolError, RunFile, read_run_file
 from shared.queue_stats import RunSnapshot, find_runs, snapshot
 from shared.records import TrainerStatus
 
@@ -38,21 +39,23 @@ class StatusError(RuntimeError):
     """The run cannot be found or reached; the message says what to set."""
 
 
-def read_run_file(run_dir: Path | None) -> dict[str, Any]:
-    """run.json of ``run_dir`` (or of runs/demo, then any folder under runs/); {} if none."""
+def find_run_file(run_dir: Path | None) -> RunFile | None:
+    """The run file of ``run_dir`` (or of runs/demo, then any folder under runs/); None if none."""
     candidates = [run_dir] if run_dir else [Path("runs/demo"), *sorted(Path("runs").glob("*"))]
     for d in candidates:
-        f = Path(d) / "run.json"
+        f = Path(d) / RUN_FILE
         if f.is_file():
-            data: dict[str, Any] = json.loads(f.read_text())
-            return data
+            try:
+                return read_run_file(f)
+            except ProtocolError as exc:
+                raise StatusError(str(exc)) from None
     if run_dir:
-        raise StatusError(f"no run.json in {run_dir} (is it the output folder of `streamrl up`?)")
-    return {}
+        raise StatusError(f"no {RUN_FILE} in {run_dir} (is it the output folder of `streamrl up`?)")
+    return None
 
 
-def resolve_redis_url(option: str | None, run_file: dict[str, Any]) -> str:
-    url = option or os.environ.get("REDIS_URL") or run_file.get("redis_url")
+def resolve_redis_url(option: str | None, run_file: RunFile | None) -> str:
+    url = option or os.environ.get("REDIS_URL") or (run_file.redis_url if run_file else None)
     if not url:
         raise StatusError("no Redis to read: pass --redis-url, set REDIS_URL, or point --run-dir at a run")
     if "***" in url:
@@ -204,16 +207,16 @@ def run_status(
     # A Redis named on the command line or in the environment is not paired with some other run's file.
     explicit = redis_url or os.environ.get("REDIS_URL")
     trainer_url = trainer_url or os.environ.get("STREAMRL_TRAINER_URL")
-    run_file = read_run_file(run_dir) if run_dir or not (explicit or trainer_url) else {}
-    trainer_url = (trainer_url or run_file.get("trainer_url") or "").rstrip("/")
-    if not (explicit or run_file.get("redis_url")) and trainer_url:
+    run_file = find_run_file(run_dir) if run_dir or not (explicit or trainer_url) else None
+    trainer_url = (trainer_url or (run_file.trainer_url if run_file else "")).rstrip("/")
+    if not (explicit or (run_file and run_file.redis_url)) and trainer_url:
         alone = fetch_trainer_status(trainer_url, timeout_s=10.0)
         if as_json:
             return json.dumps({"trainer": msgspec.to_builtins(alone)}, indent=2)
         render_trainer_only(alone)
         return None
     url = resolve_redis_url(redis_url, run_file)
-    snap = asyncio.run(gather(url, run_id or run_file.get("run_id")))
+    snap = asyncio.run(gather(url, run_id or (run_file.run_id if run_file else None)))
     trainer = trainer_status(snap, trainer_url or None)
     if as_json:
         return to_json(snap, trainer)

@@ -14,8 +14,8 @@ job loudly with its log tail; a child that dies during start-up fails it at once
 closed terminal) stops the trainer first (it drains), then the workers, then Redis; a second one
 kills them at once. Every child gets SIGTERM from the kernel if the supervisor dies, however it
 dies (`streamrl.child_guard`), so none trains on as an orphan. ``run.json`` in the output folder
-records the URLs and pids for ``streamrl status``/``pause``/``resume``/``validate``/``scale``
-(rewritten when workers change).
+(`shared.protocol.RunFile`) records the URLs and pids for ``streamrl status``/``pause``/
+``resume``/``validate``/``scale`` (rewritten when workers change).
 
 Generators and gateway workers live in one `WorkerPool` per service; ``streamrl scale`` changes
 their size while the job runs, through the `ScaleChannel` the supervisor reads every second
@@ -26,7 +26,6 @@ of the node, and the trainer its own GPUs (`streamrl.devices`).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -36,12 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import msgspec
 import redis
 
 from shared import keys as K
+from shared.admin_api import Readiness
 from shared.auth import redact_url
 from shared.config import load
 from shared.config_error import ConfigError
+from shared.protocol import RunChild, RunFile, write_run_file
 from shared.run_config import SERVICES, RunConfig
 from streamrl.child_guard import guarded
 from streamrl.devices import node_gpus, plan_devices, usable_cores
@@ -246,19 +248,14 @@ class Supervisor:
         self.redis_url = self.redis.url
 
     def _write_run_file(self, trainer: Child) -> None:
-        info = {
-            "run_id": self.cfg.run.run_id,
-            "trainer_url": trainer.url,
-            "redis_url": redact_url(self.redis_url),  # no password on disk: `streamrl status` then needs REDIS_URL
-            "children": {c.name: {"pid": c.pid, "url": c.url, "log": str(c.log_path)} for c in self.children},
-            "restarts": dict(self.restarts),  # per service, by the supervisor (supervisor.max_restarts)
-            # `streamrl scale` writes ScaleRequests here and reads ScaleStatus (streamrl.worker_pool).
-            "scale": {
-                "request_key": K.RunKeys(self.cfg.run.run_id).scale_request,
-                "status_key": K.RunKeys(self.cfg.run.run_id).scale_status,
-            },
-        }
-        (self.out / "run.json").write_text(json.dumps(info, indent=2))
+        run = RunFile(
+            run_id=self.cfg.run.run_id,
+            trainer_url=trainer.url,
+            redis_url=redact_url(self.redis_url),  # no password on disk: `streamrl status` then needs REDIS_URL
+            children={c.name: RunChild(pid=c.pid, url=c.url, log=str(c.log_path)) for c in self.children},
+            restarts=dict(self.restarts),
+        )
+        write_run_file(self.out, run)
 
     def _watch(self, trainer: Child) -> int:
         """Until the trainer exits for good: scale ticks, the progress display, and restarts of
@@ -379,17 +376,21 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
                 continue
             if answer.status_code == 200:
                 pending.remove(c)
-            elif _failed(answer):  # e.g. a generator whose first weights cannot load: no use waiting
+            elif _failed(c, answer):  # e.g. a generator whose first weights cannot load: no use waiting
                 raise JobFailed(f"{c.name} failed during start-up: {answer.text}\n{c.tail()}")
         if time.monotonic() > deadline:
             raise JobFailed(f"{', '.join(c.name for c in pending)} not ready within {timeout_s:.0f}s")
         time.sleep(0.5)
 
 
-def _failed(answer: httpx.Response) -> bool:
-    """A /ready answer from a service that reports it has failed (``"state": "failed"``)."""
+def _failed(child: Child, answer: httpx.Response) -> bool:
+    """A /ready answer (`Readiness`) from a service that reports it has failed (``"state":
+    "failed"``); JobFailed when the answer is no readiness report at all."""
     try:
-        body = answer.json()
-    except ValueError:
-        return False
-    return isinstance(body, dict) and body.get("state") == "failed"
+        body = msgspec.json.decode(answer.content, type=Readiness)
+    except msgspec.DecodeError as exc:
+        raise JobFailed(
+            f"{child.name} answered /ready ({answer.status_code}) with something that is not a readiness "
+            f"report ({exc}): {answer.text[:200]!r}"
+        ) from None
+    return body.state == "failed"

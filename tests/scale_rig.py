@@ -5,7 +5,6 @@ child processes (a small HTTP worker that answers /ready and drains half a secon
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -14,6 +13,7 @@ from pathlib import Path
 import redis
 
 from shared import keys as K
+from shared.protocol import RunFile, write_run_file
 from streamrl.redis_server import free_port
 from streamrl.supervisor import Child
 from streamrl.worker_pool import ScaleChannel, WorkerPool
@@ -70,7 +70,7 @@ class Rig:
         self.channel = ScaleChannel(
             redis.Redis.from_url(redis_url), K.RunKeys(self.run_id), {"generator": self.pool, "gym-gateway": gateways}
         )
-        (tmp / "run.json").write_text(json.dumps({"run_id": self.run_id, "redis_url": redis_url, "scale": {}}))
+        write_run_file(tmp, RunFile(run_id=self.run_id, redis_url=redis_url, trainer_url="http://127.0.0.1:1"))
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()

@@ -41,36 +41,27 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"config error: {exc}\n")
         return 2
     from shared.registry import default_worker_id
-    from shared.service import bind
+    from shared.service import bind, serve_worker
 
     gen_cfg = cfg.generator
     sock = bind(gen_cfg.host, gen_cfg.port if args.port is None else args.port)
     port = sock.getsockname()[1]
     worker_id = args.worker_id or default_worker_id("generator")
 
-    import uvicorn
-
-    from services.generator.app import begin_drain, build_app
-    from shared.service import run_server
+    from services.generator.app import build_app, drain
 
     app = build_app(cfg, worker_id=worker_id, port=port)
-
-    async def drain() -> None:
-        begin_drain(app)  # "draining" in the registry at once: gateways stop routing new sessions here
-        if not app.state.lifecycle.failed:
-            await app.state.runtime.drain_sessions(gen_cfg.drain_session_idle_s, gen_cfg.drain_timeout_s)
-
-    config = uvicorn.Config(
-        app,
-        log_config=None,
-        lifespan="on",
-        timeout_graceful_shutdown=int(gen_cfg.drain_timeout_s),
-        timeout_keep_alive=120,
-    )
     log.info(
         "generator %s listening on %s:%d (backend %s)", worker_id, gen_cfg.host, port, cfg.policy.generation.backend
     )
-    return run_server(app, config, drain=drain, drain_timeout_s=gen_cfg.drain_timeout_s + 5.0, sockets=[sock])
+    return serve_worker(
+        app,
+        sock,
+        drain=drain,
+        drain_timeout_s=gen_cfg.drain_timeout_s + 5.0,
+        graceful_timeout_s=gen_cfg.drain_timeout_s,
+        log_config=None,
+    )
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from services.generator.routes_openai import router as openai_router
 from services.generator.runtime import Runtime
 from services.generator.serving import GenerationService
 from services.generator.weights import WeightSync
+from shared.admin_api import Readiness
 from shared.auth import AuthPolicy
 from shared.http import install_error_handlers, require_agent_token
 from shared.keys import RunKeys
@@ -49,7 +50,7 @@ from shared.openapi import document_bodies
 from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
-from shared.service import Readiness, ServiceLifecycle, add_probe_routes, advertised_url
+from shared.service import ServiceLifecycle, add_probe_routes, advertised_url
 from shared.streams import StreamClient, connect
 from shared.tasks import bounded
 
@@ -122,6 +123,17 @@ def _mark_failed(app: FastAPI, error: str) -> None:
     app.state.runtime.fail(error)
     if app.state.heartbeat is not None:
         app.state.heartbeat.beat_now()
+
+
+async def drain(app: FastAPI) -> None:
+    """The generator's drain at SIGTERM, while the server still listens: "draining" in the registry
+    at once (gateways stop routing new sessions here), then the sessions it has until none called
+    for generator.drain_session_idle_s, at most generator.drain_timeout_s. A failed generator has
+    no sessions to keep."""
+    begin_drain(app)
+    if not app.state.lifecycle.failed:
+        gen_cfg = app.state.cfg.generator
+        await app.state.runtime.drain_sessions(gen_cfg.drain_session_idle_s, gen_cfg.drain_timeout_s)
 
 
 def begin_drain(app: FastAPI) -> None:

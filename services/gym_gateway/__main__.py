@@ -28,34 +28,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_service_config("gym_gateway", args)
     if cfg is None:
         return 2
-    import uvicorn
-
-    from services.gym_gateway.app import build_app
+    from services.gym_gateway.app import build_app, drain
     from shared.registry import default_worker_id
-    from shared.service import bind, run_server
+    from shared.service import bind, serve_worker
 
     gw = cfg.gym_gateway
     sock = bind(gw.host, gw.port if args.port is None else args.port)
     port = sock.getsockname()[1]
     worker_id = args.worker_id or default_worker_id("gateway")
     app = build_app(cfg, worker_id=worker_id, port=port)
-
-    async def drain() -> None:
-        await app.state.worker.drain(gw.drain_timeout_s)
-
+    log.info("gym gateway %s listening on %s:%d", worker_id, gw.host, port)
     # The drain's own deadline is drain_timeout_s; releasing what is left takes release_margin_s more.
     limit_s = gw.drain_timeout_s + gw.release_margin_s
-    # Keep-alive well above the clients' idle expiry, so a pooled connection is never reused
-    # just as the server closes it (a ReadError on a healthy rollout).
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        lifespan="on",
-        timeout_graceful_shutdown=int(limit_s),
-        timeout_keep_alive=120,
+    return serve_worker(
+        app, sock, drain=drain, drain_timeout_s=limit_s, graceful_timeout_s=limit_s, log_level="warning"
     )
-    log.info("gym gateway %s listening on %s:%d", worker_id, gw.host, port)
-    return run_server(app, config, drain=drain, drain_timeout_s=limit_s, sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from services.gym_gateway.session_calls import SessionCalls
 from services.gym_gateway.session_routes import router as session_router
 from services.gym_gateway.worker import GatewayWorker
 from shared import keys as K
+from shared.admin_api import Readiness
 from shared.auth import AuthPolicy, client_headers
 from shared.http import install_error_handlers, require_agent_token
 from shared.openapi import document_bodies
@@ -47,7 +48,6 @@ from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
 from shared.service import (
-    Readiness,
     ServiceLifecycle,
     add_probe_routes,
     advertised_url,
@@ -79,6 +79,13 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int) -> FastAPI:
     add_probe_routes(app, lambda: readiness(app), s.metrics.render_text)
     document_bodies(app)
     return app
+
+
+async def drain(app: FastAPI) -> None:
+    """The gateway's drain at SIGTERM (or the run's end), while the session routes still listen:
+    the worker stops reading tasks, lets running rollouts finish within
+    gym_gateway.drain_timeout_s and releases the rest to the group."""
+    await app.state.worker.drain(app.state.cfg.gym_gateway.drain_timeout_s)
 
 
 def mount_session_routes(app: FastAPI) -> None:

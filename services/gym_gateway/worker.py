@@ -54,6 +54,7 @@ from shared.protocol import RolloutStatus, Task, Trajectory
 from shared.sections.gateway import EnvSection
 from shared.streams import Delivery, StreamClient
 from shared.tasks import cancel_and_wait
+from shared.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class GatewayWorker:
         self.retried: dict[str, int] = {}  # reason -> attempts run again
         self.released = 0
         self.stopping = False
-        self._slot_free = asyncio.Event()
+        self._slot_free = Wakeup()  # set when a rollout ends
 
     async def gate_closed(self) -> bool:
         return await launch_gate_closed(self.streams.redis, self.streams.keys)
@@ -219,10 +220,7 @@ class GatewayWorker:
             free = self.max_concurrent - len(self.active)
             if free <= 0 or await self.gate_closed():
                 self._slot_free.clear()
-                try:
-                    await asyncio.wait_for(self._slot_free.wait(), 0.2)
-                except TimeoutError:
-                    pass
+                await self._slot_free.wait(0.2)
                 continue
             if self.held:
                 for d in self.held[:free]:
@@ -370,9 +368,7 @@ class GatewayWorker:
     async def close_envs(self) -> None:
         """Stop what environments keep between rollouts (the OpenHands driver's warm runners)."""
         for env in self._envs.values():
-            close = getattr(env, "aclose", None)
-            if close is not None:
-                await close()
+            await env.aclose()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop reading; let running rollouts finish within ``timeout_s``; release the rest, and

@@ -27,11 +27,12 @@ from services.trainer.control_plane import ControlPlane, TrainerHooks
 from services.trainer.learner import Learner, LocalLearner
 from services.trainer.observe import TrainerMetrics
 from services.trainer.routes import router
+from shared.admin_api import Readiness
 from shared.auth import AuthPolicy
 from shared.http import install_error_handlers
 from shared.openapi import document_bodies
 from shared.run_config import RunConfig
-from shared.service import Readiness, ServiceLifecycle, add_probe_routes
+from shared.service import ServiceLifecycle, add_probe_routes
 from shared.tasks import bounded, cancel_and_wait
 
 log = logging.getLogger(__name__)

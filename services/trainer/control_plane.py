@@ -96,14 +96,6 @@ class ControlPlane:
         self.buffer = ReplayBuffer.from_config(cfg)
         self.scheduler = Scheduler.from_config(cfg)
         runner = ValidationRunner.from_config(cfg, self.streams)
-        self.intake = TrajectoryIntake(
-            self.streams,
-            self.buffer,
-            self.scheduler,
-            cfg.env,
-            deliver_validation=runner.deliver if runner else _no_validation,
-            observe=self.hooks.trajectory_read,
-        )
         self.checkpointer = Checkpointer(
             cfg.checkpointing,
             Path(cfg.checkpointing.checkpoint_dir or out / "checkpoints"),
@@ -111,6 +103,15 @@ class ControlPlane:
             learner,
             max_num_steps=g.max_num_steps,
             stream_retention_s=cfg.trainer.stream_retention_s,
+        )
+        self.intake = TrajectoryIntake(
+            self.streams,
+            self.buffer,
+            self.scheduler,
+            cfg.env,
+            deliver_validation=runner.deliver if runner else _no_validation,
+            hold_acks=self.checkpointer.hold,
+            observe=self.hooks.trajectory_read,
         )
         self.collector = Collector(
             cfg,
@@ -122,7 +123,6 @@ class ControlPlane:
             hold_acks=self.checkpointer.hold,
             tasks_issued=self.hooks.tasks_issued,
         )
-        self.intake.hold_acks = self.checkpointer.hold
         self.log_dir = Path(cfg.logger.log_dir or out)
         self.metrics = MetricsLog(
             self.log_dir / "metrics.jsonl",
@@ -164,9 +164,9 @@ class ControlPlane:
         await self.streams.ensure_group(self.keys.trajectories, K.TRAINER_GROUP)
         await self.redis.delete(self.keys.stop)
         self.incarnation = int(await self.redis.incr(self.keys.trainer_incarnation))
-        self.scheduler.group_prefix = f"r{self.incarnation}-g"
+        self.scheduler.set_incarnation(self.incarnation)
         if self.validation.runner is not None:
-            self.validation.runner.id_prefix = f"r{self.incarnation}-"
+            self.validation.runner.set_incarnation(self.incarnation)
         self.state = TrainerState.LOADING_POLICY
         await self.learner.start()
         self.metrics.open()

@@ -52,6 +52,7 @@ class TrajectoryIntake:
         env_cfg: EnvSection,
         *,
         deliver_validation: Callable[[Trajectory], None],
+        hold_acks: Callable[[list[str]], None] | None = None,
         observe: Callable[[Trajectory], None] | None = None,
     ) -> None:
         self.streams = streams
@@ -66,7 +67,7 @@ class TrajectoryIntake:
         # Acknowledges entries once a checkpoint covers the step that dropped them (the
         # checkpointer's hold): until then a restart must see them again, as the scheduler state
         # it restores still waits for their groups.
-        self.hold_acks: Callable[[list[str]], None] | None = None
+        self.hold_acks = hold_acks
         self.error: BaseException | None = None
         self._wakeup = Wakeup()
         self._stopping = False

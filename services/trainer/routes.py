@@ -15,7 +15,6 @@ Answers are the msgspec Structs of `shared.records`. Mounted by `services.traine
 
 from __future__ import annotations
 
-import msgspec
 from fastapi import APIRouter, Depends, Request
 
 from services.trainer.control_plane import ControlPlane
@@ -23,13 +22,9 @@ from services.trainer.validation_control import ValidationRefused
 from shared.http import HTTPError, MsgspecJSON, decode_body, require_control_token
 from shared.openapi import json_body
 from shared.pause import PauseReason
-from shared.records import PauseAnswer, ResumeAnswer
+from shared.records import PauseAnswer, ResumeAnswer, ResumeRequest
 
 router = APIRouter(dependencies=[Depends(require_control_token)])
-
-
-class ResumeRequest(msgspec.Struct, forbid_unknown_fields=True):
-    epoch: int | None = None
 
 
 def _control(request: Request) -> ControlPlane:

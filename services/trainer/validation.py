@@ -50,7 +50,7 @@ class ValidationRunner:
         self.default_env = default_env
         self.rollout_timeout_s = rollout_timeout_s
         self.k = generations_per_prompt
-        self.id_prefix = ""  # "r<incarnation>-": keeps group ids unique across trainer restarts
+        self.id_prefix = ""  # "r<incarnation>-" once `set_incarnation` was told the trainer's start
         self._results: dict[str, Trajectory] = {}
         self._expected: set[str] = set()
         self._arrived = Wakeup()
@@ -69,6 +69,11 @@ class ValidationRunner:
             rollout_timeout_s=cfg.gym_gateway.rollout_timeout_s,
             generations_per_prompt=cfg.grpo.val_num_generations_per_prompt,
         )
+
+    def set_incarnation(self, incarnation: int) -> None:
+        """Prefix the group ids of validations run from now on with this trainer start's
+        incarnation, so they stay unique across trainer restarts."""
+        self.id_prefix = f"r{incarnation}-"
 
     def deliver(self, traj: Trajectory) -> None:
         if traj.group_id in self._expected:

@@ -1,9 +1,10 @@
 """The environment contract (`services.gym_gateway.envs.base.Environment`), passed by every
 registered environment.
 
-Every one: the registry builds it from the default config under its own name, and
+Every one: the registry builds it from the default config under its own name,
 ``make_instances`` is deterministic for a seed and JSON-serialisable (or, for NeMo-Gym, a
-ValueError naming where its rows come from).
+ValueError naming where its rows come from), and ``aclose`` (the gateway's shutdown) is a
+coroutine that closes one that never ran, and may be called again.
 
 Environments whose loop runs in the gateway (crossing, tool_calc, guess_number, echo, and swe's
 built-in agent on the local runtime) are played by scripted policies through a real gateway: tasks
@@ -18,6 +19,7 @@ harness interpreter, NeMo-Gym's servers) fail as infrastructure with an error th
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 
@@ -64,6 +66,14 @@ def test_instances_are_deterministic_for_a_seed_and_json(name):
     assert len(rows) == 6 and rows == env.make_instances(6, SEED)
     assert json.loads(json.dumps(rows)) == rows
     assert get_env(name).make_instances(6, SEED) == rows  # a fresh instance draws the same rows
+
+
+@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
+async def test_aclose_closes_one_that_never_ran_and_may_be_called_again(name):
+    env = get_env(name)
+    assert inspect.iscoroutinefunction(env.aclose)
+    await env.aclose()
+    await env.aclose()
 
 
 # -- scripted policies -----------------------------------------------------------------------------

@@ -170,6 +170,9 @@ class HoldEnv:
         self.session_id: str | None = None
         self.release = threading.Event()
 
+    async def aclose(self):
+        pass
+
     async def rollout(self, instance, llm, *, max_turns):
         self.session_id = llm.session_id
         while not self.release.is_set():

@@ -33,6 +33,9 @@ class FlakyEnv:
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{"key": str(i)} for i in range(n)]
 
+    async def aclose(self) -> None:
+        pass
+
     async def rollout(self, instance: dict[str, Any], llm: ChatClient, *, max_turns: int) -> Outcome:
         key = instance["key"]
         self.attempts[key] = self.attempts.get(key, 0) + 1

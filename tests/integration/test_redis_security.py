@@ -134,7 +134,7 @@ async def test_without_or_with_a_wrong_password_redis_refuses(secured_server):
     for url in (f"redis://127.0.0.1:{secured_server.port}/0", _url(secured_server.port, ACL_USER, "wrong")):
         client = aioredis.Redis.from_url(url)  # no retries: the refusal itself is what is checked
         with pytest.raises((AuthenticationError, ResponseError)):
-            await client.xlen("streamrl:{x}:tasks")
+            await client.xlen(K.RunKeys("x").tasks)
         await client.aclose()
 
 

@@ -6,7 +6,6 @@ drains half a second on SIGTERM). The real services are scaled in tests/e2e/test
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -15,6 +14,7 @@ import pytest
 import redis
 
 from shared import keys as K
+from shared.protocol import RunFile, write_run_file
 from streamrl.scale import ScaleError
 from streamrl.scale_local import LocalBackend
 from tests.scale_rig import Rig
@@ -84,7 +84,7 @@ def test_an_unknown_service_is_refused_by_name(rig_factory, tmp_path):
 
 
 def test_no_supervisor_is_a_clear_error(tmp_path, redis_url):
-    (tmp_path / "run.json").write_text(json.dumps({"run_id": "nobody-here", "redis_url": redis_url, "scale": {}}))
+    write_run_file(tmp_path, RunFile(run_id="nobody-here", redis_url=redis_url, trainer_url="http://127.0.0.1:1"))
     with pytest.raises(ScaleError, match="no supervisor"):
         LocalBackend(tmp_path).counts()
     with pytest.raises(ScaleError, match="no .*run.json"):
@@ -98,7 +98,7 @@ def test_a_run_that_ends_while_scaling_is_reported(tmp_path, redis_url):
     keys, r = K.RunKeys(run_id), redis.Redis.from_url(redis_url)
     r.set(keys.scale_status, encode(ScaleStatus(request_id="up", phase="done", ready={"generator": 1})))
     r.set(keys.stop, b"finished")  # the supervisor is gone and will never answer
-    (tmp_path / "run.json").write_text(json.dumps({"run_id": run_id, "redis_url": redis_url, "scale": {}}))
+    write_run_file(tmp_path, RunFile(run_id=run_id, redis_url=redis_url, trainer_url="http://127.0.0.1:1"))
     t0 = time.monotonic()
     with pytest.raises(ScaleError, match="ended before scaling finished"):
         LocalBackend(tmp_path).scale({"generator": 2}, timeout_s=60)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from shared import keys as K
-from shared.protocol import Heartbeat, SamplingParams, Task
+from shared.protocol import Heartbeat, RunFile, SamplingParams, Task, write_run_file
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
 from streamrl.redis_server import RedisServer
@@ -153,16 +153,25 @@ def test_table_from_redis_url_in_the_environment_finds_the_only_run(run_in_redis
 
 
 def test_run_file_supplies_redis_and_run_id(run_in_redis, tmp_path):
-    (tmp_path / "run.json").write_text(json.dumps({"run_id": RUN_ID, "redis_url": run_in_redis.url}))
+    # the trainer's URL as it registered it (nobody listens there)
+    write_run_file(tmp_path, RunFile(run_id=RUN_ID, redis_url=run_in_redis.url, trainer_url="http://127.0.0.1:9"))
     out = _status("--run-dir", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["step"] == 7
 
 
 def test_a_run_file_without_the_password_asks_for_redis_url(tmp_path):
-    (tmp_path / "run.json").write_text(json.dumps({"run_id": RUN_ID, "redis_url": "redis://app:***@h:6379/0"}))
+    redacted = "redis://app:***@h:6379/0"
+    write_run_file(tmp_path, RunFile(run_id=RUN_ID, redis_url=redacted, trainer_url="http://127.0.0.1:9"))
     out = _status("--run-dir", str(tmp_path))
     assert out.returncode == 1 and "set REDIS_URL" in out.stderr and "***" in out.stderr
+
+
+def test_a_file_that_is_no_run_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": RUN_ID}))  # neither trainer nor Redis
+    out = _status("--run-dir", str(tmp_path))
+    assert out.returncode == 1 and "run.json is not the run file of a `streamrl up` job" in out.stderr
+    assert "trainer_url" in out.stderr
 
 
 def test_unknown_redis_is_a_clear_error():

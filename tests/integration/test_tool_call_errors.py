@@ -72,6 +72,9 @@ class HttpAgent:
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         return [{} for _ in range(n)]
 
+    async def aclose(self) -> None:
+        pass
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         client = ChatClient(llm.base_url, llm.http, timeout_s=30)
         await client.chat([{"role": "user", "content": "look"}], tools=[LOOK_TOOL])

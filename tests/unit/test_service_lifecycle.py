@@ -10,7 +10,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from shared.service import EXIT_FAILED, EXIT_OK, Readiness, ServiceLifecycle, add_probe_routes
+from shared.admin_api import Readiness
+from shared.service import EXIT_FAILED, EXIT_OK, ServiceLifecycle, add_probe_routes
 
 pytestmark = pytest.mark.unit
 

@@ -116,7 +116,8 @@ class ModelClient(Protocol):
 
 class Environment(Protocol):
     """An environment or agent-harness driver, registered by ``name`` in `services.gym_gateway.envs`
-    and built once per gateway worker by ``from_config``."""
+    and built once per gateway worker by ``from_config``; the worker calls ``aclose`` once at
+    shutdown, after its rollouts ended."""
 
     name: str
 
@@ -135,6 +136,11 @@ class Environment(Protocol):
         """``n`` JSON-serialisable task instances, the same for the same ``seed`` (``streamrl
         data make``); a ValueError naming where the rows come from when the environment has no
         generator of its own."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop what the environment keeps between rollouts (the OpenHands driver's warm runners);
+        a no-op where nothing is kept. Called once, when the gateway shuts down."""
         ...
 
 

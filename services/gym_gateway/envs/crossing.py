@@ -72,6 +72,9 @@ class CrossingEnv:
         rng = random.Random(seed)
         return [{"light": rng.choice(LIGHTS)} for _ in range(n)]
 
+    async def aclose(self) -> None:
+        """Nothing is kept between rollouts."""
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         light = instance["light"]
         if light not in RULE:

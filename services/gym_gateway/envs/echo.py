@@ -34,6 +34,9 @@ class EchoEnv:
         rng = random.Random(seed)
         return [{"words": [rng.choice(WORDS) for _ in range(rng.randint(2, 4))]} for _ in range(n)]
 
+    async def aclose(self) -> None:
+        """Nothing is kept between rollouts."""
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         words = list(instance["words"])
         resp = await llm.chat([{"role": "user", "content": "Repeat after me: " + " ".join(words)}])

@@ -65,6 +65,9 @@ class GuessNumberEnv:
         rng = random.Random(seed)
         return [{"secret": rng.randint(1, high), "high": high, "budget": budget} for _ in range(n)]
 
+    async def aclose(self) -> None:
+        """Nothing is kept between rollouts."""
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         secret, budget = int(instance["secret"]), int(instance["budget"])
         messages: list[dict[str, Any]] = [{"role": "user", "content": prompt(instance)}]

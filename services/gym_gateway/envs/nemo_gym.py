@@ -130,6 +130,9 @@ class NemoGymEnv:
     def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
         raise ValueError("nemo_gym rows come from a NeMo-Gym dataset JSONL (data.train_path), not a generator")
 
+    async def aclose(self) -> None:
+        """Nothing to stop: the agent servers are NeMo-Gym's, reached with the gateway's HTTP client."""
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         body = self.run_body(instance, llm)
         agent = await self.agent(instance, llm.http)

@@ -114,6 +114,9 @@ class ToolCalcEnv:
             out.append({"a": a, "b": b, "op": op})
         return out
 
+    async def aclose(self) -> None:
+        """Nothing is kept between rollouts."""
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         messages: list[dict[str, Any]] = [{"role": "user", "content": question(instance)}]
         tool_calls = tool_errors = 0

@@ -129,6 +129,9 @@ class SweEnv:
             out += [{"instance_id": i} for i in ids]
         return out[:n]
 
+    async def aclose(self) -> None:
+        """Nothing is kept between rollouts: each one's workspace goes when its episode ends."""
+
     async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
         inst = self.resolve(instance)
         async with self.runtime.workspace(inst) as ws:
