@@ -349,7 +349,7 @@ def bench(
     ),
 ) -> None:
     """Run the benchmarks and write their tables to BENCHMARKS.md."""
-    from streamrl.bench import SECTIONS, run_benchmarks
+    from streamrl.bench.suite import SECTIONS, run_benchmarks
 
     if only is not None and only not in SECTIONS:
         _fail(f"--only must be one of: {', '.join(SECTIONS)}")

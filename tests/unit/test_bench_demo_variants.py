@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from shared.records import DynamicSamplingStats, ValidationRecord, encode_record
-from streamrl import bench_demo_variants as bdv
+from streamrl.bench import demo_variants as bdv
 from tests.record_fixtures import learner_metrics, step_record
 
 pytestmark = pytest.mark.unit
@@ -90,8 +90,8 @@ def test_run_figures_and_the_rendered_section(tmp_path):
 
 
 def test_the_section_goes_after_the_demo_run_and_replaces_itself():
-    from streamrl.bench import DEMO_HEADING
-    from streamrl.bench_generator import replace_section
+    from streamrl.bench.generator import replace_section
+    from streamrl.bench.suite import DEMO_HEADING
 
     text = "# Benchmarks\n\n## Demo run (x)\n\na\n\n## Stream transport\n\nb\n"
     once = replace_section(text, f"{bdv.HEADING} (1)\n\nv1\n", bdv.HEADING, after=DEMO_HEADING)

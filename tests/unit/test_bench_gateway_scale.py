@@ -2,7 +2,7 @@
 
 import pytest
 
-from streamrl import bench_gateway_scale as bgs
+from streamrl.bench import gateway_scale as bgs
 
 pytestmark = pytest.mark.unit
 

@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from streamrl.bench_generator import HEADING, render_section, replace_section
-from streamrl.bench_throughput import (
+from streamrl.bench.generator import HEADING, render_section, replace_section
+from streamrl.bench.throughput import (
     BenchRequest,
     check_no_chunked_prefill,
     closed_loop,

@@ -8,10 +8,10 @@ import statistics
 import pytest
 
 from services.gym_gateway.envs import UnknownEnvironment, get_env
-from streamrl.bench_pipeline import PackingCase, packing_benchmark, run_config
-from streamrl.bench_pipeline_report import HEADING, render_pipeline, targets
-from streamrl.bench_pipeline_sim import ENV_NAME, SleepEnv, registered_env
-from streamrl.bench_schedule import SCENARIOS, Scenario, ideal_run, pipeline_figures, simulate_schedule
+from streamrl.bench.pipeline import PackingCase, packing_benchmark, run_config
+from streamrl.bench.pipeline_report import HEADING, render_pipeline, targets
+from streamrl.bench.pipeline_sim import ENV_NAME, SleepEnv, registered_env
+from streamrl.bench.schedule import SCENARIOS, Scenario, ideal_run, pipeline_figures, simulate_schedule
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,8 @@ and where the section goes in BENCHMARKS.md."""
 
 import pytest
 
-from streamrl.bench_generator import replace_section
-from streamrl.bench_refit import (
+from streamrl.bench.generator import replace_section
+from streamrl.bench.refit import (
     GIB,
     HEADING,
     SIZES,
@@ -15,7 +15,7 @@ from streamrl.bench_refit import (
     num_params,
     render_section,
 )
-from streamrl.bench_trainer import HEADING as TRAINER_HEADING
+from streamrl.bench.trainer import HEADING as TRAINER_HEADING
 from streamrl.model_builder import TinyModelSpec
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl import bench_gateway
-from streamrl.bench import render_demo, render_streams
+from streamrl.bench import gateway as bench_gateway
+from streamrl.bench.suite import render_demo, render_streams
 
 pytestmark = pytest.mark.unit
 

@@ -3,9 +3,9 @@ summaries, the rendered section with its targets, and where the section goes in 
 
 import pytest
 
-from streamrl.bench_gateway import HEADING as GATEWAY_HEADING
-from streamrl.bench_generator import replace_section
-from streamrl.bench_trainer import HEADING, checkpoints, memory, paired, render_section
+from streamrl.bench.gateway import HEADING as GATEWAY_HEADING
+from streamrl.bench.generator import replace_section
+from streamrl.bench.trainer import HEADING, checkpoints, memory, paired, render_section
 
 pytestmark = pytest.mark.unit
 

@@ -6,26 +6,26 @@
    realistic size (a 2-turn rollout, 1,000+ tokens) published and consumed through the real
    StreamClient (XADD, XREADGROUP + decode + XACK), with token arrays packed as int32/float32 bytes
    versus the same payload as msgpack lists of numbers (the baseline the design rejects).
-3. The generator (`streamrl.bench_generator`): HTTP layer against the raw vLLM engine in tokens/s,
+3. The generator (`streamrl.bench.generator`): HTTP layer against the raw vLLM engine in tokens/s,
    the cost of the prefix splice, and refit latency against a plain safetensors save + load.
-4. The gym gateway (`streamrl.bench_gateway`): 256 concurrent multi-turn sessions through the
+4. The gym gateway (`streamrl.bench.gateway`): 256 concurrent multi-turn sessions through the
    session proxy against the same conversations sent straight to the generator: errors, latency,
    proxy overhead per call, memory per session; and the proxy alone at up to 4,096 sessions against
-   a stand-in generator of fixed latency (`streamrl.bench_gateway_scale`).
-5. The trainer (`streamrl.bench_trainer`): the torch backend's tokens/s against a bare torch loop
+   a stand-in generator of fixed latency (`streamrl.bench.gateway_scale`).
+5. The trainer (`streamrl.bench.trainer`): the torch backend's tokens/s against a bare torch loop
    of the same model, batch, loss and optimizer; two ranks against one; training state per rank
    at two ranks against one; asynchronous against synchronous sharded checkpoint saves.
-6. Pipeline efficiency (`streamrl.bench_pipeline`): the real trainer, buffer, streams and gateways
+6. Pipeline efficiency (`streamrl.bench.pipeline`): the real trainer, buffer, streams and gateways
    with simulated rollout and training times, at lag 0/1/2, against an ideal zero-overhead
    schedule of the same durations; and sequence-packing efficiency against padding.
-7. Refit (`streamrl.bench_refit`): publish to confirmed from the trainer's learner to a vLLM
+7. Refit (`streamrl.bench.refit`): publish to confirmed from the trainer's learner to a vLLM
    generator process, filesystem and collective transports side by side, for models of 0.1 to
    2 GiB, against a raw gloo broadcast and a raw safetensors save + load of the same bytes; and
    those per-byte costs scaled to a 397B-parameter run (a model, next to published figures).
-8. Demo variants (`streamrl.bench_demo_variants`): short demo runs at top_p 0.9 (the trainer's
+8. Demo variants (`streamrl.bench.demo_variants`): short demo runs at top_p 0.9 (the trainer's
    mismatch figures with and without the nucleus truncation, from the same run) and with dynamic
    sampling, against the demo's own settings.
-9. OpenHands runners (`streamrl.bench_openhands`): the OpenHands driver with warm runners against
+9. OpenHands runners (`streamrl.bench.openhands`): the OpenHands driver with warm runners against
    a fresh runner process per rollout, rollouts per minute and CPU seconds per rollout.
 Every figure is reported against a baseline measured in the same run on the same machine (so
 noise from other load cancels out), as a ratio, or with its baseline named in its table.
@@ -54,18 +54,16 @@ from shared.protocol import Trajectory, encode, make_turn
 from shared.redis_replies import read_entries
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
-from streamrl import (
-    bench_demo_variants,
-    bench_gateway,
-    bench_gateway_scale,
-    bench_openhands,
-    bench_pipeline,
-    bench_pipeline_report,
-    bench_refit,
-    bench_trainer,
-)
-from streamrl.bench_generator import HEADING as GENERATOR_HEADING
-from streamrl.bench_generator import generator_benchmark, render_section, replace_section
+from streamrl.bench import demo_variants as bench_demo_variants
+from streamrl.bench import gateway as bench_gateway
+from streamrl.bench import gateway_scale as bench_gateway_scale
+from streamrl.bench import openhands as bench_openhands
+from streamrl.bench import pipeline as bench_pipeline
+from streamrl.bench import pipeline_report as bench_pipeline_report
+from streamrl.bench import refit as bench_refit
+from streamrl.bench import trainer as bench_trainer
+from streamrl.bench.generator import HEADING as GENERATOR_HEADING
+from streamrl.bench.generator import generator_benchmark, render_section, replace_section
 from streamrl.redis_server import RedisServer
 
 SECTIONS = ("generator", "gateway", "gateway_scale", "trainer", "pipeline", "refit", "demo_variants", "openhands")

@@ -4,7 +4,7 @@ what a second rank buys, on CPU.
 Two Qwen3-architecture models are built at random in the section's folder (nothing is
 downloaded): a small one for throughput, and one of tens of millions of parameters, large enough
 that parameters, gradients and optimizer state dominate, for memory and checkpoints. Each part
-runs in worker processes (`streamrl.bench_trainer_worker`); every ratio compares two sides
+runs in worker processes (`streamrl.bench.trainer_worker`); every ratio compares two sides
 measured in the same process, alternated step by step (A B, B A, ...) after a warm-up step each,
 so that load from other processes hits both:
 
@@ -38,7 +38,7 @@ from typing import Any
 
 from streamrl.model_builder import TinyModelSpec, qwen3_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## Trainer"
 THROUGHPUT_TARGET = 0.9  # backend tokens/s over the bare loop's
 MEMORY_TARGET = 0.55  # training state per rank at 2 ranks over 1 rank
@@ -81,11 +81,11 @@ def build_model(out: Path, spec: TinyModelSpec, dtype: str = "float32") -> int:
 
 
 def run_worker(mode: str, model: Path, out: Path, args: list[str], world_size: int = 1) -> dict[str, Any]:
-    """``streamrl.bench_trainer_worker`` alone or under torchrun; its JSON result."""
+    """``streamrl.bench.trainer_worker`` alone or under torchrun; its JSON result."""
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"] if world_size > 1 else []
     )
-    cmd = [sys.executable, *launcher, "-m", "streamrl.bench_trainer_worker", mode, str(model), str(out), *args]
+    cmd = [sys.executable, *launcher, "-m", "streamrl.bench.trainer_worker", mode, str(model), str(out), *args]
     log = out.with_suffix(".log")
     with open(log, "wb") as f:
         code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode

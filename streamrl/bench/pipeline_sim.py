@@ -1,4 +1,4 @@
-"""The simulated parts of the pipeline benchmark (`streamrl.bench_pipeline`), around the real
+"""The simulated parts of the pipeline benchmark (`streamrl.bench.pipeline`), around the real
 trainer control plane and real gateway workers:
 
 * `SimBackend`: the learner's backend; a step sleeps the scenario's training time and the weights
@@ -44,7 +44,7 @@ from shared.registry import HeartbeatTask, publish_heartbeat
 from shared.run_config import EnvSection, RunConfig
 from shared.streams import StreamClient, connect
 from shared.weights_format import write_hashed
-from streamrl.bench_schedule import Scenario
+from streamrl.bench.schedule import Scenario
 from streamrl.child_guard import guarded
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 ENV_NAME = "bench_sleep"
 GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class SimBackend:
@@ -241,7 +241,7 @@ def _spawn(role: str, work: Path) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-c",
-        "import sys; from streamrl.bench_pipeline_sim import serve; serve(sys.argv[1:])",
+        "import sys; from streamrl.bench.pipeline_sim import serve; serve(sys.argv[1:])",
         role,
         str(work / "config.json"),
         str(work / "scenario.json"),

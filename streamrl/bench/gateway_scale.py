@@ -4,7 +4,7 @@ Four processes on this host, so that only the proxy's own cost separates the col
 generator answering after a fixed ``DELAY_S``, the gateway (its session routes, `SessionCalls`
 and `SessionProxy` as the service configures them, start-up objects frozen out of the collector
 too), a second gateway without `SessionCalls` for the comparison rows at 1,024 sessions (these
-three: `streamrl.bench_gateway_servers`), and the agents (this process): ``n`` sessions at once,
+three: `streamrl.bench.gateway_servers`), and the agents (this process): ``n`` sessions at once,
 each a conversation of ``TURNS`` timed chat calls after one untimed call that opens its
 connection. Two traffics: *burst*, every call at once, so (the upstream's latency being fixed)
 every batch of answers returns at once, the gateway's worst case; *steady*, an exponential pause
@@ -39,7 +39,7 @@ from streamrl.child_guard import guarded
 if TYPE_CHECKING:
     import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## Session proxy at scale"
 SIZES = (256, 1024, 4096)
 DELAY_S = 0.2
@@ -227,7 +227,7 @@ def gateway_scale_benchmark(work: Path, machine: str) -> dict[str, Any]:
     ):
         log = open(work / f"{name}-{port}.log", "wb")
         logs.append(log)
-        cmd = [sys.executable, "-m", "streamrl.bench_gateway_servers", f"serve-{name}", str(port), *extra]
+        cmd = [sys.executable, "-m", "streamrl.bench.gateway_servers", f"serve-{name}", str(port), *extra]
         procs.append(subprocess.Popen(guarded(cmd), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     affinity = os.sched_getaffinity(0)
     try:

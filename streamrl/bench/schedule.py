@@ -1,4 +1,4 @@
-"""Scenarios and the ideal schedule of the pipeline-efficiency benchmark (`streamrl.bench_pipeline`).
+"""Scenarios and the ideal schedule of the pipeline-efficiency benchmark (`streamrl.bench.pipeline`).
 
 A scenario fixes seeded log-normal rollout times (every prompt attempt has the same durations in
 every run) and the training time. The ideal schedule is an event simulation of the trainer's own

@@ -1,8 +1,8 @@
-"""One process of the refit section of ``streamrl bench`` (`streamrl.bench_refit` starts it).
+"""One process of the refit section of ``streamrl bench`` (`streamrl.bench.refit` starts it).
 
-    python -m streamrl.bench_refit_worker prepare MODEL OUT.json --spec SPEC.json --tokenizer DIR
-    torchrun --nproc-per-node 2 -m streamrl.bench_refit_worker broadcast MODEL OUT.json --bucket-mb B
-    python -m streamrl.bench_refit_worker refit MODEL OUT.json --redis URL --refits N
+    python -m streamrl.bench.refit_worker prepare MODEL OUT.json --spec SPEC.json --tokenizer DIR
+    torchrun --nproc-per-node 2 -m streamrl.bench.refit_worker broadcast MODEL OUT.json --bucket-mb B
+    python -m streamrl.bench.refit_worker refit MODEL OUT.json --redis URL --refits N
 
 * ``prepare``: builds a Qwen3 model of SPEC at random (bfloat16, the tiny model's tokenizer, so
   vLLM can load it) into MODEL, then times baseline B on its state dict: ``safetensors.torch``
@@ -237,7 +237,7 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
     from shared.pause import PauseControl
     from shared.run_config import RunConfig
     from shared.streams import StreamClient, connect
-    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.bench.generator import GeneratorProcess
     from streamrl.redis_server import free_port
 
     run_id = f"bench-refit-{os.getpid()}-{int(time.time())}"
@@ -300,7 +300,7 @@ async def bring_up(config: Path, work: Path, load_format: str) -> float:
     import aiohttp
     import yaml
 
-    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.bench.generator import GeneratorProcess
     from streamrl.redis_server import free_port
 
     tree = yaml.safe_load(config.read_text())

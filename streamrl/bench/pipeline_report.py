@@ -1,12 +1,12 @@
 """The markdown section of the pipeline-efficiency benchmark: result tables and the targets
-checked against them (`streamrl.bench_pipeline` measures, this module reports)."""
+checked against them (`streamrl.bench.pipeline` measures, this module reports)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from streamrl.bench_schedule import LONG_RUN_SEEDS, LONG_RUN_STEPS
+from streamrl.bench.schedule import LONG_RUN_SEEDS, LONG_RUN_STEPS
 
 HEADING = "## Pipeline efficiency"
 EFFICIENCY_TARGET = 0.95  # real steps/hour over the ideal schedule's
@@ -140,7 +140,7 @@ def _scenarios(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def render_pipeline(results: dict[str, Any]) -> str:
     """The markdown section for the results of `run_pipeline_benchmark` (the prose and table
-    layout live in templates/pipeline_section.md.jinja; the figures are formatted here)."""
+    layout live in templates/pipeline.md.jinja; the figures are formatted here)."""
     import jinja2
 
     env = jinja2.Environment(
@@ -148,7 +148,7 @@ def render_pipeline(results: dict[str, Any]) -> str:
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
     )
-    text = env.get_template("pipeline_section.md.jinja").render(
+    text = env.get_template("pipeline.md.jinja").render(
         heading=HEADING,
         r=results,
         first=next(iter(results["scenarios"].values()))["facts"],

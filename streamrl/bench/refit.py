@@ -2,7 +2,7 @@
 against raw baselines of the same bytes, and what that predicts for a large run.
 
 For Qwen3 models built at random (about 0.1, 0.5 and 2 GiB of bfloat16), in one run, one size at a
-time, each part in its own processes (`streamrl.bench_refit_worker`), nothing else running:
+time, each part in its own processes (`streamrl.bench.refit_worker`), nothing else running:
 
 1. Baseline B: ``safetensors`` ``save_file`` + ``load_file`` back of the model's tensors (page
    cache); sha256 and xxh3 rates over the same bytes; the trainer's float32 -> bfloat16 cast alone.
@@ -30,10 +30,10 @@ from typing import Any
 
 import msgspec
 
-from streamrl.bench_refit_worker import SETTLE_S
+from streamrl.bench.refit_worker import SETTLE_S
 from streamrl.model_builder import TinyModelSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## Refit"
 COLLECTIVE_TARGET = 0.8  # collective bandwidth over raw broadcast bandwidth, largest size
 FILESYSTEM_TARGET = 1.5  # filesystem refit time over raw save_file + load_file, largest size
@@ -100,9 +100,9 @@ class MemoryPeak:
 
 
 def run_worker(mode: str, model: Path, out: Path, args: list[str]) -> dict[str, Any]:
-    """``streamrl.bench_refit_worker`` (``broadcast`` under torchrun, two ranks); its JSON result."""
+    """``streamrl.bench.refit_worker`` (``broadcast`` under torchrun, two ranks); its JSON result."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] if mode == "broadcast" else []
-    cmd = [sys.executable, *launcher, "-m", "streamrl.bench_refit_worker", mode, str(model), str(out), *args]
+    cmd = [sys.executable, *launcher, "-m", "streamrl.bench.refit_worker", mode, str(model), str(out), *args]
     log = out.with_suffix(".log")
     with open(log, "wb") as f:
         code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode

@@ -1,14 +1,14 @@
 """The pipeline-efficiency section of ``streamrl bench``: how close the real trainer loop comes to
 its own scheduling policy run at zero overhead, and what asynchrony buys over synchronous GRPO.
-This module runs the real loop; `streamrl.bench_schedule` holds the scenarios and the ideal
-schedule, `streamrl.bench_pipeline_report` the tables and targets.
+This module runs the real loop; `streamrl.bench.schedule` holds the scenarios and the ideal
+schedule, `streamrl.bench.pipeline_report` the tables and targets.
 
 Real parts, against one embedded Valkey: the trainer's `ControlPlane` in this process (scheduler,
 replay buffer, intake, lookahead barrier, refit through the `WeightPublisher` with its launch gate
 and confirmations, acks, records), plugged in through its declared seams (a `LocalLearner` around
 the simulated backend, and `TrainerHooks` noting when groups were issued and trajectories read),
 and GATEWAY_WORKERS real gateway workers in a process of their own. Simulated, so the loop is
-measured and not a model (`streamrl.bench_pipeline_sim`): rollouts (an environment that sleeps a
+measured and not a model (`streamrl.bench.pipeline_sim`): rollouts (an environment that sleeps a
 seeded log-normal duration per rollout and calls no model), training (a backend that sleeps the
 scenario's training time) and the generator (a process that confirms every weight version at once).
 
@@ -38,7 +38,7 @@ Packing: a step's sequence lengths drawn log-normal (SWE-like, clipped to the co
 first-fit-decreasing packs of one context length against padding micro-batches to their longest row.
 
 `run_pipeline_benchmark` returns the results; `render_pipeline` turns them into the markdown
-section; ``python -m streamrl.bench_pipeline`` runs and prints both.
+section; ``python -m streamrl.bench.pipeline`` runs and prints both.
 """
 
 from __future__ import annotations
@@ -71,14 +71,14 @@ from shared.protocol import Task, Trajectory, decode
 from shared.records import read_records, step_records
 from shared.redis_replies import range_entries
 from shared.run_config import RunConfig
-from streamrl.bench_pipeline_report import (
+from streamrl.bench.pipeline_report import (
     CONTENDED_OTHER_CPU,
     CONTENDED_OVERSHOOT_S,
     REAL_RUN_ATTEMPTS,
     render_pipeline,
 )
-from streamrl.bench_pipeline_sim import ENV_NAME, GATEWAY_WORKERS, SimBackend, _spawn
-from streamrl.bench_schedule import (
+from streamrl.bench.pipeline_sim import ENV_NAME, GATEWAY_WORKERS, SimBackend, _spawn
+from streamrl.bench.schedule import (
     LAGS,
     MEASURE_FROM_STEP,
     SCENARIOS,
@@ -362,7 +362,7 @@ def run_pipeline_benchmark(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m streamrl.bench_pipeline", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m streamrl.bench.pipeline", description=__doc__.splitlines()[0])
     ap.add_argument("--work-dir", type=Path, default=Path("runs/bench/pipeline"))
     ap.add_argument("--out", type=Path, help="also write the markdown section here")
     ap.add_argument("--json", type=Path, help="also write the results here")

@@ -1,6 +1,6 @@
 """The generator section of ``streamrl bench``: what the serving layer costs on top of vLLM.
 
-1. Throughput, side by side (`streamrl.bench_throughput`): tokens/s of POST /v1/chat/completions
+1. Throughput, side by side (`streamrl.bench.throughput`): tokens/s of POST /v1/chat/completions
    on the real generator against the raw vLLM ``AsyncLLM`` with the same engine args, prompt ids,
    seeds and max_tokens, one engine alive at a time, in alternating blocks; the ratio is the
    median of the per-round ratios. Also CPU time per request outside the engine processes.
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from streamrl.bench_throughput import BLOCKS, MAX_TOKENS, ROUNDS_PER_BLOCK, make_requests, throughput
-from streamrl.bench_throughput import words as words_of
+from streamrl.bench.throughput import BLOCKS, MAX_TOKENS, ROUNDS_PER_BLOCK, make_requests, throughput
+from streamrl.bench.throughput import words as words_of
 from streamrl.child_guard import guarded
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from services.generator.chat import ChatRenderer
     from shared.openai_api import ChatMessage
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## Generator"
 TARGET_RATIO = 0.95
 REFITS = 5

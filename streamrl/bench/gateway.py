@@ -20,7 +20,7 @@ call p50/p99, and the gateway's memory per open session: its RSS once every conv
 round is over but all sessions are still open, minus its RSS before the round, over the number of
 sessions.
 
-``python -m streamrl.bench_gateway serve-gateway ARGS`` is the gateway process: the service's own
+``python -m streamrl.bench.gateway serve-gateway ARGS`` is the gateway process: the service's own
 entry point with the bench environment registered. Called by `streamrl.bench`.
 """
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from shared.openai_api import ChatCompletionResponse
     from shared.run_config import EnvSection
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## Gym gateway"
 ENV_NAME = "bench_chat"
 SESSIONS = 256
@@ -123,7 +123,7 @@ def serve_gateway(argv: list[str]) -> int:
 
 
 def config_tree(model_dir: Path, redis_url: str, run_id: str, out: Path) -> dict[str, Any]:
-    from streamrl.bench_generator import config_tree as generator_tree
+    from streamrl.bench.generator import config_tree as generator_tree
 
     tree = generator_tree(model_dir, redis_url, run_id)
     vllm = tree["policy"]["generation"]["vllm_cfg"]
@@ -323,7 +323,7 @@ def gateway_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any
 
     import aiohttp
 
-    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.bench.generator import GeneratorProcess
     from streamrl.demo import MODEL_DIR
     from streamrl.model_builder import build_tiny_model, is_model_dir
     from streamrl.redis_server import free_port
@@ -343,7 +343,7 @@ def gateway_benchmark(work: Path, redis_url: str, machine: str) -> dict[str, Any
             [
                 sys.executable,
                 "-m",
-                "streamrl.bench_gateway",
+                "streamrl.bench.gateway",
                 "serve-gateway",
                 "--config",
                 str(config),
@@ -445,4 +445,4 @@ def render_section(g: dict[str, Any]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "serve-gateway":
         sys.exit(serve_gateway(sys.argv[2:]))
-    sys.exit("usage: python -m streamrl.bench_gateway serve-gateway --config RUN.yaml [--port N]")
+    sys.exit("usage: python -m streamrl.bench.gateway serve-gateway --config RUN.yaml [--port N]")

@@ -4,7 +4,7 @@ HTTP: POST /v1/chat/completions on a real ``python -m services.generator`` proce
 sent with aiohttp as the gateway sends them. Raw: vLLM's ``AsyncLLM`` built from the engine args
 and sampling parameters `services.generator.vllm_engine` builds, fed the same prompt ids
 (``TokensPrompt``), seeds and max_tokens, in a process of its own (``python -m
-streamrl.bench_throughput``, which writes its results as JSON).
+streamrl.bench.throughput``, which writes its results as JSON).
 
 Only one engine is alive at a time. vLLM on CPU pins every engine's worker to the same cores and
 its worker and engine-core processes busy-wait for a second after each step; a second, idle
@@ -18,7 +18,7 @@ median of the per-round ratios. Generated tokens are counted from the responses 
 Also reported: CPU time per request outside the engine processes (the raw front end; the
 generator's API process and the HTTP client).
 
-Called by `streamrl.bench_generator`.
+Called by `streamrl.bench.generator`.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 
     from services.generator.chat import ChatRenderer
     from shared.run_config import RunConfig
-    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.bench.generator import GeneratorProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONCURRENCY = (1, 16, 64)
 BLOCKS = 4  # per side; one engine start each
 ROUNDS_PER_BLOCK = 2
@@ -213,8 +213,8 @@ async def _raw_block(config: Path) -> dict[str, Any]:
 
 
 def run_raw_block(config: Path, out: Path, log_path: Path, timeout_s: float = 900.0) -> list[dict[str, Any]]:
-    """One raw block in a fresh ``python -m streamrl.bench_throughput`` process; its rounds."""
-    cmd = [sys.executable, "-m", "streamrl.bench_throughput", str(config), str(out)]
+    """One raw block in a fresh ``python -m streamrl.bench.throughput`` process; its rounds."""
+    cmd = [sys.executable, "-m", "streamrl.bench.throughput", str(config), str(out)]
     with open(log_path, "ab") as log:
         proc = subprocess.run(
             cmd,
@@ -356,7 +356,7 @@ def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m streamrl.bench_throughput CONFIG OUT``: one raw block, results as JSON in OUT."""
+    """``python -m streamrl.bench.throughput CONFIG OUT``: one raw block, results as JSON in OUT."""
     from services.generator.vllm_env import apply_env_defaults
 
     apply_env_defaults()  # before anything imports vLLM

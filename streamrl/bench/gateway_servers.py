@@ -1,8 +1,8 @@
-"""The servers of the gateway_scale benchmark (`streamrl.bench_gateway_scale`), each started in a
+"""The servers of the gateway_scale benchmark (`streamrl.bench.gateway_scale`), each started in a
 process of its own::
 
-    python -m streamrl.bench_gateway_servers serve-upstream PORT
-    python -m streamrl.bench_gateway_servers serve-gateway PORT UPSTREAM [routes-only]
+    python -m streamrl.bench.gateway_servers serve-upstream PORT
+    python -m streamrl.bench.gateway_servers serve-gateway PORT UPSTREAM [routes-only]
 
 * the stand-in generator: an aiohttp server answering every chat call like the generator does (the
   prompt ids, given in full at the top and in the message, the generated ids and logprobs, weight
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from streamrl.bench_gateway_scale import DELAY_S, GEN_TOKENS, NEW_TOKENS, PROMPT_TOKENS, SIZES
+from streamrl.bench.gateway_scale import DELAY_S, GEN_TOKENS, NEW_TOKENS, PROMPT_TOKENS, SIZES
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -157,6 +157,6 @@ if __name__ == "__main__":
         serve_gateway(int(sys.argv[2]), sys.argv[3], routes_only=sys.argv[4:] == ["routes-only"])
     else:
         sys.exit(
-            "usage: python -m streamrl.bench_gateway_servers serve-upstream PORT | "
+            "usage: python -m streamrl.bench.gateway_servers serve-upstream PORT | "
             "serve-gateway PORT UPSTREAM [routes-only]"
         )

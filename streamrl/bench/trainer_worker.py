@@ -1,9 +1,9 @@
-"""One process of the trainer section of ``streamrl bench`` (`streamrl.bench_trainer` starts it).
+"""One process of the trainer section of ``streamrl bench`` (`streamrl.bench.trainer` starts it).
 
-    python -m streamrl.bench_trainer_worker compare MODEL OUT.json --rounds R --threads T
-    torchrun --nproc-per-node N -m streamrl.bench_trainer_worker scale MODEL OUT.json --rounds R
-    torchrun --nproc-per-node N -m streamrl.bench_trainer_worker state MODEL OUT.json --saves S
-    torchrun --nproc-per-node N -m streamrl.bench_trainer_worker load MODEL OUT.json [--whole]
+    python -m streamrl.bench.trainer_worker compare MODEL OUT.json --rounds R --threads T
+    torchrun --nproc-per-node N -m streamrl.bench.trainer_worker scale MODEL OUT.json --rounds R
+    torchrun --nproc-per-node N -m streamrl.bench.trainer_worker state MODEL OUT.json --saves S
+    torchrun --nproc-per-node N -m streamrl.bench.trainer_worker load MODEL OUT.json [--whole]
 
 * ``compare`` (one rank): the real backend (`TorchBackend.train_step`) against `BareLoop`, the same
   model, batch, loss and AdamW written plainly in torch, alternated step by step for R rounds.

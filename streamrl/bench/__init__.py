@@ -1,0 +1,1 @@
+"""The benchmarks behind ``streamrl bench`` (`streamrl.bench.suite` runs them)."""
