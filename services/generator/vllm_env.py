@@ -2,7 +2,7 @@
 
 Loopback-only internal queues, no model hub, no telemetry. Light on purpose (only ``os``): the
 generator's ``__main__`` and the generator benchmarks (`streamrl.bench.generator`,
-`streamrl.bench.throughput`) call `apply_env_defaults` first thing, and deployment checks read
+`streamrl.bench.raw_engine`) call `apply_env_defaults` first thing, and deployment checks read
 `ENV_DEFAULTS` to know which variables the services accept.
 """
 

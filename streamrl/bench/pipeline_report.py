@@ -1,14 +1,15 @@
-"""The markdown section of the pipeline-efficiency benchmark: result tables and the targets
-checked against them (`streamrl.bench.pipeline` measures, this module reports)."""
+"""The pipeline-efficiency section's results and targets (`streamrl.bench.pipeline` measures, this
+module holds what it found): `PipelineResults`, the targets checked against them, rendered by
+``templates/pipeline.md.jinja``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+import msgspec
 
-from streamrl.bench.schedule import LONG_RUN_SEEDS, LONG_RUN_STEPS
+from streamrl.bench.packing import PackingResults
+from streamrl.bench.report import Results, render
+from streamrl.bench.schedule import LONG_RUN_SEEDS, LONG_RUN_STEPS, IdealRun
 
-HEADING = "## Pipeline efficiency"
 EFFICIENCY_TARGET = 0.95  # real steps/hour over the ideal schedule's
 PACKING_TARGET = 0.95
 REAL_RUN_ATTEMPTS = 2
@@ -16,154 +17,137 @@ CONTENDED_OVERSHOOT_S = 0.05  # a train_step sleep this much late: the host's CP
 CONTENDED_OTHER_CPU = 0.5  # cores used by other processes of the host during a run
 
 
-def _speedup(runs: dict[str, Any], lag: int, kind: str) -> float:
-    speedup: float = runs[str(lag)][kind]["steps_per_hour"] / runs["0"][kind]["steps_per_hour"]
-    return speedup
+class Latencies(msgspec.Struct):
+    """Per rollout issued after start-up, where its time goes outside its simulated duration."""
+
+    pickup_mean_s: float  # task published -> the gateway starts the rollout
+    pickup_max_s: float
+    open_mean_s: float  # -> the environment starts
+    open_max_s: float
+    delivery_mean_s: float  # rollout done -> the trainer reads the trajectory
+    delivery_max_s: float
+    last_start_mean_s: float  # per issue: until the last of its rollouts starts
 
 
-def targets(results: dict[str, Any]) -> list[tuple[str, str, bool]]:
+class RealRun(msgspec.Struct, kw_only=True):
+    """One run of the real trainer loop: its measured window, where its time went, and the host."""
+
+    steps_per_hour: float
+    busy_fraction: float
+    issued_groups: int
+    evicted_groups: int
+    peak_rollouts: int  # running at once in the gateways
+    mean_gap_s: float  # between the end of one training and the start of the next
+    mean_refit_s: float
+    max_refit_s: float
+    mean_wait_data_s: float
+    other_gap_s: float  # the gap less refit and waiting for data: issue, ack, metrics, batch build
+    latencies: Latencies
+    # the host during the run
+    attempts: int = 1
+    max_train_overshoot_s: float
+    other_cpu_cores: float  # CPU other processes of the host used meanwhile
+    run_wall_s: float
+
+    @property
+    def contended(self) -> bool:
+        """Disturbed by other processes: it measures the host as much as the pipeline."""
+        return self.max_train_overshoot_s > CONTENDED_OVERSHOOT_S or self.other_cpu_cores > CONTENDED_OTHER_CPU
+
+
+class LagRun(msgspec.Struct):
+    """A scenario at one lag, real and ideal, and each against lag 0 (synchronous)."""
+
+    lag: int
+    real: RealRun
+    ideal: IdealRun
+    efficiency: float  # real steps/hour over ideal
+    speedup_real: float  # steps/hour over lag 0's
+    speedup_ideal: float
+    speedup_long_run: float  # the ideal schedule over LONG_RUN_STEPS, mean of LONG_RUN_SEEDS seeds
+
+
+class ScenarioFacts(msgspec.Struct, kw_only=True):
+    """A scenario as it was run (`streamrl.bench.schedule.Scenario`), with its rollout times."""
+
+    name: str
+    description: str
+    rollout_median_s: float
+    sigma: float
+    p99_over_p50: float
+    sampled_p99_over_p50: float
+    makespan_over_train: float
+    train_s: float
+    steps: int
+    num_prompts: int
+    group_size: int
+    target_lag: int
+    target_speedup: float
+
+
+class ScenarioResults(msgspec.Struct):
+    facts: ScenarioFacts
+    runs: list[LagRun]
+
+    def run(self, lag: int) -> LagRun:
+        return next(r for r in self.runs if r.lag == lag)
+
+
+class PipelineResults(Results):
+    date: str
+    machine: str
+    measure_from_step: int
+    gateway_workers: int
+    gateway_slots_per_worker: int
+    scenarios: list[ScenarioResults]
+    packing: PackingResults
+
+
+def lag_run(lag: int, real: RealRun, ideal: IdealRun, sync: tuple[RealRun, IdealRun], long_run: float) -> LagRun:
+    """``lag``'s run against the ideal schedule, and each against its lag-0 run ``sync``."""
+    return LagRun(
+        lag=lag,
+        real=real,
+        ideal=ideal,
+        efficiency=real.steps_per_hour / ideal.steps_per_hour,
+        speedup_real=real.steps_per_hour / sync[0].steps_per_hour,
+        speedup_ideal=ideal.steps_per_hour / sync[1].steps_per_hour,
+        speedup_long_run=long_run,
+    )
+
+
+def targets(results: PipelineResults) -> list[tuple[str, str, bool]]:
     """(target, measured figure, met) for every target of the section."""
     rows: list[tuple[str, str, bool]] = []
-    for name, sc in results["scenarios"].items():
-        for lag, r in sc["runs"].items():
-            eff = r["real"]["steps_per_hour"] / r["ideal"]["steps_per_hour"]
-            rows.append(
-                (
-                    f"{name}, lag {lag}: real >= {EFFICIENCY_TARGET:.0%} of the ideal schedule's steps/hour",
-                    f"{eff:.1%}",
-                    eff >= EFFICIENCY_TARGET,
-                )
-            )
-        f = sc["facts"]
-        real, ideal = _speedup(sc["runs"], f["target_lag"], "real"), _speedup(sc["runs"], f["target_lag"], "ideal")
+    for sc in results.scenarios:
+        f = sc.facts
+        for r in sc.runs:
+            target = f"{f.name}, lag {r.lag}: real >= {EFFICIENCY_TARGET:.0%} of the ideal schedule's steps/hour"
+            rows.append((target, f"{r.efficiency:.1%}", r.efficiency >= EFFICIENCY_TARGET))
+        t = sc.run(f.target_lag)
         rows.append(
             (
-                f"{name}: lag {f['target_lag']} >= {f['target_speedup']}x synchronous",
-                f"real {real:.2f}x (ideal {ideal:.2f}x)",
-                real >= f["target_speedup"],
+                f"{f.name}: lag {f.target_lag} >= {f.target_speedup}x synchronous",
+                f"real {t.speedup_real:.2f}x (ideal {t.speedup_ideal:.2f}x)",
+                t.speedup_real >= f.target_speedup,
             )
         )
-    p = results["packing"]
-    rows.append(
-        (
-            f"packing efficiency >= {PACKING_TARGET:.0%}",
-            f"{p['packing_mean']:.1%} (min {p['packing_min']:.1%})",
-            p["packing_min"] >= PACKING_TARGET,
-        )
-    )
+    p = results.packing
+    measured = f"{p.packing_mean:.1%} (min {p.packing_min:.1%})"
+    rows.append((f"packing efficiency >= {PACKING_TARGET:.0%}", measured, p.packing_min >= PACKING_TARGET))
     return rows
 
 
-def _runs(results: dict[str, Any]) -> list[dict[str, str]]:
-    rows = []
-    for name, sc in results["scenarios"].items():
-        for lag, r in sc["runs"].items():
-            re_, id_ = r["real"], r["ideal"]
-            rows.append(
-                {
-                    "name": name,
-                    "lag": lag,
-                    "real_sph": f"{re_['steps_per_hour']:.0f}",
-                    "ideal_sph": f"{id_['steps_per_hour']:.0f}",
-                    "efficiency": f"{re_['steps_per_hour'] / id_['steps_per_hour']:.1%}",
-                    "busy_real": f"{re_['busy_fraction']:.2f}",
-                    "busy_ideal": f"{id_['busy_fraction']:.2f}",
-                    "sync_real": f"{_speedup(sc['runs'], int(lag), 'real'):.2f}x",
-                    "sync_ideal": f"{_speedup(sc['runs'], int(lag), 'ideal'):.2f}x",
-                    "sync_long": f"{sc['long_run_ideal_speedup'][lag]:.2f}x",
-                    "issued": f"{re_['issued_groups']} / {id_['issued_groups']}",
-                    "evicted": f"{re_['evicted_groups']} / {id_['evicted_groups']}",
-                    "peak": str(re_["peak_rollouts"]),
-                }
-            )
-    return rows
-
-
-def _pair(run: dict[str, Any], key: str) -> str:
-    return f"{run[key + '_mean_s']:.3f} / {run[key + '_max_s']:.3f}"
-
-
-def _gaps(results: dict[str, Any]) -> list[dict[str, str]]:
-    rows = []
-    for name, sc in results["scenarios"].items():
-        for lag, r in sc["runs"].items():
-            re_ = r["real"]
-            other = re_["mean_gap_s"] - re_["mean_refit_s"] - re_["mean_wait_data_s"]
-            rows.append(
-                {
-                    "name": name,
-                    "lag": lag,
-                    "gap": f"{re_['mean_gap_s']:.3f} / {r['ideal']['mean_gap_s']:.3f}",
-                    "refit": f"{re_['mean_refit_s']:.3f} / {re_['max_refit_s']:.3f}",
-                    "wait": f"{re_['mean_wait_data_s']:.3f}",
-                    "other": f"{other:.3f}",
-                    "pickup": _pair(re_, "pickup"),
-                    "open": _pair(re_, "open"),
-                    "last_start": f"{re_['last_start_mean_s']:.3f}",
-                    "delivery": _pair(re_, "delivery"),
-                }
-            )
-    return rows
-
-
-def _hosts(results: dict[str, Any]) -> list[dict[str, str]]:
-    return [
-        {
-            "name": name,
-            "lag": lag,
-            "attempts": str(r["real"]["attempts"]),
-            "overshoot_ms": f"{r['real']['max_train_overshoot_s'] * 1000:.1f}",
-            "other_cpu": f"{r['real']['other_cpu_cores']:.2f}",
-            "wall_s": f"{r['real']['run_wall_s']:.0f}",
-        }
-        for name, sc in results["scenarios"].items()
-        for lag, r in sc["runs"].items()
-    ]
-
-
-def _scenarios(results: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": name,
-            "description": f["description"],
-            "median": f"{f['rollout_median_s']:.3f}",
-            "sigma": f["sigma"],
-            "p99": f"{f['p99_over_p50']:.1f}",
-            "sampled_p99": f"{f['sampled_p99_over_p50']:.1f}",
-            "makespan": f["makespan_over_train"],
-            "train_s": f["train_s"],
-            "steps": f["steps"],
-        }
-        for name, f in ((name, sc["facts"]) for name, sc in results["scenarios"].items())
-    ]
-
-
-def render_pipeline(results: dict[str, Any]) -> str:
-    """The markdown section for the results of `run_pipeline_benchmark` (the prose and table
-    layout live in templates/pipeline.md.jinja; the figures are formatted here)."""
-    import jinja2
-
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
-        keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined,
-    )
-    text = env.get_template("pipeline.md.jinja").render(
-        heading=HEADING,
+def render_pipeline(results: PipelineResults) -> str:
+    """The markdown section for the results of `run_pipeline_benchmark`."""
+    return render(
+        "pipeline",
         r=results,
-        first=next(iter(results["scenarios"].values()))["facts"],
-        scenarios=_scenarios(results),
-        runs=_runs(results),
-        gaps=_gaps(results),
-        hosts=_hosts(results),
+        first=results.scenarios[0].facts,
         targets=targets(results),
-        p=results["packing"],
-        c=results["packing"]["case"],
-        pct=lambda v: f"{v:.1%}",
-        long_run_steps=f"{LONG_RUN_STEPS:,}",
+        long_run_steps=LONG_RUN_STEPS,
         long_run_seeds=LONG_RUN_SEEDS,
         attempts=REAL_RUN_ATTEMPTS,
         contended_cpu=CONTENDED_OTHER_CPU,
-        contended_ms=f"{CONTENDED_OVERSHOOT_S * 1000:.0f}",
+        contended_ms=CONTENDED_OVERSHOOT_S * 1000,
     )
-    return text.rstrip("\n") + "\n"

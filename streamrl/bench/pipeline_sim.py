@@ -13,7 +13,8 @@ trainer control plane and real gateway workers:
   stream in, one session per rollout through the real `SessionProxy`, trajectories out), in a
   process of their own as in a deployment.
 
-`serve` is the entry point of the helper processes `_spawn` starts.
+`serve` is the entry point of the helper processes `spawn` starts; the gateways' process ends by
+writing a `GatewayReport`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ if TYPE_CHECKING:
 ENV_NAME = "bench_sleep"
 GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
 ROOT = Path(__file__).resolve().parents[2]
+
+
+class GatewayReport(msgspec.Struct):
+    """What the gateways' process reports when the run ends."""
+
+    peak_rollouts: int  # running at once
+    rollouts_started: int
+    failed_rollouts: dict[str, int]  # by reason
 
 
 class SimBackend:
@@ -217,11 +226,7 @@ async def serve_gateways(cfg: RunConfig, redis_url: str, scenario: Scenario, rep
     for w in workers:
         for reason, n in w.failed.items():
             failed[reason] += n
-    report.write_text(
-        json.dumps(
-            {"peak_rollouts": env.peak, "rollouts_started": sum(env.started.values()), "failed_rollouts": dict(failed)}
-        )
-    )
+    report.write_bytes(msgspec.json.encode(GatewayReport(env.peak, sum(env.started.values()), dict(failed))))
 
 
 def serve(argv: list[str]) -> None:
@@ -237,7 +242,7 @@ def serve(argv: list[str]) -> None:
         asyncio.run(serve_gateways(cfg, redis_url, s, Path(report)))
 
 
-def _spawn(role: str, work: Path) -> subprocess.Popen[bytes]:
+def spawn(role: str, work: Path) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-c",
