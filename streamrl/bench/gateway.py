@@ -117,8 +117,9 @@ async def _rounds(
     async with aiohttp.ClientSession() as http:
         await gen.wait_ready(http)
     await publish_weights(redis_url, run_id, MODEL_DIR.resolve())
-    await proxy_round(redis_url, run_id, "warmup", gateway_pid, 32)
-    await direct_round(gen.url, 32)
+    warm_up = min(32, SESSIONS)  # no more than the gateway's slots: the agent waits for every session
+    await proxy_round(redis_url, run_id, "warmup", gateway_pid, warm_up)
+    await direct_round(gen.url, warm_up)
     proxy, direct = [], []
     for k in range(ROUNDS):
         direct.append(await direct_round(gen.url, SESSIONS))

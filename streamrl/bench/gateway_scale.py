@@ -304,8 +304,9 @@ def _wait_port(port: int, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"nothing listened on port {port} within {timeout_s:.0f}s")
 
 
-def _row(rows: list[ScaleRow], scenario: str, n: int = TARGET_SESSIONS) -> ScaleRow | None:
-    return next((r for r in rows if r.scenario == scenario and r.sessions == n), None)
+def _row(rows: list[ScaleRow], scenario: str) -> ScaleRow | None:
+    """The row of ``scenario`` at TARGET_SESSIONS."""
+    return next((r for r in rows if r.scenario == scenario and r.sessions == TARGET_SESSIONS), None)
 
 
 def _target_p99(rows: list[ScaleRow], scenario: str) -> float | None:
