@@ -357,13 +357,20 @@ def bench(
     only: str | None = typer.Option(
         None, help="run one section and rewrite only it in OUT (generator, gateway, trainer, pipeline, refit, ...)"
     ),
+    render: bool = typer.Option(False, "--render", help="rewrite OUT from the stored results; measure nothing"),
+    results: Path = typer.Option(Path("benchmarks"), help="folder of each section's stored results (JSON)"),
 ) -> None:
     """Run the benchmarks and write their tables to BENCHMARKS.md."""
-    from streamrl.bench import SECTIONS, run_benchmarks
+    from streamrl.bench.suite import SECTIONS, run_benchmarks, write_report
 
+    if render:
+        if only is not None:
+            _fail("--render measures nothing: drop --only")
+        write_report(results, out)
+        return
     if only is not None and only not in SECTIONS:
         _fail(f"--only must be one of: {', '.join(SECTIONS)}")
-    raise typer.Exit(run_benchmarks(out, only=only))
+    raise typer.Exit(run_benchmarks(out, only=only, results_dir=results))
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """The environment vLLM reads at import time, set before anything imports it.
 
 Loopback-only internal queues, no model hub, no telemetry. Light on purpose (only ``os``): the
-generator's ``__main__`` and the generator benchmarks (`streamrl.bench_generator`,
-`streamrl.bench_throughput`) call `apply_env_defaults` first thing, and deployment checks read
+generator's ``__main__`` and the generator benchmarks (`streamrl.bench.generator`,
+`streamrl.bench.raw_engine`) call `apply_env_defaults` first thing, and deployment checks read
 `ENV_DEFAULTS` to know which variables the services accept.
 """
 

@@ -23,7 +23,7 @@ from services.gym_gateway.envs.base import SandboxError
 from services.gym_gateway.envs.openhands import OpenHandsEnv
 from shared.protocol import SamplingParams
 from shared.sections.env_openhands import OpenHandsSection
-from streamrl.bench_openhands import ScriptedModel, scripted_client
+from streamrl.bench.openhands import ScriptedModel, scripted_client
 from tests.gateway_fixtures import collect
 from tests.integration.test_openhands_agent import OPENHANDS, _env_section, _task, openhands_venv
 from tests.pids import gone, text_of

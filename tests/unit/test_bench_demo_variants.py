@@ -1,6 +1,7 @@
 """The demo-variants section of BENCHMARKS.md: each run's figures read back from its records (the
 nucleus-sampling mismatch with and without the truncation, the dynamic-sampling filter and the
-reward of every judged group), and the tables the section renders from them."""
+reward of every judged group), and the tables the section renders from them. (Where the section
+goes in BENCHMARKS.md: tests/unit/test_bench_suite.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import msgspec
 import pytest
 
 from shared.records import DynamicSamplingStats, ValidationRecord, encode_record
-from streamrl import bench_demo_variants as bdv
+from streamrl.bench import demo_variants as bdv
 from tests.record_fixtures import learner_metrics, step_record
 
 pytestmark = pytest.mark.unit
@@ -45,12 +46,16 @@ def _run(tmp_path, name, steps, *, untruncated=False, filtered=None, spike=None)
             r = msgspec.structs.replace(r, dynamic_sampling=ds)
         records.append(r)
     _write(tmp_path / name, [_validation(0, 0.5), *records, _validation(steps, 0.9)])
-    return {
-        "overrides": list(bdv.VARIANTS[name]),
-        "exit_code": 0,
-        "total_s": 120.0,
-        **bdv.run_figures(tmp_path / name, 8),
-    }
+    return bdv.RunRecord(name, list(bdv.VARIANTS[name]), 0, 120.0, bdv.run_figures(tmp_path / name, 8))
+
+
+def _render(runs: dict[str, bdv.RunRecord]) -> str:
+    d = bdv.summarize(list(runs.values()), date="2026-12-01", machine="m", max_num_steps=7, seed=42, groups=8)
+    return bdv.render_section(d)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
 
 
 def test_run_figures_and_the_rendered_section(tmp_path):
@@ -60,15 +65,14 @@ def test_run_figures_and_the_rendered_section(tmp_path):
         "top_p": _run(tmp_path, "top_p", 7, untruncated=True),
         "dynamic_sampling": _run(tmp_path, "dynamic_sampling", 7, filtered=filtered),
     }
-    ds = runs["dynamic_sampling"]
-    assert runs["default"]["token_mult_prob_error_untruncated"] == [None] * 7
-    assert ds["filtered_groups"] == 24 and ds["filtered_fraction"][3] == 0.5
+    ds = runs["dynamic_sampling"].steps
+    assert runs["default"].steps.token_mult_prob_error_untruncated == [None] * 7
+    assert ds.filtered_groups == 24 and ds.filtered_fraction[3] == 0.5
     # every judged group: 8 trained at the batch's mean reward and the filtered ones (all solved) at 1
-    assert ds["reward_judged"][3] == pytest.approx((0.46 * 8 + 8) / 16)
-    assert runs["default"]["reward_judged"] == pytest.approx(runs["default"]["reward"])
-    d = {"date": "2026-12-01", "machine": "m", "max_num_steps": 7, "seed": 42, "groups": 8, "runs": runs}
-    text = bdv.render_section(d)
-    assert text.startswith(f"{bdv.HEADING} (`streamrl bench --only demo_variants`")
+    assert ds.reward_judged[3] == pytest.approx((0.46 * 8 + 8) / 16)
+    assert runs["default"].steps.reward_judged == pytest.approx(runs["default"].steps.reward)
+    text = _render(runs)
+    assert text.startswith("## Demo variants\n\n`streamrl bench --only demo_variants`")
     assert (
         "| temperature only, untruncated (before the fix; `*_untruncated`, same forward pass) | top_p 0.9 | "
         "1.05000 | 1.05000 | 1.05000 | 2.00e-03 | 2.00e-03 | 2.00e-03 |" in text
@@ -79,22 +83,11 @@ def test_run_figures_and_the_rendered_section(tmp_path):
     )
     # the spike moves the baseline run's mean, not its median
     assert "| temperature only (nothing to truncate): baseline | top_p 1.0 | 1.00000 | 1.28814 | 1.00300 |" in text
-    assert "Steps above 1.1: 1 of the top_p 1.0 run (at most 3.00, a token 6.5 nats apart). One such" in text
-    runs["default"] = _run(tmp_path, "default", 7)
-    assert "No step of either run has a token_mult_prob_error above 1.1. The untruncated" in bdv.render_section(d)
-    assert "excess over 1 is 0.00e+00 after the fix against 5.00e-02 before it" in text
+    assert "Steps above 1.1: 1 of the top_p 1.0 run (at most 3.00, a token 6.5 nats apart). One such" in _flat(text)
+    without_spike = _render({**runs, "default": _run(tmp_path, "default", 7)})
+    assert "No step of either run has a token_mult_prob_error above 1.1. The untruncated" in _flat(without_spike)
+    assert "excess over 1 is 0.00e+00 after the fix against 5.00e-02 before it" in _flat(text)
     assert "| the same, first step / last step | - | 0.000 / 0.200 |" in text
     assert "| validation accuracy (greedy), start -> end | 0.500 -> 0.900 (step 7) | 0.500 -> 0.900 (step 7) |" in text
     assert "| 5-6 | 0.510 | 0.510 |" in text  # the last window is short
     assert "| groups filtered, whole run (trained: 8 per step) | 0 | 24 |" in text
-
-
-def test_the_section_goes_after_the_demo_run_and_replaces_itself():
-    from streamrl.bench import DEMO_HEADING
-    from streamrl.bench_generator import replace_section
-
-    text = "# Benchmarks\n\n## Demo run (x)\n\na\n\n## Stream transport\n\nb\n"
-    once = replace_section(text, f"{bdv.HEADING} (1)\n\nv1\n", bdv.HEADING, after=DEMO_HEADING)
-    assert once == "# Benchmarks\n\n## Demo run (x)\n\na\n\n## Demo variants (1)\n\nv1\n\n## Stream transport\n\nb\n"
-    twice = replace_section(once, f"{bdv.HEADING} (2)\n\nv2\n", bdv.HEADING, after=DEMO_HEADING)
-    assert twice == once.replace("(1)\n\nv1", "(2)\n\nv2")

@@ -8,10 +8,19 @@ import statistics
 import pytest
 
 from services.gym_gateway.envs import UnknownEnvironment, get_env
-from streamrl.bench_pipeline import PackingCase, packing_benchmark, run_config
-from streamrl.bench_pipeline_report import HEADING, render_pipeline, targets
-from streamrl.bench_pipeline_sim import ENV_NAME, SleepEnv, registered_env
-from streamrl.bench_schedule import SCENARIOS, Scenario, ideal_run, pipeline_figures, simulate_schedule
+from streamrl.bench.packing import PackingCase, packing_benchmark
+from streamrl.bench.pipeline import run_config, scenario_facts
+from streamrl.bench.pipeline_report import (
+    Latencies,
+    PipelineResults,
+    RealRun,
+    ScenarioResults,
+    lag_run,
+    render_pipeline,
+    targets,
+)
+from streamrl.bench.pipeline_sim import ENV_NAME, SleepEnv, registered_env
+from streamrl.bench.schedule import SCENARIOS, Scenario, ideal_run, pipeline_figures, simulate_schedule
 
 pytestmark = pytest.mark.unit
 
@@ -34,9 +43,9 @@ def test_synchronous_steps_take_generation_plus_training():
     assert s.train_end == pytest.approx([3, 6, 9, 12, 15])
     assert (s.issued_groups, s.evicted_groups) == (10, 0)
     f = pipeline_figures(s.train_start, s.train_end, from_step=1)
-    assert f["steps_per_hour"] == pytest.approx(1200)
-    assert f["busy_fraction"] == pytest.approx(1 / 3)
-    assert f["measured_steps"] == 3
+    assert f.steps_per_hour == pytest.approx(1200)
+    assert f.busy_fraction == pytest.approx(1 / 3)
+    assert f.measured_steps == 3
 
 
 def test_the_ceilings_with_fixed_rollout_times():
@@ -86,9 +95,9 @@ def test_every_step_trains_and_no_group_is_counted_twice():
 
 def test_ideal_run_reports_figures_of_the_measured_window():
     r = ideal_run(SCENARIOS[0], 1)
-    assert r["measured_steps"] == SCENARIOS[0].steps - 2
-    assert 0 < r["busy_fraction"] <= 1
-    assert r["steps_per_hour"] <= 3600 / SCENARIOS[0].train_s + 1e-6
+    assert r.measured_steps == SCENARIOS[0].steps - 2
+    assert 0 < r.busy_fraction <= 1
+    assert r.steps_per_hour <= 3600 / SCENARIOS[0].train_s + 1e-6
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
@@ -138,50 +147,51 @@ def test_run_config_is_a_valid_run_at_the_scenarios_lag(tmp_path):
 
 def test_packing_beats_padding_on_heavy_tailed_lengths():
     p = packing_benchmark(PackingCase(rows=128, batches=3))
-    assert p["packing_min"] >= 0.95
-    assert p["padding_mean"] < p["packing_mean"]
-    assert p["packs_mean"] >= p["packs_lower_bound_mean"]
+    assert p.packing_min >= 0.95
+    assert p.padding_mean < p.packing_mean
+    assert p.packs_mean >= p.packs_lower_bound_mean
 
 
-def _results(real_factor: float) -> dict:
+def _real(steps_per_hour: float, ideal) -> RealRun:
+    return RealRun(
+        steps_per_hour=steps_per_hour,
+        busy_fraction=ideal.busy_fraction,
+        issued_groups=ideal.issued_groups,
+        evicted_groups=ideal.evicted_groups,
+        peak_rollouts=64,
+        mean_gap_s=ideal.mean_gap_s,
+        mean_refit_s=0.01,
+        max_refit_s=0.02,
+        mean_wait_data_s=0.1,
+        other_gap_s=ideal.mean_gap_s - 0.11,
+        latencies=Latencies(*[0.01] * 6, last_start_mean_s=0.05),
+        attempts=1,
+        max_train_overshoot_s=0.001,
+        other_cpu_cores=0.1,
+        run_wall_s=30.0,
+    )
+
+
+def _results(real_factor: float) -> PipelineResults:
     """Results whose real runs reach ``real_factor`` of the ideal steps/hour."""
-    scenarios = {}
+    scenarios = []
+    long_run = {0: 1.0, 1: 1.9, 2: 2.9}
     for s in SCENARIOS:
-        runs = {}
+        measured = {}
         for lag in (0, 1, 2):
             ideal = ideal_run(s, lag)
-            real = {
-                **ideal,
-                "steps_per_hour": ideal["steps_per_hour"] * real_factor,
-                "peak_rollouts": 64,
-                "mean_refit_s": 0.01,
-                "max_refit_s": 0.02,
-                "mean_wait_data_s": 0.1,
-                "attempts": 1,
-                "max_train_overshoot_s": 0.001,
-                "other_cpu_cores": 0.1,
-                "run_wall_s": 30.0,
-                **{f"{k}_{s}_s": 0.01 for k in ("pickup", "open", "delivery") for s in ("mean", "max")},
-                "last_start_mean_s": 0.05,
-            }
-            runs[str(lag)] = {"real": real, "ideal": ideal}
-        facts = {
-            **s.__dict__,
-            "rollout_median_s": s.rollout_median_s,
-            "p99_over_p50": s.p99_over_p50,
-            "sampled_p99_over_p50": s.p99_over_p50,
-        }
-        scenarios[s.name] = {"facts": facts, "runs": runs, "long_run_ideal_speedup": {"0": 1.0, "1": 1.9, "2": 2.9}}
-    packing = packing_benchmark(PackingCase(rows=64, batches=2))
-    return {
-        "date": "today",
-        "machine": "m",
-        "measure_from_step": 1,
-        "gateway_workers": 8,
-        "gateway_slots_per_worker": 64,
-        "scenarios": scenarios,
-        "packing": packing,
-    }
+            measured[lag] = (_real(ideal.steps_per_hour * real_factor, ideal), ideal)
+        runs = [lag_run(lag, real, ideal, measured[0], long_run[lag]) for lag, (real, ideal) in measured.items()]
+        scenarios.append(ScenarioResults(scenario_facts(s), runs))
+    return PipelineResults(
+        date="today",
+        machine="m",
+        measure_from_step=1,
+        gateway_workers=8,
+        gateway_slots_per_worker=64,
+        scenarios=scenarios,
+        packing=packing_benchmark(PackingCase(rows=64, batches=2)),
+    )
 
 
 def test_targets_compare_real_runs_with_the_ideal_schedule():
@@ -194,7 +204,7 @@ def test_targets_compare_real_runs_with_the_ideal_schedule():
 
 def test_render_pipeline_is_one_markdown_section():
     text = render_pipeline(_results(0.97))
-    assert text.startswith(HEADING)
+    assert text.startswith("## Pipeline efficiency\n")
     assert sum(line.startswith("## ") for line in text.splitlines()) == 1
     assert "| balanced | 1 |" in text and "| heavy-tailed | 2 |" in text
     assert "| packed (first-fit decreasing) |" in text

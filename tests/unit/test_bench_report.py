@@ -4,41 +4,43 @@ none (steps run, the training run's trajectory rate) are shown alone."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from streamrl import bench_gateway
-from streamrl.bench import render_demo, render_streams
+from streamrl.bench import demo, gateway, streams
+from streamrl.bench.gateway_rounds import DirectRound, ProxyRound
 
 pytestmark = pytest.mark.unit
 
-STREAMS = {
-    "packed": {"bytes": 8000.0, "produce_per_s": 20000.0, "consume_per_s": 24000.0, "end_to_end_per_s": 12000.0},
-    "lists": {"bytes": 10000.0, "produce_per_s": 25000.0, "consume_per_s": 8000.0, "end_to_end_per_s": 6000.0},
-}
-DEMO = {
-    "exit_code": 0,
-    "summary": {
-        "steps": 40,
-        "first5_reward": 0.4,
-        "last5_reward": 0.9,
-        "improvement": 0.5,
-        "trajectories_trained": 2560,
-        "duplicate_ids": 0,
-        "validation_accuracy": [(0, 0.5), (40, 1.0)],
-        "total_time_s": 300.0,
-    },
-    "timing": {
-        "wait_data_s": {"mean": 0.5, "p50": 0.0, "max": 2.0},
-        "train_s": {"mean": 3.0, "p50": 3.0, "max": 4.0},
-        "refit_s": {"mean": 0.5, "p50": 0.5, "max": 0.6},
-        "step_s": {"mean": 4.0, "p50": 4.0, "max": 6.0},
-    },
-    "trajectories_per_s": 12.0,
-    "staleness_mean": 0.9,
-    "loop_s": 160.0,
-    "max_num_steps": 40,
-    "lag": 1,
-}
+STREAMS = streams.streams_results(
+    packed=streams.StreamFigures(
+        entry_bytes=8000.0, produce_per_s=20000.0, consume_per_s=24000.0, end_to_end_per_s=12000.0
+    ),
+    lists=streams.StreamFigures(
+        entry_bytes=10000.0, produce_per_s=25000.0, consume_per_s=8000.0, end_to_end_per_s=6000.0
+    ),
+)
+SUMMARY = demo.DemoSummary(
+    steps=40,
+    first5_reward=0.4,
+    last5_reward=0.9,
+    trajectories_trained=2560,
+    duplicate_ids=0,
+    validation_accuracy=[(0, 0.5), (40, 1.0)],
+    total_time_s=300.0,
+)
+# 40 steps of 4 s (the training loop: 160 s): 3 s training, 0.5 s refit, 0.5 s waiting on average
+TIMES = demo.StepTimes(wait_data_s=[2.0] * 10 + [0.0] * 30, train_s=[3.0] * 40, refit_s=[0.5] * 40, step_s=[4.0] * 40)
+
+
+def _demo(summary: demo.DemoSummary = SUMMARY) -> str:
+    results = demo.summarize(TIMES, summary, trajectories_per_s=12.0, staleness_mean=0.9, max_num_steps=40, lag=1)
+    return demo.render_section(results)
+
+
+def _flat(text: str) -> str:
+    """The text with its wrapped lines joined: prose figures are found whatever the wrapping."""
+    return " ".join(text.split())
 
 
 def _rows(text: str, header: str) -> dict[str, list[str]]:
@@ -55,14 +57,14 @@ def _rows(text: str, header: str) -> dict[str, list[str]]:
 
 
 def test_demo_step_split_is_shown_as_shares_of_the_whole_step():
-    rows = _rows(render_demo(DEMO), "per-step wall time")
+    rows = _rows(_demo(), "per-step wall time")
     assert rows["training"][-1] == "75.0%"
     assert rows["waiting for data"][-1] == "12.5%"
     assert rows["whole step"][-1] == "100.0%"
 
 
 def test_counts_without_a_like_baseline_stand_alone():
-    rows = _rows(render_demo(DEMO), "run figure")
+    rows = _rows(_demo(), "run figure")
     assert rows == {
         "steps trained (of grpo.max_num_steps 40)": ["40"],
         "trajectories trained per second (whole run, wall clock)": ["12.0"],
@@ -70,7 +72,7 @@ def test_counts_without_a_like_baseline_stand_alone():
 
 
 def test_every_compared_demo_figure_has_a_same_run_baseline_of_its_kind():
-    rows = _rows(render_demo(DEMO), "compared figure")
+    rows = _rows(_demo(), "compared figure")
     assert len(rows) == 5
     assert all(base and ratio not in ("", "n/a") for _, base, ratio in rows.values())
     assert rows["mean reward, last 5 steps"] == ["0.900", "first 5 steps: 0.400", "2.25x"]
@@ -81,37 +83,30 @@ def test_every_compared_demo_figure_has_a_same_run_baseline_of_its_kind():
 
 
 def test_missing_baselines_read_n_a_instead_of_failing():
-    demo = {**DEMO, "summary": {**DEMO["summary"], "validation_accuracy": [], "first5_reward": 0.0}}
-    rows = _rows(render_demo(demo), "compared figure")
+    summary = msgspec.structs.replace(SUMMARY, validation_accuracy=[], first5_reward=0.0)
+    rows = _rows(_demo(summary), "compared figure")
     assert rows["validation accuracy (greedy) at the end"][-1] == "n/a"
     assert rows["mean reward, last 5 steps"][-1] == "n/a"
 
 
 def test_stream_table_has_a_ratio_row_against_the_lists_baseline():
-    rows = _rows(render_streams(STREAMS), "token arrays as")
+    rows = _rows(streams.render_section(STREAMS), "token arrays as")
     assert rows["packed / lists, same run"] == ["0.80x", "0.80x", "3.00x", "2.00x"]
 
 
 def test_gateway_section_reports_overhead_and_memory_against_their_baselines():
-    g = {
-        "sessions": 256,
-        "turns": 3,
-        "max_tokens": 8,
-        "rounds": 2,
-        "date": "d",
-        "machine": "m",
-        "calls_proxy": 10,
-        "errors_proxy": 0,
-        "calls_direct": 10,
-        "errors_direct": 0,
-        "latency": {"proxy": {"p50": 0.11, "p99": 0.3}, "direct": {"p50": 0.1, "p99": 0.25}},
-        "overhead": {"p50": 0.005, "p99": 0.02},
-        "wall_s": {"proxy": 5.0, "direct": 4.8},
-        "memory_per_session_kb": 40.0,
-        "rss_open_mb": 210.0,
-        "rss_before_mb": 200.0,
-    }
-    text = bench_gateway.render_section(g)
+    proxy = ProxyRound(
+        errors=0,
+        calls=10,
+        wall_s=5.0,
+        client_s=[0.11],
+        upstream_s=[0.105],
+        overhead_s=[0.005],
+        rss_before_kb=200 * 1024,
+        rss_open_kb=210 * 1024,
+    )
+    direct = DirectRound(errors=0, calls=10, wall_s=4.8, client_s=[0.1])
+    text = _flat(gateway.render_section(gateway.summarize([proxy], [direct], date="d", machine="m")))
     assert "p50 over the direct call's p50 latency: 5.0%" in text
     assert "Latency through the proxy over direct, p50: 1.10x" in text
     assert "baseline: RSS 200 MiB before the sessions opened, 210 MiB with all 256 open" in text

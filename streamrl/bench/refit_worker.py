@@ -1,8 +1,8 @@
-"""One process of the refit section of ``streamrl bench`` (`streamrl.bench_refit` starts it).
+"""One process of the refit section of ``streamrl bench`` (`streamrl.bench.refit` starts it).
 
-    python -m streamrl.bench_refit_worker prepare MODEL OUT.json --spec SPEC.json --tokenizer DIR
-    torchrun --nproc-per-node 2 -m streamrl.bench_refit_worker broadcast MODEL OUT.json --bucket-mb B
-    python -m streamrl.bench_refit_worker refit MODEL OUT.json --redis URL --refits N
+    python -m streamrl.bench.refit_worker prepare MODEL OUT.json --spec SPEC.json --tokenizer DIR
+    torchrun --nproc-per-node 2 -m streamrl.bench.refit_worker broadcast MODEL OUT.json --bucket-mb B
+    python -m streamrl.bench.refit_worker refit MODEL OUT.json --redis URL --refits N
 
 * ``prepare``: builds a Qwen3 model of SPEC at random (bfloat16, the tiny model's tokenizer, so
   vLLM can load it) into MODEL, then times baseline B on its state dict: ``safetensors.torch``
@@ -20,8 +20,8 @@
   a second after each call they answer, and the filesystem transport removes the version before
   last in the background; neither belongs to the next refit.
 
-Every mode writes OUT.json (rank 0 for ``broadcast``). The first timed repeat of a baseline is a
-warm-up, dropped.
+Every mode writes OUT.json (rank 0 for ``broadcast``): a `Prepared`, `Broadcast` or `Refits` of
+`streamrl.bench.refit_runs`. The first timed repeat of a baseline is a warm-up, dropped.
 """
 
 from __future__ import annotations
@@ -35,9 +35,18 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+from streamrl.bench.refit_runs import BringUp, Broadcast, HashRates, Prepared, RefitRun, Refits, SaveLoadRound
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.trainer.refit import WeightPublisher
+    from services.trainer.weight_transport import WeightTransport
+    from shared.streams import StreamClient
 
 GENERATOR_ID = "gen-bench"  # the worker id `GeneratorProcess` starts its generator with
 BASELINE_REPEATS = 5  # after one warm-up
@@ -49,7 +58,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # -- prepare: the model and baseline B -------------------------------------------------------------
 
 
-def build(model_dir: Path, spec_json: Path, tokenizer_dir: Path) -> dict[str, Any]:
+def build(model_dir: Path, spec_json: Path, tokenizer_dir: Path) -> dict[str, torch.Tensor]:
     """A randomly initialised bfloat16 Qwen3 of the spec in ``model_dir`` with the tiny tokenizer;
     its state dict (what baseline B saves)."""
     import torch
@@ -76,7 +85,7 @@ def build(model_dir: Path, spec_json: Path, tokenizer_dir: Path) -> dict[str, An
     return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
 
 
-def cast_s(tensors: dict[str, Any]) -> float:
+def cast_s(tensors: dict[str, torch.Tensor]) -> float:
     """Seconds to cast the model from float32 to bfloat16 with one torch thread, a tensor at a time,
     into fresh memory kept until the end (as the export keeps a file's tensors): the trainer's part
     of publishing (it holds float32 master weights) that no baseline has."""
@@ -92,12 +101,9 @@ def cast_s(tensors: dict[str, Any]) -> float:
     return total
 
 
-def save_load(tensors: dict[str, Any], folder: Path) -> dict[str, Any]:
+def save_load(tensors: dict[str, torch.Tensor], folder: Path) -> tuple[int, list[SaveLoadRound]]:
     """Baseline B: seconds to ``save_file`` the tensors into a fresh file and ``load_file`` it back
-    into them (mmap, then a copy into each tensor: what loading into a model does); then one pass
-    of sha256 and of xxh3-128 over the same bytes (GiB/s)."""
-    import torch
-    import xxhash
+    into them (mmap, then a copy into each tensor: what loading into a model does); the file's bytes."""
     from safetensors.torch import load_file, save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -111,23 +117,44 @@ def save_load(tensors: dict[str, Any], folder: Path) -> dict[str, Any]:
         for name, t in load_file(path).items():  # mmap: copying into place reads every byte
             tensors[name].copy_(t)
         t2 = time.perf_counter()
-        rounds.append({"save_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "load_avg": os.getloadavg()[0]})
+        rounds.append(SaveLoadRound(t1 - t0, t2 - t1, t2 - t0, os.getloadavg()[0]))
     num_bytes = path.stat().st_size
     path.unlink()
+    return num_bytes, rounds
+
+
+def hash_rates(tensors: dict[str, torch.Tensor]) -> HashRates:
+    """One pass of sha256 and of xxh3-128 over the tensors' bytes, GiB/s."""
+    import torch
+    import xxhash
+
     views = [t.view(-1).view(torch.uint8).numpy() for t in tensors.values()]
-    rates = {}
-    for name, new in (("sha256", hashlib.sha256), ("xxh3_128", xxhash.xxh3_128)):
+    rates = []
+    for new in (hashlib.sha256, xxhash.xxh3_128):
         t0 = time.perf_counter()
         for v in views:
             new(v).digest()
-        rates[name] = sum(v.nbytes for v in views) / 2**30 / (time.perf_counter() - t0)
+        rates.append(sum(v.nbytes for v in views) / 2**30 / (time.perf_counter() - t0))
+    return HashRates(*rates)
+
+
+def prepare(model_dir: Path, spec_json: Path, tokenizer_dir: Path, work: Path) -> Prepared:
+    """The model built, then baseline B, the hash rates and the cast, over its tensors."""
+    t0 = time.perf_counter()
+    tensors = build(model_dir, spec_json, tokenizer_dir)
+    build_s = time.perf_counter() - t0
+    num_bytes, rounds = save_load(tensors, work)
     timed = rounds[1:]
-    return {
-        "num_bytes": num_bytes,
-        "rounds": rounds,
-        **{k: statistics.median(r[k] for r in timed) for k in ("save_s", "load_s", "total_s")},
-        "hash_gib_s": rates,
-    }
+    return Prepared(
+        build_s=build_s,
+        num_bytes=num_bytes,
+        rounds=rounds,
+        save_s=statistics.median(r.save_s for r in timed),
+        load_s=statistics.median(r.load_s for r in timed),
+        total_s=statistics.median(r.total_s for r in timed),
+        hash_gib_s=hash_rates(tensors),
+        cast_s=cast_s(tensors),
+    )
 
 
 # -- broadcast: baseline A -------------------------------------------------------------------------
@@ -146,7 +173,7 @@ def bucket_sizes(model_dir: Path, bucket_bytes: int) -> list[int]:
     return [sum(nbytes(metas[i].dtype, metas[i].shape) for i in b) for b in plan_buckets(metas, bucket_bytes)]
 
 
-def broadcast(model_dir: Path, bucket_bytes: int) -> dict[str, Any] | None:
+def broadcast(model_dir: Path, bucket_bytes: int) -> Broadcast | None:
     """Baseline A (both ranks): every bucket broadcast from rank 0, timed on rank 0 to a barrier."""
     import torch
     import torch.distributed as dist
@@ -166,13 +193,7 @@ def broadcast(model_dir: Path, bucket_bytes: int) -> dict[str, Any] | None:
     dist.destroy_process_group()
     if rank != 0:
         return None
-    return {
-        "num_bytes": sum(sizes),
-        "buckets": len(sizes),
-        "rounds_s": times,
-        "s": statistics.median(times[1:]),
-        "load_avg": os.getloadavg()[0],
-    }
+    return Broadcast(sum(sizes), len(sizes), times, statistics.median(times[1:]), os.getloadavg()[0])
 
 
 # -- refit: the two transports ---------------------------------------------------------------------
@@ -210,7 +231,7 @@ def generator_config(model_dir: Path, redis_url: str, run_id: str, bucket_mb: in
     }
 
 
-async def _ack_load_s(streams: Any, version: int) -> float:
+async def _ack_load_s(streams: StreamClient, version: int) -> float:
     """The generator's load_s from its ack of ``version``."""
     from shared.keys import ENTRY_FIELD
     from shared.protocol import WeightAck, decode
@@ -223,8 +244,38 @@ async def _ack_load_s(streams: Any, version: int) -> float:
     raise RuntimeError(f"no ack of weight version {version} from {GENERATOR_ID}")
 
 
-async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb: int) -> dict[str, Any]:
-    """The warm-up and ``n`` timed refits per transport (see the module docstring)."""
+async def _alternated(
+    streams: StreamClient, transports: dict[str, WeightTransport], pubs: dict[str, WeightPublisher], n: int
+) -> list[RefitRun]:
+    """One warm-up refit per transport, then ``n`` each alternated (A B, B A, ...), SETTLE_S apart."""
+    order = ["filesystem", "collective"]
+    for i in range(n):
+        order += ["filesystem", "collective"] if i % 2 else ["collective", "filesystem"]
+    out = []
+    for version, name in enumerate(order, start=1):
+        await transports["filesystem"].aclose()  # the last removal of an old version is done
+        await asyncio.sleep(SETTLE_S)
+        report = await pubs[name].refit(version)
+        out.append(
+            RefitRun(
+                transport=name,
+                version=version,
+                warm_up=version <= 2,
+                total_s=report.total_s,
+                save_s=report.save_s,
+                confirm_s=report.confirm_s,
+                num_bytes=report.num_bytes,
+                attempts=report.attempts,
+                load_s=await _ack_load_s(streams, version),
+                load_avg=os.getloadavg()[0],
+            )
+        )
+    return out
+
+
+async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb: int) -> Refits:
+    """The warm-up and ``n`` timed refits per transport (see the module docstring), then the
+    generator's bring-up both ways."""
     import aiohttp
     import yaml
 
@@ -237,7 +288,7 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
     from shared.pause import PauseControl
     from shared.run_config import RunConfig
     from shared.streams import StreamClient, connect
-    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.bench.generator_process import GeneratorProcess
     from streamrl.redis_server import free_port
 
     run_id = f"bench-refit-{os.getpid()}-{int(time.time())}"
@@ -254,7 +305,7 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
         keys = RunKeys(run_id)
         streams = StreamClient(redis, keys, "trainer")
         pause = PauseControl(redis, keys)
-        transports = {
+        transports: dict[str, WeightTransport] = {
             "filesystem": FilesystemTransport(work / "published", learner.export_weights, keep_versions=1),
             "collective": build_transport(cfg, learner, work / "snapshots", redis, keys),
         }
@@ -262,33 +313,13 @@ async def refits(model_dir: Path, work: Path, redis_url: str, n: int, bucket_mb:
             name: WeightPublisher(streams, pause, t, timeout_s=600.0, in_flight_updates=False)
             for name, t in transports.items()
         }
-        order = ["filesystem", "collective"]
-        for i in range(n):
-            order += ["filesystem", "collective"] if i % 2 else ["collective", "filesystem"]
-        out = []
-        for version, name in enumerate(order, start=1):
-            await transports["filesystem"].aclose()  # the last removal of an old version is done
-            await asyncio.sleep(SETTLE_S)
-            report = await pubs[name].refit(version)
-            out.append(
-                {
-                    "transport": name,
-                    "version": version,
-                    "warm_up": version <= 2,
-                    "total_s": report.total_s,
-                    "save_s": report.save_s,
-                    "confirm_s": report.confirm_s,
-                    "num_bytes": report.num_bytes,
-                    "attempts": report.attempts,
-                    "load_s": await _ack_load_s(streams, version),
-                    "load_avg": os.getloadavg()[0],
-                }
-            )
+        out = await _alternated(streams, transports, pubs, n)
     finally:
         gen.stop()
         await learner.close()
         await redis.aclose()
-    return {"bring_up_s": {f: await bring_up(config, work, f) for f in BRING_UP}, "refits": out}
+    bring = {f: await bring_up(config, work, f) for f in BRING_UP}
+    return Refits(BringUp(dummy=bring["dummy"], auto=bring["auto"]), out)
 
 
 BRING_UP = ("dummy", "auto")  # started alone, one after the other, the model's files in the page cache
@@ -300,7 +331,7 @@ async def bring_up(config: Path, work: Path, load_format: str) -> float:
     import aiohttp
     import yaml
 
-    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.bench.generator_process import GeneratorProcess
     from streamrl.redis_server import free_port
 
     tree = yaml.safe_load(config.read_text())
@@ -334,12 +365,9 @@ def main() -> int:
     if args.mode != "broadcast":
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-    result: dict[str, Any] | None
+    result: Prepared | Broadcast | Refits | None
     if args.mode == "prepare":
-        t0 = time.perf_counter()
-        tensors = build(model, Path(args.spec), Path(args.tokenizer))
-        build_s = time.perf_counter() - t0
-        result = {"build_s": build_s, **save_load(tensors, work), "cast_s": cast_s(tensors)}
+        result = prepare(model, Path(args.spec), Path(args.tokenizer), work)
     elif args.mode == "broadcast":
         result = broadcast(model, args.bucket_mb << 20)
     else:

@@ -1,4 +1,4 @@
-"""The simulated parts of the pipeline benchmark (`streamrl.bench_pipeline`), around the real
+"""The simulated parts of the pipeline benchmark (`streamrl.bench.pipeline`), around the real
 trainer control plane and real gateway workers:
 
 * `SimBackend`: the learner's backend; a step sleeps the scenario's training time and the weights
@@ -13,7 +13,8 @@ trainer control plane and real gateway workers:
   stream in, one session per rollout through the real `SessionProxy`, trajectories out), in a
   process of their own as in a deployment.
 
-`serve` is the entry point of the helper processes `_spawn` starts.
+`serve` is the entry point of the helper processes `spawn` starts; the gateways' process ends by
+writing a `GatewayReport`.
 """
 
 from __future__ import annotations
@@ -49,12 +50,20 @@ from shared.run_config import RunConfig
 from shared.sections.gateway import EnvSection
 from shared.streams import StreamClient, connect
 from shared.weights_format import write_hashed
-from streamrl.bench_schedule import Scenario
+from streamrl.bench.schedule import Scenario
 from streamrl.child_guard import guarded
 
 ENV_NAME = "bench_sleep"
 GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class GatewayReport(msgspec.Struct):
+    """What the gateways' process reports when the run ends."""
+
+    peak_rollouts: int  # running at once
+    rollouts_started: int
+    failed_rollouts: dict[str, int]  # by reason
 
 
 class SimBackend:
@@ -230,11 +239,7 @@ async def serve_gateways(cfg: RunConfig, redis_url: str, scenario: Scenario, rep
     for w in workers:
         for reason, n in w.failed.items():
             failed[reason] += n
-    report.write_text(
-        json.dumps(
-            {"peak_rollouts": env.peak, "rollouts_started": sum(env.started.values()), "failed_rollouts": dict(failed)}
-        )
-    )
+    report.write_bytes(msgspec.json.encode(GatewayReport(env.peak, sum(env.started.values()), dict(failed))))
 
 
 def serve(argv: list[str]) -> None:
@@ -250,11 +255,11 @@ def serve(argv: list[str]) -> None:
         asyncio.run(serve_gateways(cfg, redis_url, s, Path(report)))
 
 
-def _spawn(role: str, work: Path) -> subprocess.Popen[bytes]:
+def spawn(role: str, work: Path) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-c",
-        "import sys; from streamrl.bench_pipeline_sim import serve; serve(sys.argv[1:])",
+        "import sys; from streamrl.bench.pipeline_sim import serve; serve(sys.argv[1:])",
         role,
         str(work / "config.json"),
         str(work / "scenario.json"),

@@ -1,9 +1,9 @@
-"""One process of the trainer section of ``streamrl bench`` (`streamrl.bench_trainer` starts it).
+"""One process of the trainer section of ``streamrl bench`` (`streamrl.bench.trainer` starts it).
 
-    python -m streamrl.bench_trainer_worker compare MODEL OUT.json --rounds R --threads T
-    torchrun --nproc-per-node N -m streamrl.bench_trainer_worker scale MODEL OUT.json --rounds R
-    torchrun --nproc-per-node N -m streamrl.bench_trainer_worker state MODEL OUT.json --saves S
-    torchrun --nproc-per-node N -m streamrl.bench_trainer_worker load MODEL OUT.json [--whole]
+    python -m streamrl.bench.trainer_worker compare MODEL OUT.json --rounds R --threads T
+    torchrun --nproc-per-node N -m streamrl.bench.trainer_worker scale MODEL OUT.json --rounds R
+    torchrun --nproc-per-node N -m streamrl.bench.trainer_worker state MODEL OUT.json --saves S
+    torchrun --nproc-per-node N -m streamrl.bench.trainer_worker load MODEL OUT.json [--whole]
 
 * ``compare`` (one rank): the real backend (`Backend.train_step` over the transformers adapter)
   against `BareLoop`, the same model, batch, loss and AdamW written plainly in torch, alternated
@@ -20,7 +20,8 @@
   policy: reading only its shards (`services.trainer.sharded_load`), or with ``--whole`` loading
   the whole checkpoint and then sharding it.
 
-Rank 0 writes OUT.json. The batch is fixed by a seed, so every rank and every process builds the same.
+Rank 0 writes OUT.json (a `streamrl.bench.trainer_results.WorkerOut`). The batch is fixed by a
+seed, so every rank and every process builds the same.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -51,6 +51,7 @@ from services.trainer.ranks import SINGLE, Ranks, join, launched_world_size, lea
 from services.trainer.step_plan import plan_step
 from shared.config import load
 from shared.run_config import RunConfig
+from streamrl.bench.trainer_results import Build, PairedRound, Save, StateBytes, WorkerOut
 
 GROUP_SIZE = 4
 MICRO_BATCH = 4
@@ -159,7 +160,7 @@ class BareLoop:
 # -- modes -------------------------------------------------------------------------------------
 
 
-def compare(cfg: RunConfig, batch: StepBatch, rounds: int) -> dict[str, Any]:
+def compare(cfg: RunConfig, batch: StepBatch, rounds: int) -> WorkerOut:
     """One warm-up step each (their losses show both sides train the same thing), then ``rounds``
     rounds of one step each, in the order backend bare, bare backend, ..."""
     backend = build_backend(cfg, SINGLE)  # trainer.backend: torch or megatron
@@ -168,20 +169,21 @@ def compare(cfg: RunConfig, batch: StepBatch, rounds: int) -> dict[str, Any]:
         "backend": lambda: backend.train_step(batch),
         "bare": lambda: bare.step(batch),
     }
-    first = {"backend_loss": backend.train_step(batch).loss, "bare_loss": bare.step(batch)}
+    backend_loss, bare_loss = backend.train_step(batch).loss, bare.step(batch)
     out = []
     for r in range(rounds):
         times = {}
         for name in ("backend", "bare") if r % 2 == 0 else ("bare", "backend"):
             t0 = time.perf_counter()
             steps[name]()
-            times[f"{name}_s"] = time.perf_counter() - t0
-        out.append({**times, "load_avg": os.getloadavg()[0]})
-    return {**first, "rounds": out}
+            times[name] = time.perf_counter() - t0
+        out.append(PairedRound(times["backend"], times["bare"], os.getloadavg()[0]))
+    return WorkerOut(rounds=out, backend_loss=backend_loss, bare_loss=bare_loss)
 
 
-async def _alternate(learners: dict[str, Learner], batch: StepBatch, rounds: int) -> list[dict[str, float]]:
-    """One warm-up step each, then ``rounds`` rounds of one step each, in the order A B, B A, ..."""
+async def _alternate(learners: dict[str, Learner], batch: StepBatch, rounds: int) -> list[PairedRound]:
+    """One warm-up step each, then ``rounds`` rounds of one step each, in the order A B, B A, ...
+    (A: the side, B: the baseline)."""
     names = list(learners)
     for learner in learners.values():
         await learner.start()
@@ -192,14 +194,14 @@ async def _alternate(learners: dict[str, Learner], batch: StepBatch, rounds: int
         for name in names if r % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
             await learners[name].train(batch)
-            times[f"{name}_s"] = time.perf_counter() - t0
-        out.append({**times, "load_avg": os.getloadavg()[0]})
+            times[name] = time.perf_counter() - t0
+        out.append(PairedRound(times[names[0]], times[names[1]], os.getloadavg()[0]))
     for learner in learners.values():
         await learner.close()
     return out
 
 
-def scale(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[str, Any] | None:
+def scale(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> WorkerOut | None:
     """Under torchrun: the learner over every rank (`RankedLearner` on rank 0, `follow` on the
     others) against a one-rank learner of rank 0 with the same threads, alternated step by step;
     the other ranks wait in `follow` (a gloo wait takes no CPU) while the one-rank learner trains."""
@@ -212,10 +214,10 @@ def scale(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[s
         ),
         "single": LocalLearner(lambda: build_backend(cfg)),
     }
-    return {"rounds": asyncio.run(_alternate(learners, batch, rounds))}
+    return WorkerOut(rounds=asyncio.run(_alternate(learners, batch, rounds)))
 
 
-def alone(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[str, Any] | None:
+def alone(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> WorkerOut | None:
     """The learner as the trainer runs it at this world size (``trainer.backend`` either one), timed
     alone for ``rounds`` steps after a warm-up step; rank 0's training state after them."""
     if not ranks.is_root:
@@ -228,7 +230,7 @@ def alone(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[s
     else:
         learner = LocalLearner(lambda: build_backend(cfg, ranks))
 
-    async def run() -> dict[str, Any]:
+    async def run() -> WorkerOut:
         await learner.start()
         await learner.train(batch)
         times = []
@@ -238,7 +240,7 @@ def alone(cfg: RunConfig, ranks: Ranks, batch: StepBatch, rounds: int) -> dict[s
             times.append(time.perf_counter() - t0)
         backend = learner.backend
         assert isinstance(backend, Backend)
-        out = {"step_s": times, "state": state_bytes(backend), "load_avg": os.getloadavg()[0]}
+        out = WorkerOut(step_s=times, state=state_bytes(backend), load_avg=os.getloadavg()[0])
         await learner.close()
         return out
 
@@ -254,7 +256,7 @@ def _local_bytes(t: torch.Tensor | None) -> int:
     return int(local.numel()) * int(local.element_size())
 
 
-def state_bytes(backend: Backend) -> dict[str, int]:
+def state_bytes(backend: Backend) -> StateBytes:
     """Bytes of this rank's parameters, gradients and optimizer state (local shards)."""
     params = list(backend.model.parameters())
     from services.trainer.backends.megatron_optim import owned_states  # a sharded optimizer's own state too
@@ -262,14 +264,12 @@ def state_bytes(backend: Backend) -> dict[str, int]:
     optim = sum(
         _local_bytes(v) for _, s in owned_states(backend.optimizer) for v in s.values() if isinstance(v, torch.Tensor)
     )
-    return {
-        "params": sum(_local_bytes(p) for p in params),
-        "grads": sum(_local_bytes(p.grad) for p in params),
-        "optimizer": optim,
-    }
+    return StateBytes(
+        params=sum(_local_bytes(p) for p in params), grads=sum(_local_bytes(p.grad) for p in params), optimizer=optim
+    )
 
 
-def state(cfg: RunConfig, ranks: Ranks, batch: StepBatch, saves: int, work: Path) -> dict[str, Any] | None:
+def state(cfg: RunConfig, ranks: Ranks, batch: StepBatch, saves: int, work: Path) -> WorkerOut | None:
     """Under torchrun: bytes of training state per rank after one step, and rank 0's on one rank
     (a one-rank backend of its own, freed before the sharded one is built); then the saves."""
     single = None
@@ -282,16 +282,14 @@ def state(cfg: RunConfig, ranks: Ranks, batch: StepBatch, saves: int, work: Path
     backend = build_backend(cfg, ranks)
     shares = plan_step(batch, ranks.world_size, cfg.policy.train_global_batch_size)
     backend.train_share(shares[ranks.rank])
-    out: dict[str, Any] = {"single": single, "ranks": ranks.gather(state_bytes(backend)), "saves": []}
+    out = WorkerOut(single=single, ranks=ranks.gather(state_bytes(backend)))
     for i in range(-2, 2 * saves):  # two warm-up saves (one of each), then sync/async alternated
         backend.checkpoint.async_save = i % 4 in (1, 2)  # the trainer's checkpointing.async_save
-        out["saves"].append(
-            {"async": backend.checkpoint.async_save, "warm_up": i < 0, **_save(backend, ranks, work / f"ckpt{i + 2}")}
-        )
+        out.saves.append(_save(backend, ranks, work / f"ckpt{i + 2}", warm_up=i < 0))
     return out if ranks.is_root else None
 
 
-def building(cfg: RunConfig, ranks: Ranks, whole: bool) -> dict[str, Any] | None:
+def building(cfg: RunConfig, ranks: Ranks, whole: bool) -> WorkerOut | None:
     """Under torchrun: what building the policy costs each rank: the growth of its peak private
     memory (anonymous pages, sampled every 2 ms: a checkpoint read through a file mapping also
     counts in the resident size, but those pages are the page cache's, shared and reclaimable), the
@@ -321,9 +319,8 @@ def building(cfg: RunConfig, ranks: Ranks, whole: bool) -> dict[str, Any] | None
     done.set()
     sampler.join()
     peak[0] = max(peak[0], _anon_bytes())
-    row = {"peak_growth": peak[0] - before, "seconds": seconds, "bytes_read": backend.checkpoint_bytes_read}
-    rows = ranks.gather(row)
-    return {"ranks": rows} if ranks.is_root else None
+    rows = ranks.gather(Build(peak[0] - before, seconds, backend.checkpoint_bytes_read))
+    return WorkerOut(builds=rows) if ranks.is_root else None
 
 
 def _anon_bytes() -> int:
@@ -334,7 +331,7 @@ def _anon_bytes() -> int:
     return 0
 
 
-def _save(backend: Backend, ranks: Ranks, path: Path) -> dict[str, float]:
+def _save(backend: Backend, ranks: Ranks, path: Path, *, warm_up: bool) -> Save:
     """Seconds until `save_checkpoint` returns and until the checkpoint is on disk, the slowest rank's."""
     import torch.distributed as dist
 
@@ -351,7 +348,7 @@ def _save(backend: Backend, ranks: Ranks, path: Path) -> dict[str, float]:
     num_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if ranks.is_root else 0
     if ranks.is_root:
         shutil.rmtree(path)
-    return {"blocking_s": blocking, "on_disk_s": on_disk, "num_bytes": num_bytes}
+    return Save(backend.checkpoint.async_save, warm_up, blocking, on_disk, num_bytes)
 
 
 def main() -> int:
@@ -375,7 +372,7 @@ def main() -> int:
     ranks = join(cfg.trainer.collective_timeout_s) if launched_world_size() > 1 else SINGLE
     try:
         if args.mode == "compare":
-            result: dict[str, Any] | None = compare(cfg, batch, args.rounds)
+            result: WorkerOut | None = compare(cfg, batch, args.rounds)
         elif args.mode == "scale":
             result = scale(cfg, ranks, batch, args.rounds)
         elif args.mode == "alone":
@@ -388,7 +385,8 @@ def main() -> int:
         leave()
     if result is not None:
         tokens = sum(len(r.input_ids) for r in batch.rows)
-        out.write_bytes(msgspec.json.encode({**result, "world_size": ranks.world_size, "tokens": tokens}))
+        result = msgspec.structs.replace(result, world_size=ranks.world_size, tokens=tokens)
+        out.write_bytes(msgspec.json.encode(result))
     return 0
 
 

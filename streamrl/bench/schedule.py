@@ -1,4 +1,4 @@
-"""Scenarios and the ideal schedule of the pipeline-efficiency benchmark (`streamrl.bench_pipeline`).
+"""Scenarios and the ideal schedule of the pipeline-efficiency benchmark (`streamrl.bench.pipeline`).
 
 A scenario fixes seeded log-normal rollout times (every prompt attempt has the same durations in
 every run) and the training time. The ideal schedule is an event simulation of the trainer's own
@@ -16,8 +16,8 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+import msgspec
 import numpy as np
 
 LAGS = (0, 1, 2)
@@ -236,22 +236,35 @@ def simulate_schedule(
     ).run()
 
 
-def pipeline_figures(
-    train_start: list[float], train_end: list[float], *, from_step: int = MEASURE_FROM_STEP
-) -> dict[str, float]:
+class Window(msgspec.Struct):
+    """A run's measured window: from the end of training of MEASURE_FROM_STEP to the end of the last step."""
+
+    steps_per_hour: float
+    busy_fraction: float  # time in train_step over the window
+    window_s: float
+    measured_steps: int
+
+
+class IdealRun(msgspec.Struct):
+    """The ideal schedule's figures for a scenario at one lag."""
+
+    steps_per_hour: float
+    busy_fraction: float
+    measured_steps: int
+    issued_groups: int
+    evicted_groups: int
+    mean_gap_s: float  # between the end of one training and the start of the next, measured steps
+
+
+def pipeline_figures(train_start: list[float], train_end: list[float], *, from_step: int = MEASURE_FROM_STEP) -> Window:
     """Steps per hour and busy fraction from the end of training of ``from_step`` to the end of the last step."""
     window = train_end[-1] - train_end[from_step]
     busy = sum(e - s for s, e in zip(train_start[from_step + 1 :], train_end[from_step + 1 :], strict=True))
     steps = len(train_end) - 1 - from_step
-    return {
-        "steps_per_hour": steps / window * 3600.0,
-        "busy_fraction": busy / window,
-        "window_s": window,
-        "measured_steps": float(steps),
-    }
+    return Window(steps / window * 3600.0, busy / window, window, steps)
 
 
-def ideal_run(scenario: Scenario, lag: int, *, steps: int | None = None, seed: int | None = None) -> dict[str, Any]:
+def ideal_run(scenario: Scenario, lag: int, *, steps: int | None = None, seed: int | None = None) -> IdealRun:
     """The figures of the ideal schedule for a scenario (optionally over other steps or another seed)."""
     s = scenario if seed is None else dataclasses.replace(scenario, seed=seed)
     sched = simulate_schedule(
@@ -266,21 +279,22 @@ def ideal_run(scenario: Scenario, lag: int, *, steps: int | None = None, seed: i
         b - a
         for a, b in zip(sched.train_end[MEASURE_FROM_STEP:-1], sched.train_start[MEASURE_FROM_STEP + 1 :], strict=True)
     ]
-    return {
-        **pipeline_figures(sched.train_start, sched.train_end),
-        "issued_groups": sched.issued_groups,
-        "evicted_groups": sched.evicted_groups,
-        "mean_gap_s": statistics.mean(gaps),
-    }
+    w = pipeline_figures(sched.train_start, sched.train_end)
+    return IdealRun(
+        steps_per_hour=w.steps_per_hour,
+        busy_fraction=w.busy_fraction,
+        measured_steps=w.measured_steps,
+        issued_groups=sched.issued_groups,
+        evicted_groups=sched.evicted_groups,
+        mean_gap_s=statistics.mean(gaps),
+    )
 
 
 def long_run_speedups(scenario: Scenario) -> dict[int, float]:
     """Ideal steps/hour over synchronous for each lag over LONG_RUN_STEPS steps, averaged over seeds."""
     out: dict[int, list[float]] = defaultdict(list)
     for seed in range(LONG_RUN_SEEDS):
-        rates = {
-            lag: ideal_run(scenario, lag, steps=LONG_RUN_STEPS, seed=1000 + seed)["steps_per_hour"] for lag in LAGS
-        }
+        rates = {lag: ideal_run(scenario, lag, steps=LONG_RUN_STEPS, seed=1000 + seed).steps_per_hour for lag in LAGS}
         for lag in LAGS:
             out[lag].append(rates[lag] / rates[0])
     return {lag: statistics.mean(v) for lag, v in out.items()}

@@ -19,7 +19,9 @@ check commands), plus the warm runners and their reaped children (``/proc``). Th
 commands as the episode's own children (``terminal_type: subprocess``) so that all of an
 episode's processes are counted; a tmux server would daemonise out of reach.
 
-`ScriptedModel` also serves the warm-runner integration tests.
+`openhands_benchmark` returns the section's `OpenhandsResults`, rendered by
+``templates/openhands.md.jinja``. Called by `streamrl.bench.suite`. `ScriptedModel` also serves
+the warm-runner integration tests.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
+
+from streamrl.bench.report import Results, render
+
 if TYPE_CHECKING:
     import aiohttp
     from aiohttp import web
@@ -41,7 +47,6 @@ if TYPE_CHECKING:
     from services.gym_gateway.envs.base import ChatClient, Outcome
     from services.gym_gateway.envs.openhands import OpenHandsEnv
 
-HEADING = "## OpenHands runners"
 ROLLOUTS = 6
 CONCURRENCY = 2
 ROUNDS = 2
@@ -54,6 +59,50 @@ OPENHANDS: dict[str, Any] = {
 }
 _SUM = re.compile(r"value of (\d+) \+ (\d+)")
 _RUN = re.compile(r"RUN: (.+)")
+
+
+class Round(msgspec.Struct):
+    """One round of one way."""
+
+    rollouts: int
+    errors: int
+    solved: int
+    wall_s: float
+    cpu_s: float  # this process, its reaped children, the warm runners and theirs
+    error: str | None  # the first error's repr
+
+
+class WarmStart(msgspec.Struct):
+    """Starting the warm runners: importing the SDK, then one episode each."""
+
+    wall_s: float
+    runners_cpu_s: float
+
+
+class Way(msgspec.Struct):
+    """One way over its rounds."""
+
+    rollouts: int
+    errors: int
+    solved: int
+    per_min: float  # rollouts per minute of the rounds' wall clock
+    per_min_rounds: list[float]
+    cpu_per_rollout_s: float
+    cpu_rounds: list[float]  # CPU seconds per rollout, by round
+    error: str | None
+
+
+class OpenhandsResults(Results):
+    date: str
+    machine: str
+    rollouts: int  # a round
+    concurrency: int
+    rounds: int  # each way
+    start: WarmStart
+    warm: Way  # warm runners (CONCURRENCY)
+    cold: Way  # one process per rollout (baseline)
+    per_min_ratio: float  # warm / cold
+    cpu_ratio: float
 
 
 def scripted_command(prompt: str) -> str:
@@ -155,7 +204,7 @@ def _cpu_s(env: OpenHandsEnv) -> float:
     return total + sum(_proc_cpu_s(pid) for pid in (env.pool.pids if env.pool else []))
 
 
-async def _round(env: OpenHandsEnv, url: str, instances: list[dict[str, Any]]) -> dict[str, Any]:
+async def _round(env: OpenHandsEnv, url: str, instances: list[dict[str, Any]]) -> Round:
     sem = asyncio.Semaphore(CONCURRENCY)
 
     async def one(inst: dict[str, Any]) -> Outcome | BaseException:
@@ -169,17 +218,11 @@ async def _round(env: OpenHandsEnv, url: str, instances: list[dict[str, Any]]) -
     outs = await asyncio.gather(*[one(i) for i in instances])
     wall, cpu = time.perf_counter() - t0, _cpu_s(env) - cpu0
     ok = [o for o in outs if not isinstance(o, BaseException)]
-    return {
-        "rollouts": len(outs),
-        "errors": len(outs) - len(ok),
-        "solved": sum(o.reward == 1.0 for o in ok),
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "error": next((repr(o) for o in outs if isinstance(o, BaseException)), None),
-    }
+    error = next((repr(o) for o in outs if isinstance(o, BaseException)), None)
+    return Round(len(outs), len(outs) - len(ok), sum(o.reward == 1.0 for o in ok), wall, cpu, error)
 
 
-async def _run(work: Path) -> dict[str, Any]:
+async def _run(work: Path) -> tuple[WarmStart, dict[str, list[Round]]]:
     from services.gym_gateway.envs.openhands import OpenHandsEnv
     from shared.sections.env_openhands import OpenHandsSection
 
@@ -190,12 +233,12 @@ async def _run(work: Path) -> dict[str, Any]:
         "warm": OpenHandsEnv(OpenHandsSection(**OPENHANDS, warm_runners=CONCURRENCY, workspace_root=str(work))),
     }
     tasks = envs["cold"].make_instances(ROLLOUTS * (2 * ROUNDS + 1), seed=7)
-    rounds: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
+    rounds: dict[str, list[Round]] = {"cold": [], "warm": []}
     try:
         t0 = time.perf_counter()  # the warm runners' start: imports, plus one episode each
-        start = await _round(envs["warm"], url, tasks[:CONCURRENCY])
-        start["wall_s"] = time.perf_counter() - t0
-        start["runners_cpu_s"] = sum(_proc_cpu_s(p) for p in (envs["warm"].pool.pids if envs["warm"].pool else []))
+        await _round(envs["warm"], url, tasks[:CONCURRENCY])
+        pool = envs["warm"].pool
+        start = WarmStart(time.perf_counter() - t0, sum(_proc_cpu_s(p) for p in (pool.pids if pool else [])))
         await _round(envs["cold"], url, tasks[CONCURRENCY : CONCURRENCY + 1])  # page cache, like the warm side
         for k in range(ROUNDS):
             for way in ("cold", "warm"):
@@ -205,11 +248,11 @@ async def _run(work: Path) -> dict[str, Any]:
         for env in envs.values():
             await env.aclose()
         await model.aclose()
-    return {"rounds": rounds, "start": start, "model_calls": model.calls}
+    return start, rounds
 
 
-def openhands_benchmark(work: Path, machine: str) -> dict[str, Any]:
-    """Both ways over ROUNDS alternated rounds; a JSON-able dict for `render_section`."""
+def openhands_benchmark(work: Path, machine: str) -> OpenhandsResults:
+    """Both ways over ROUNDS alternated rounds."""
     import shutil
 
     from services.gym_gateway.envs.openhands import OpenHandsEnv
@@ -219,63 +262,40 @@ def openhands_benchmark(work: Path, machine: str) -> dict[str, Any]:
         raise RuntimeError(f"{python} is missing: run scripts/setup_openhands.sh")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    res = asyncio.run(_run(work))
-    out: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine,
-        "rollouts": ROLLOUTS,
-        "concurrency": CONCURRENCY,
-        "rounds": ROUNDS,
-        "start": res["start"],
-    }
-    for way, rs in res["rounds"].items():
-        n = sum(r["rollouts"] for r in rs)
-        out[way] = {
-            "rollouts": n,
-            "errors": sum(r["errors"] for r in rs),
-            "solved": sum(r["solved"] for r in rs),
-            "per_min": 60 * n / sum(r["wall_s"] for r in rs),
-            "per_min_rounds": [60 * r["rollouts"] / r["wall_s"] for r in rs],
-            "cpu_per_rollout_s": sum(r["cpu_s"] for r in rs) / n,
-            "cpu_rounds": [r["cpu_s"] / r["rollouts"] for r in rs],
-            "error": next((r["error"] for r in rs if r["error"]), None),
-        }
-    return out
+    start, rounds = asyncio.run(_run(work))
+    return summarize(start, rounds["warm"], rounds["cold"], date=time.strftime("%Y-%m-%d"), machine=machine)
 
 
-def render_section(o: dict[str, Any]) -> str:
-    cold, warm, start = o["cold"], o["warm"], o["start"]
+def _way(rs: list[Round]) -> Way:
+    n = sum(r.rollouts for r in rs)
+    return Way(
+        rollouts=n,
+        errors=sum(r.errors for r in rs),
+        solved=sum(r.solved for r in rs),
+        per_min=60 * n / sum(r.wall_s for r in rs),
+        per_min_rounds=[60 * r.rollouts / r.wall_s for r in rs],
+        cpu_per_rollout_s=sum(r.cpu_s for r in rs) / n,
+        cpu_rounds=[r.cpu_s / r.rollouts for r in rs],
+        error=next((r.error for r in rs if r.error), None),
+    )
 
-    def rounds(xs: list[float], fmt: str) -> str:
-        return " / ".join(fmt.format(x) for x in xs)
 
-    met = all(w["errors"] == 0 and w["solved"] == w["rollouts"] for w in (cold, warm))
-    lines = [
-        f"{HEADING} (`streamrl bench --only openhands`: the OpenHands SDK agent on {o['rollouts']} file tasks a "
-        f"round, {o['concurrency']} at once, scripted model (a terminal command and finish in one reply), "
-        f"{o['rounds']} rounds each way, alternated; {o['date']}, {o['machine']})",
-        "",
-        f"| | warm runners ({o['concurrency']}) | one process per rollout (baseline) | warm / baseline |",
-        "|---|---|---|---|",
-        f"| rollouts / errors / solved | {warm['rollouts']} / {warm['errors']} / {warm['solved']} | "
-        f"{cold['rollouts']} / {cold['errors']} / {cold['solved']} | |",
-        f"| rollouts per minute | {warm['per_min']:.1f} | {cold['per_min']:.1f} | "
-        f"{warm['per_min'] / cold['per_min']:.2f}x |",
-        f"| CPU seconds per rollout | {warm['cpu_per_rollout_s']:.2f} | {cold['cpu_per_rollout_s']:.2f} | "
-        f"{warm['cpu_per_rollout_s'] / cold['cpu_per_rollout_s']:.2f}x |",
-        f"| per round: rollouts per minute | {rounds(warm['per_min_rounds'], '{:.1f}')} | "
-        f"{rounds(cold['per_min_rounds'], '{:.1f}')} | |",
-        f"| per round: CPU seconds per rollout | {rounds(warm['cpu_rounds'], '{:.2f}')} | "
-        f"{rounds(cold['cpu_rounds'], '{:.2f}')} | |",
-        "",
-        f"Starting the warm runners (importing the SDK, then one episode each, before the measured rounds): "
-        f"{start['wall_s']:.1f} s wall, {start['runners_cpu_s']:.1f} CPU s in the runners; paid once per "
-        f"gateway worker. CPU counts this process (driver and scripted model, alike both ways), its reaped "
-        f"children (one-shot runners, check commands) and the warm runners with their reaped children. "
-        f"Target: no errors and every task solved both ways; {'met' if met else 'NOT met'}.",
-        "",
-    ]
-    error = warm["error"] or cold["error"]
-    if error:
-        lines.insert(-1, f"First error: {error}")
-    return "\n".join(lines)
+def summarize(start: WarmStart, warm: list[Round], cold: list[Round], *, date: str, machine: str) -> OpenhandsResults:
+    """The section's figures from the rounds of both ways."""
+    w, c = _way(warm), _way(cold)
+    return OpenhandsResults(
+        date=date,
+        machine=machine,
+        rollouts=ROLLOUTS,
+        concurrency=CONCURRENCY,
+        rounds=ROUNDS,
+        start=start,
+        warm=w,
+        cold=c,
+        per_min_ratio=w.per_min / c.per_min,
+        cpu_ratio=w.cpu_per_rollout_s / c.cpu_per_rollout_s,
+    )
+
+
+def render_section(r: OpenhandsResults) -> str:
+    return render("openhands", r=r)

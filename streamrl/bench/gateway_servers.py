@@ -1,8 +1,8 @@
-"""The servers of the gateway_scale benchmark (`streamrl.bench_gateway_scale`), each started in a
+"""The servers of the gateway_scale benchmark (`streamrl.bench.gateway_scale`), each started in a
 process of its own::
 
-    python -m streamrl.bench_gateway_servers serve-upstream PORT
-    python -m streamrl.bench_gateway_servers serve-gateway PORT UPSTREAM [routes-only]
+    python -m streamrl.bench.gateway_servers serve-upstream PORT
+    python -m streamrl.bench.gateway_servers serve-gateway PORT UPSTREAM [routes-only]
 
 * the stand-in generator: an aiohttp server answering every chat call like the generator does (the
   prompt ids, given in full at the top and in the message, the generated ids and logprobs, weight
@@ -20,11 +20,13 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from streamrl.bench_gateway_scale import DELAY_S, GEN_TOKENS, NEW_TOKENS, PROMPT_TOKENS, SIZES
+from streamrl.bench.gateway_scale import DELAY_S, GEN_TOKENS, NEW_TOKENS, PROMPT_TOKENS, SIZES
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -76,24 +78,13 @@ def serve_upstream(port: int) -> None:
 # -- the gateway ------------------------------------------------------------------------------
 
 
-def gateway_app(upstream_url: str, request_timeout_s: float = 300.0, *, routes_only: bool = False) -> FastAPI:
-    """The session routes over a `SessionProxy` whose one generator is ``upstream_url``, with
-    ``POST /bench/open/{n}`` and ``POST /bench/close`` to open and close the bench's sessions.
-    ``routes_only``: without `SessionCalls` in front (every call through the framework's routes),
-    for the comparison row."""
-    from collections.abc import AsyncIterator
-    from contextlib import asynccontextmanager
-
-    from fastapi import Depends, FastAPI
-
-    from services.gym_gateway.app import connector, mount_session_routes
-    from services.gym_gateway.forwarding import SessionForwarder
+def _lifespan(upstream_url: str, request_timeout_s: float) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: a `SessionProxy` whose one serving generator is ``upstream_url`` (the
+    registry is never read), start-up objects frozen as the gateway's lifespan does."""
+    from services.gym_gateway.app import connector
     from services.gym_gateway.proxy import GeneratorPool, SessionProxy
-    from services.gym_gateway.session_routes import router
     from shared import keys as K
-    from shared.auth import AuthPolicy
-    from shared.http import install_error_handlers, require_agent_token
-    from shared.protocol import Heartbeat, SamplingParams
+    from shared.protocol import Heartbeat
     from shared.service import freeze_startup_objects
     from shared.streams import connect
 
@@ -111,16 +102,16 @@ def gateway_app(upstream_url: str, request_timeout_s: float = 300.0, *, routes_o
         async with aiohttp.ClientSession(connector=connector(max(SIZES))) as http:
             pool = StandInPool(connect("redis://127.0.0.1:1/0"), K.RunKeys("bench"))  # never connects
             app.state.proxy = SessionProxy(pool, http, request_timeout_s=request_timeout_s)
-            freeze_startup_objects()  # as the gateway's lifespan does
+            freeze_startup_objects()
             yield
 
-    app = FastAPI(lifespan=lifespan)
-    app.state.auth, app.state.forwarder = AuthPolicy.from_env(False), SessionForwarder("gw-bench")
-    install_error_handlers(app)
-    if routes_only:
-        app.include_router(router, dependencies=[Depends(require_agent_token)])
-    else:
-        mount_session_routes(app)
+    return lifespan
+
+
+def _add_bench_routes(app: FastAPI) -> None:
+    """``POST /bench/open/{n}`` and ``POST /bench/close``: open and close the bench's sessions."""
+    from shared.protocol import SamplingParams
+
     sampling = SamplingParams(temperature=0.8, top_p=1.0, max_tokens=GEN_TOKENS)
 
     @app.post("/bench/open/{n}")
@@ -137,6 +128,27 @@ def gateway_app(upstream_url: str, request_timeout_s: float = 300.0, *, routes_o
         gc.collect()
         return {"open": 0}
 
+
+def gateway_app(upstream_url: str, request_timeout_s: float = 300.0, *, routes_only: bool = False) -> FastAPI:
+    """The session routes over a `SessionProxy` whose one generator is ``upstream_url``, with the
+    bench's routes to open and close sessions. ``routes_only``: without `SessionCalls` in front
+    (every call through the framework's routes), for the comparison row."""
+    from fastapi import Depends, FastAPI
+
+    from services.gym_gateway.app import mount_session_routes
+    from services.gym_gateway.forwarding import SessionForwarder
+    from services.gym_gateway.session_routes import router
+    from shared.auth import AuthPolicy
+    from shared.http import install_error_handlers, require_agent_token
+
+    app = FastAPI(lifespan=_lifespan(upstream_url, request_timeout_s))
+    app.state.auth, app.state.forwarder = AuthPolicy.from_env(False), SessionForwarder("gw-bench")
+    install_error_handlers(app)
+    if routes_only:
+        app.include_router(router, dependencies=[Depends(require_agent_token)])
+    else:
+        mount_session_routes(app)
+    _add_bench_routes(app)
     return app
 
 
@@ -157,6 +169,6 @@ if __name__ == "__main__":
         serve_gateway(int(sys.argv[2]), sys.argv[3], routes_only=sys.argv[4:] == ["routes-only"])
     else:
         sys.exit(
-            "usage: python -m streamrl.bench_gateway_servers serve-upstream PORT | "
+            "usage: python -m streamrl.bench.gateway_servers serve-upstream PORT | "
             "serve-gateway PORT UPSTREAM [routes-only]"
         )

@@ -1,14 +1,14 @@
 """The pipeline-efficiency section of ``streamrl bench``: how close the real trainer loop comes to
 its own scheduling policy run at zero overhead, and what asynchrony buys over synchronous GRPO.
-This module runs the real loop; `streamrl.bench_schedule` holds the scenarios and the ideal
-schedule, `streamrl.bench_pipeline_report` the tables and targets.
+This module runs the real loop; `streamrl.bench.schedule` holds the scenarios and the ideal
+schedule, `streamrl.bench.pipeline_report` the tables and targets.
 
 Real parts, against one embedded Valkey: the trainer's `ControlPlane` in this process (scheduler,
 replay buffer, intake, lookahead barrier, refit through the `WeightPublisher` with its launch gate
 and confirmations, acks, records), plugged in through its declared seams (a `LocalLearner` around
 the simulated backend, and `TrainerHooks` noting when groups were issued and trajectories read),
 and GATEWAY_WORKERS real gateway workers in a process of their own. Simulated, so the loop is
-measured and not a model (`streamrl.bench_pipeline_sim`): rollouts (an environment that sleeps a
+measured and not a model (`streamrl.bench.pipeline_sim`): rollouts (an environment that sleeps a
 seeded log-normal duration per rollout and calls no model), training (a backend that sleeps the
 scenario's training time) and the generator (a process that confirms every weight version at once).
 
@@ -34,11 +34,12 @@ for the real run and the ideal schedule alike. The real runs also break down whe
 (refit, waiting for data, task pickup, session open, delivery) and how much CPU other processes of
 the host took meanwhile; a run disturbed by them is repeated (`measured_run`).
 
-Packing: a step's sequence lengths drawn log-normal (SWE-like, clipped to the context length),
-first-fit-decreasing packs of one context length against padding micro-batches to their longest row.
+Packing (`streamrl.bench.packing`): a step's sequence lengths drawn log-normal (SWE-like, clipped
+to the context length), first-fit-decreasing packs of one context length against padding
+micro-batches to their longest row.
 
-`run_pipeline_benchmark` returns the results; `render_pipeline` turns them into the markdown
-section; ``python -m streamrl.bench_pipeline`` runs and prints both.
+`run_pipeline_benchmark` returns the section's `PipelineResults` (`streamrl.bench.pipeline_report`,
+which renders them); ``python -m streamrl.bench.pipeline`` runs and prints both.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import shutil
@@ -56,29 +56,33 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
 
 from services.trainer.control_plane import ControlPlane, TrainerHooks
 from services.trainer.learner import LocalLearner
-from services.trainer.packing import first_fit_decreasing, packing_efficiency, padding_efficiency
 from shared import keys as K
 from shared.protocol import Task, Trajectory, decode
 from shared.records import read_records, step_records
 from shared.redis_replies import range_entries
 from shared.run_config import RunConfig
-from streamrl.bench_pipeline_report import (
-    CONTENDED_OTHER_CPU,
-    CONTENDED_OVERSHOOT_S,
+from streamrl.bench.packing import packing_benchmark
+from streamrl.bench.pipeline_report import (
     REAL_RUN_ATTEMPTS,
+    Latencies,
+    PipelineResults,
+    RealRun,
+    ScenarioFacts,
+    ScenarioResults,
+    lag_run,
     render_pipeline,
 )
-from streamrl.bench_pipeline_sim import ENV_NAME, GATEWAY_WORKERS, SimBackend, _spawn
-from streamrl.bench_schedule import (
+from streamrl.bench.pipeline_sim import ENV_NAME, GATEWAY_WORKERS, GatewayReport, SimBackend, spawn
+from streamrl.bench.report import save
+from streamrl.bench.schedule import (
     LAGS,
     MEASURE_FROM_STEP,
     SCENARIOS,
@@ -148,9 +152,7 @@ async def _train(cfg: RunConfig, backend: SimBackend, observed: Observed) -> tup
     return control, [decode(fields[K.ENTRY_FIELD], Trajectory) for _, fields in entries]
 
 
-def rollout_latencies(
-    trajs: list[Trajectory], issued_at: dict[int, float], received_at: dict[str, float]
-) -> dict[str, float]:
+def rollout_latencies(trajs: list[Trajectory], issued_at: dict[int, float], received_at: dict[str, float]) -> Latencies:
     """Where a rollout's time goes outside its simulated duration, over the groups issued after
     start-up (the first issue, which meets the gateway still starting, is left out): pickup (task
     published -> the gateway starts the rollout), session open (-> the environment starts), delivery
@@ -167,15 +169,15 @@ def rollout_latencies(
         opening.append(t.metrics["sim_sleep_from"] - t.started_at)
         delivery.append(received_at[t.task_id] - t.finished_at)
         last_start[issued] = max(last_start[issued], t.metrics["sim_sleep_from"] - issued)
-    return {
-        "pickup_mean_s": statistics.mean(pickup),
-        "pickup_max_s": max(pickup),
-        "open_mean_s": statistics.mean(opening),
-        "open_max_s": max(opening),
-        "delivery_mean_s": statistics.mean(delivery),
-        "delivery_max_s": max(delivery),
-        "last_start_mean_s": statistics.mean(last_start.values()),
-    }
+    return Latencies(
+        pickup_mean_s=statistics.mean(pickup),
+        pickup_max_s=max(pickup),
+        open_mean_s=statistics.mean(opening),
+        open_max_s=max(opening),
+        delivery_mean_s=statistics.mean(delivery),
+        delivery_max_s=max(delivery),
+        last_start_mean_s=statistics.mean(last_start.values()),
+    )
 
 
 _CLK = os.sysconf("SC_CLK_TCK")
@@ -199,18 +201,14 @@ def own_cpu_s(server_pid: int | None) -> float:
     return t.user + t.system + t.children_user + t.children_system + (process_cpu_s(server_pid) if server_pid else 0.0)
 
 
-def real_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pid: int | None = None) -> dict[str, Any]:
-    """One run of the real trainer (this process) against the generator stand-in and the gateway
-    workers (a process each, started here and ending with the run). ``other_cpu_cores``: the CPU
-    other processes of the host used meanwhile (the Valkey server counts as ours when its pid is given)."""
-    wall0, host0, own0 = time.monotonic(), host_busy_cpu_s(), own_cpu_s(server_pid)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    run_id = f"pipeline-{scenario.name}-lag{lag}-{uuid.uuid4().hex[:6]}"
-    cfg = run_config(scenario, lag, redis_url=redis_url, run_id=run_id, work=work)
+def _run_with_helpers(
+    cfg: RunConfig, scenario: Scenario, work: Path
+) -> tuple[ControlPlane, list[Trajectory], SimBackend, Observed]:
+    """The control plane run to its end, the generator stand-in and the gateway workers in a
+    process each (started here, ending with the run)."""
     (work / "config.json").write_bytes(msgspec.json.encode(cfg))
     (work / "scenario.json").write_text(json.dumps(asdict(scenario)))
-    helpers = [_spawn("generator", work), _spawn("gateway", work)]
+    helpers = [spawn("generator", work), spawn("gateway", work)]
     try:
         backend, observed = SimBackend(scenario.train_s), Observed()
         trainer, trajs = asyncio.run(_train(cfg, backend, observed))
@@ -223,110 +221,100 @@ def real_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pi
                 p.wait(10)
     if any(p.returncode for p in helpers):
         raise RuntimeError(f"a helper process failed; see {work}/generator.log and {work}/gateway.log")
+    return trainer, trajs, backend, observed
+
+
+def real_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pid: int | None = None) -> RealRun:
+    """One run of the real trainer (this process) against the generator stand-in and the gateway
+    workers. ``other_cpu_cores``: the CPU other processes of the host used meanwhile (the Valkey
+    server counts as ours when its pid is given)."""
+    wall0, host0, own0 = time.monotonic(), host_busy_cpu_s(), own_cpu_s(server_pid)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    run_id = f"pipeline-{scenario.name}-lag{lag}-{uuid.uuid4().hex[:6]}"
+    cfg = run_config(scenario, lag, redis_url=redis_url, run_id=run_id, work=work)
+    trainer, trajs, backend, observed = _run_with_helpers(cfg, scenario, work)
     other_cpu = (host_busy_cpu_s() - host0) - (own_cpu_s(server_pid) - own0)
     wall = time.monotonic() - wall0
-    gateway = json.loads((work / "gateway.report.json").read_text())
-    records = step_records(read_records(work / "out" / "metrics.jsonl"))
-    measured = records[MEASURE_FROM_STEP + 1 :]
+    gateway = msgspec.json.decode((work / "gateway.report.json").read_bytes(), type=GatewayReport)
+    measured = step_records(read_records(work / "out" / "metrics.jsonl"))[MEASURE_FROM_STEP + 1 :]
     starts, ends = [s for s, _ in backend.spans], [e for _, e in backend.spans]
     gaps = [b - a for a, b in zip(ends[MEASURE_FROM_STEP:-1], starts[MEASURE_FROM_STEP + 1 :], strict=True)]
-    return {
-        **pipeline_figures(starts, ends),
-        **gateway,
-        **rollout_latencies(trajs, observed.issued_at, observed.received_at),
-        "max_train_overshoot_s": max(e - b for b, e in backend.spans) - scenario.train_s,
-        "other_cpu_cores": other_cpu / wall,
-        "run_wall_s": wall,
-        "issued_groups": trainer.scheduler.issued_total,
-        "evicted_groups": trainer.buffer.evicted_total,
-        "duplicates": trainer.buffer.duplicates_total,
-        "mean_gap_s": statistics.mean(gaps),
-        "mean_refit_s": statistics.mean(r.refit.total_s for r in measured),
-        "max_refit_s": max(r.refit.total_s for r in measured),
-        "mean_wait_data_s": statistics.mean(r.timing.wait_data_s for r in measured),
-        "max_staleness": max(r.staleness.max for r in records),
-    }
+    window = pipeline_figures(starts, ends)
+    lat = rollout_latencies(trajs, observed.issued_at, observed.received_at)
+    mean_refit_s = statistics.mean(r.refit.total_s for r in measured)
+    mean_wait_data_s = statistics.mean(r.timing.wait_data_s for r in measured)
+    return RealRun(
+        steps_per_hour=window.steps_per_hour,
+        busy_fraction=window.busy_fraction,
+        issued_groups=trainer.scheduler.issued_total,
+        evicted_groups=trainer.buffer.evicted_total,
+        peak_rollouts=gateway.peak_rollouts,
+        mean_gap_s=statistics.mean(gaps),
+        mean_refit_s=mean_refit_s,
+        max_refit_s=max(r.refit.total_s for r in measured),
+        mean_wait_data_s=mean_wait_data_s,
+        other_gap_s=statistics.mean(gaps) - mean_refit_s - mean_wait_data_s,
+        latencies=lat,
+        max_train_overshoot_s=max(e - b for b, e in backend.spans) - scenario.train_s,
+        other_cpu_cores=other_cpu / wall,
+        run_wall_s=wall,
+    )
 
 
-# -- packing ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PackingCase:
-    rows: int = 512  # one step: 32 prompts x 16 rollouts
-    median_tokens: int = 6000
-    sigma: float = 1.0
-    max_len: int = 32768  # token budget of a pack and the context length rows are clipped to
-    micro_batch_size: int = 8
-    batches: int = 20
-
-
-def packing_lengths(case: PackingCase, seed: int) -> list[int]:
-    z = np.random.default_rng(seed).standard_normal(case.rows)
-    return [int(min(case.max_len, max(1, round(case.median_tokens * math.exp(case.sigma * x))))) for x in z]
-
-
-def packing_benchmark(case: PackingCase = PackingCase()) -> dict[str, Any]:
-    packed, padded, packs, lower = [], [], [], []
-    for seed in range(case.batches):
-        lengths = packing_lengths(case, seed)
-        p = first_fit_decreasing(lengths, case.max_len)
-        packed.append(packing_efficiency(lengths, p, case.max_len))
-        padded.append(padding_efficiency(lengths, case.micro_batch_size))
-        packs.append(len(p))
-        lower.append(math.ceil(sum(lengths) / case.max_len))
-    return {
-        "case": asdict(case),
-        "packing_mean": statistics.mean(packed),
-        "packing_min": min(packed),
-        "padding_mean": statistics.mean(padded),
-        "padding_min": min(padded),
-        "packs_mean": statistics.mean(packs),
-        "packs_lower_bound_mean": statistics.mean(lower),
-    }
-
-
-# -- the whole section -----------------------------------------------------------------------------
-
-
-def scenario_facts(s: Scenario) -> dict[str, Any]:
+def scenario_facts(s: Scenario) -> ScenarioFacts:
     draws = [d for p in range(200) for d in s.durations(p, 0)]
-    return {
-        **asdict(s),
-        "rollout_median_s": s.rollout_median_s,
-        "p99_over_p50": s.p99_over_p50,
-        "sampled_p99_over_p50": float(np.quantile(draws, 0.99) / np.quantile(draws, 0.5)),
-    }
+    return ScenarioFacts(
+        name=s.name,
+        description=s.description,
+        rollout_median_s=s.rollout_median_s,
+        sigma=s.sigma,
+        p99_over_p50=s.p99_over_p50,
+        sampled_p99_over_p50=float(np.quantile(draws, 0.99) / np.quantile(draws, 0.5)),
+        makespan_over_train=s.makespan_over_train,
+        train_s=s.train_s,
+        steps=s.steps,
+        num_prompts=s.num_prompts,
+        group_size=s.group_size,
+        target_lag=s.target_lag,
+        target_speedup=s.target_speedup,
+    )
 
 
-def measured_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pid: int | None) -> dict[str, Any]:
-    """`real_run`, repeated (up to REAL_RUN_ATTEMPTS) while it was disturbed: other processes of the
-    host took more than CONTENDED_OTHER_CPU cores, or a training sleep overshot by more than
-    CONTENDED_OVERSHOOT_S (the trainer could not get a core). Such a run measures the host as much
-    as the pipeline. The least disturbed attempt is kept, with the number of attempts."""
-    attempts: list[dict[str, Any]] = []
+def measured_run(scenario: Scenario, lag: int, redis_url: str, work: Path, server_pid: int | None) -> RealRun:
+    """`real_run`, repeated (up to REAL_RUN_ATTEMPTS) while it was disturbed (`RealRun.contended`):
+    other processes of the host took more than CONTENDED_OTHER_CPU cores, or a training sleep
+    overshot by more than CONTENDED_OVERSHOOT_S (the trainer could not get a core). Such a run
+    measures the host as much as the pipeline. The least disturbed attempt is kept, with the number
+    of attempts."""
+    attempts: list[RealRun] = []
     while len(attempts) < REAL_RUN_ATTEMPTS:
         attempts.append(real_run(scenario, lag, redis_url, work, server_pid))
-        if not _contended(attempts[-1]):
+        if not attempts[-1].contended:
             break
-    best = min(attempts, key=lambda r: (_contended(r), r["other_cpu_cores"]))
-    return {**best, "attempts": len(attempts)}
+    best = min(attempts, key=lambda r: (r.contended, r.other_cpu_cores))
+    return msgspec.structs.replace(best, attempts=len(attempts))
 
 
-def _contended(run: dict[str, Any]) -> bool:
-    contended: bool = (
-        run["max_train_overshoot_s"] > CONTENDED_OVERSHOOT_S or run["other_cpu_cores"] > CONTENDED_OTHER_CPU
-    )
-    return contended
+def _scenario(s: Scenario, redis_url: str, work_dir: Path, server_pid: int | None) -> ScenarioResults:
+    """A scenario at every lag, real and ideal."""
+    long_run = long_run_speedups(s)
+    measured = {
+        lag: (measured_run(s, lag, redis_url, work_dir / f"{s.name}-lag{lag}", server_pid), ideal_run(s, lag))
+        for lag in LAGS
+    }
+    runs = [lag_run(lag, real, ideal, measured[0], long_run[lag]) for lag, (real, ideal) in measured.items()]
+    return ScenarioResults(scenario_facts(s), runs)
 
 
 def run_pipeline_benchmark(
     work_dir: Path = Path("runs/bench/pipeline"),
     redis_url: str | None = None,
     scenarios: tuple[Scenario, ...] = SCENARIOS,
-) -> dict[str, Any]:
+) -> PipelineResults:
     """Every scenario at every lag, real and ideal, plus the packing figures. Starts its own
     Valkey unless ``redis_url`` is given."""
+    date = time.strftime("%Y-%m-%d")
     server = None
     server_pid: int | None = None  # our own Valkey's, for the CPU accounting of the runs
     if redis_url is None:
@@ -334,35 +322,24 @@ def run_pipeline_benchmark(
         server.start()
         redis_url = server.url
         server_pid = server.proc.pid if server.proc is not None else None
-    out: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "measure_from_step": MEASURE_FROM_STEP,
-        "gateway_workers": GATEWAY_WORKERS,
-        "gateway_slots_per_worker": RunConfig().gym_gateway.max_concurrent_rollouts,
-        "scenarios": {},
-    }
     try:
-        for s in scenarios:
-            runs = {}
-            for lag in LAGS:
-                real = measured_run(s, lag, redis_url, work_dir / f"{s.name}-lag{lag}", server_pid)
-                runs[str(lag)] = {"real": real, "ideal": ideal_run(s, lag)}
-            long_run = long_run_speedups(s)
-            out["scenarios"][s.name] = {
-                "facts": scenario_facts(s),
-                "runs": runs,
-                "long_run_ideal_speedup": {str(k): v for k, v in long_run.items()},
-            }
+        results = [_scenario(s, redis_url, work_dir, server_pid) for s in scenarios]
     finally:
         if server is not None:
             server.stop()
-    out["packing"] = packing_benchmark()
-    return out
+    return PipelineResults(
+        date=date,
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        measure_from_step=MEASURE_FROM_STEP,
+        gateway_workers=GATEWAY_WORKERS,
+        gateway_slots_per_worker=RunConfig().gym_gateway.max_concurrent_rollouts,
+        scenarios=results,
+        packing=packing_benchmark(),
+    )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m streamrl.bench_pipeline", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> PipelineResults:
+    ap = argparse.ArgumentParser(prog="python -m streamrl.bench.pipeline", description=__doc__.splitlines()[0])
     ap.add_argument("--work-dir", type=Path, default=Path("runs/bench/pipeline"))
     ap.add_argument("--out", type=Path, help="also write the markdown section here")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -372,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out:
         args.out.write_text(text)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        save(args.json, results)
     print(text)
     return results
 

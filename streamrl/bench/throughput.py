@@ -4,7 +4,7 @@ HTTP: POST /v1/chat/completions on a real ``python -m services.generator`` proce
 sent with aiohttp as the gateway sends them. Raw: vLLM's ``AsyncLLM`` built from the engine args
 and sampling parameters `services.generator.vllm_engine` builds, fed the same prompt ids
 (``TokensPrompt``), seeds and max_tokens, in a process of its own (``python -m
-streamrl.bench_throughput``, which writes its results as JSON).
+streamrl.bench.raw_engine``, which writes its rounds as JSON).
 
 Only one engine is alive at a time. vLLM on CPU pins every engine's worker to the same cores and
 its worker and engine-core processes busy-wait for a second after each step; a second, idle
@@ -18,33 +18,32 @@ median of the per-round ratios. Generated tokens are counted from the responses 
 Also reported: CPU time per request outside the engine processes (the raw front end; the
 generator's API process and the HTTP client).
 
-Called by `streamrl.bench_generator`.
+Called by `streamrl.bench.generator`; its figures go into `GeneratorResults` as `Throughput`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 if TYPE_CHECKING:
     import aiohttp
 
     from services.generator.chat import ChatRenderer
-    from shared.run_config import RunConfig
-    from streamrl.bench_generator import GeneratorProcess
+    from streamrl.bench.generator_process import GeneratorProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONCURRENCY = (1, 16, 64)
 BLOCKS = 4  # per side; one engine start each
 ROUNDS_PER_BLOCK = 2
@@ -61,9 +60,70 @@ class BenchRequest:
     """One chat request, identical on both sides: the HTTP body's messages and seed, and the
     prompt ids the generator renders them to (what the raw engine is fed)."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, str]]
     prompt_ids: list[int]
     seed: int
+
+
+class RawRound(msgspec.Struct):
+    """One measured round of the raw engine (its own process)."""
+
+    round: int
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    cpu_s: float  # the AsyncLLM front end's (this process)
+    load_avg: float
+
+
+class HttpRound(msgspec.Struct):
+    """One measured round through the generator's HTTP API."""
+
+    round: int
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    client_cpu_s: float
+    server_cpu_s: float  # the generator's API process
+    load_avg: float
+
+
+class RoundPair(msgspec.Struct):
+    """The raw and the HTTP round that sent the same requests."""
+
+    requests: int
+    raw_tokens: int
+    raw_s: float
+    http_tokens: int
+    http_s: float
+    raw_frontend_cpu_s: float
+    http_client_cpu_s: float
+    http_server_cpu_s: float
+    load_avg: float  # the larger of the two rounds'
+
+
+class ConcurrencyRow(msgspec.Struct):
+    """Both sides at one concurrency: medians of the rounds, and of the per-round ratios."""
+
+    concurrency: int
+    raw_tok_s: float
+    http_tok_s: float
+    ratio: float  # HTTP / raw
+    ratio_min: float
+    ratio_max: float
+    raw_tokens: int  # all rounds
+    http_tokens: int
+    raw_frontend_cpu_ms_per_request: float
+    http_server_cpu_ms_per_request: float
+    http_client_cpu_ms_per_request: float
+
+
+class Throughput(msgspec.Struct):
+    rows: list[ConcurrencyRow]
+    load_avg_min: float  # 1-minute load average over the rounds
+    load_avg_max: float
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -127,94 +187,12 @@ async def closed_loop(
     return total, time.perf_counter() - t0
 
 
-# -- raw side (its own process) ----------------------------------------------------------------
+# -- raw side (its own process, `streamrl.bench.raw_engine`) ---------------------------------
 
 
-class RawEngine:
-    """vLLM's AsyncLLM with the served engine's args and sampling parameters, called directly."""
-
-    def __init__(self, cfg: RunConfig, stops: tuple[int, ...]) -> None:
-        from services.generator.vllm_engine import VllmEngine
-
-        # The served engine's own builders, so the baseline cannot drift from what is served.
-        self._served = VllmEngine(cfg)
-        self._cfg = cfg
-        self._stops = stops
-        self.llm: Any = None
-
-    async def start(self) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._served._engine_args())
-
-    async def one(self, req: BenchRequest) -> int:
-        from services.generator.engine import GenerationParams
-        from services.generator.vllm_engine import vllm_request_types
-
-        TokensPrompt = vllm_request_types()[2]  # imported as the served engine imports it
-        gen = self._cfg.policy.generation
-        params = GenerationParams(
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            max_tokens=MAX_TOKENS,
-            n=1,
-            seed=req.seed,
-            stop_token_ids=self._stops,
-            top_logprobs=0,
-        )
-        sp = self._served._sampling_params(params)
-        tokens = 0
-        async for out in self.llm.generate(
-            TokensPrompt(prompt_token_ids=req.prompt_ids), sp, request_id=f"raw-{uuid.uuid4().hex}"
-        ):
-            tokens = sum(len(c.token_ids) for c in out.outputs)
-        return tokens
-
-    async def aclose(self) -> None:
-        llm, self.llm = self.llm, None
-        await asyncio.to_thread(llm.shutdown)
-
-
-async def _raw_block(config: Path) -> dict[str, Any]:
-    from services.generator.app import build_renderer, freeze_startup_heap
-    from shared.config import load
-    from shared.run_config import RunConfig
-
-    cfg = load(RunConfig, config, env={})
-    renderer = build_renderer(cfg)
-    raw = RawEngine(cfg, tuple(sorted(renderer.turn_stop_ids)))  # what the generator adds to every chat request
-    await raw.start()
-    try:
-        freeze_startup_heap()  # what the generator does once it is up, so both sides collect alike
-        budget = int(raw.llm.vllm_config.scheduler_config.max_num_batched_tokens)
-        warm = make_requests(renderer, WARM_REQUESTS, seed=1)
-        check_no_chunked_prefill(warm, max(CONCURRENCY), budget)
-        await closed_loop(warm, max(CONCURRENCY), raw.one)
-        rounds = []
-        for rnd, c, seed in round_plan():
-            reqs = make_requests(renderer, request_count(c), seed)
-            check_no_chunked_prefill(reqs, c, budget)
-            cpu0 = time.process_time()
-            tokens, seconds = await closed_loop(reqs, c, raw.one)
-            rounds.append(
-                {
-                    "round": rnd,
-                    "concurrency": c,
-                    "requests": len(reqs),
-                    "tokens": tokens,
-                    "seconds": seconds,
-                    "cpu_s": time.process_time() - cpu0,
-                    "load_avg": os.getloadavg()[0],
-                }
-            )
-        return {"rounds": rounds}
-    finally:
-        await raw.aclose()
-
-
-def run_raw_block(config: Path, out: Path, log_path: Path, timeout_s: float = 900.0) -> list[dict[str, Any]]:
-    """One raw block in a fresh ``python -m streamrl.bench_throughput`` process; its rounds."""
-    cmd = [sys.executable, "-m", "streamrl.bench_throughput", str(config), str(out)]
+def run_raw_block(config: Path, out: Path, log_path: Path, timeout_s: float = 900.0) -> list[RawRound]:
+    """One raw block in a fresh ``python -m streamrl.bench.raw_engine`` process; its rounds."""
+    cmd = [sys.executable, "-m", "streamrl.bench.raw_engine", str(config), str(out)]
     with open(log_path, "ab") as log:
         proc = subprocess.run(
             cmd,
@@ -227,8 +205,7 @@ def run_raw_block(config: Path, out: Path, log_path: Path, timeout_s: float = 90
         )
     if proc.returncode != 0:
         raise RuntimeError(f"raw engine block exited with {proc.returncode}; see {log_path}")
-    rounds: list[dict[str, Any]] = json.loads(out.read_text())["rounds"]
-    return rounds
+    return msgspec.json.decode(out.read_bytes(), type=list[RawRound])
 
 
 # -- HTTP side ---------------------------------------------------------------------------------
@@ -251,7 +228,7 @@ async def http_one(session: aiohttp.ClientSession, url: str, req: BenchRequest, 
     return sum(len(c.message.generation_token_ids) for c in resp.choices)
 
 
-async def _http_block(renderer: ChatRenderer, start: Callable[[], GeneratorProcess]) -> list[dict[str, Any]]:
+async def _http_block(renderer: ChatRenderer, start: Callable[[], GeneratorProcess]) -> list[HttpRound]:
     import aiohttp
     import psutil  # a dependency of vLLM
 
@@ -275,95 +252,81 @@ async def _http_block(renderer: ChatRenderer, start: Callable[[], GeneratorProce
                 reqs = make_requests(renderer, request_count(c), seed)
                 cpu0, srv0 = time.process_time(), server_cpu()
                 tokens, seconds = await closed_loop(reqs, c, lambda r: http_one(session, gen.url, r))
-                rounds.append(
-                    {
-                        "round": rnd,
-                        "concurrency": c,
-                        "requests": len(reqs),
-                        "tokens": tokens,
-                        "seconds": seconds,
-                        "client_cpu_s": time.process_time() - cpu0,
-                        "server_cpu_s": server_cpu() - srv0,
-                        "load_avg": os.getloadavg()[0],
-                    }
-                )
+                client_s, server_s = time.process_time() - cpu0, server_cpu() - srv0
+                rounds.append(HttpRound(rnd, c, len(reqs), tokens, seconds, client_s, server_s, os.getloadavg()[0]))
             return rounds
     finally:
         gen.stop()
 
 
-def pair_rounds(raw: list[dict[str, Any]], http: list[dict[str, Any]]) -> dict[int, list[dict[str, float]]]:
+def pair_rounds(raw: list[RawRound], http: list[HttpRound]) -> dict[int, list[RoundPair]]:
     """Raw and HTTP rounds of one block pair matched by (round, concurrency), grouped by concurrency."""
-    by_key = {(r["round"], r["concurrency"]): r for r in raw}
-    rows: dict[int, list[dict[str, float]]] = {}
+    by_key = {(r.round, r.concurrency): r for r in raw}
+    rows: dict[int, list[RoundPair]] = {}
     for h in http:
-        r = by_key[(h["round"], h["concurrency"])]
-        rows.setdefault(h["concurrency"], []).append(
-            {
-                "requests": h["requests"],
-                "raw_tokens": r["tokens"],
-                "raw_s": r["seconds"],
-                "http_tokens": h["tokens"],
-                "http_s": h["seconds"],
-                "raw_frontend_cpu_s": r["cpu_s"],
-                "http_client_cpu_s": h["client_cpu_s"],
-                "http_server_cpu_s": h["server_cpu_s"],
-                "load_avg": max(r["load_avg"], h["load_avg"]),
-            }
+        r = by_key[(h.round, h.concurrency)]
+        rows.setdefault(h.concurrency, []).append(
+            RoundPair(
+                requests=h.requests,
+                raw_tokens=r.tokens,
+                raw_s=r.seconds,
+                http_tokens=h.tokens,
+                http_s=h.seconds,
+                raw_frontend_cpu_s=r.cpu_s,
+                http_client_cpu_s=h.client_cpu_s,
+                http_server_cpu_s=h.server_cpu_s,
+                load_avg=max(r.load_avg, h.load_avg),
+            )
         )
     return rows
 
 
 def throughput(
     config: Path, renderer: ChatRenderer, start_generator: Callable[[], GeneratorProcess], work: Path
-) -> dict[str, dict[str, Any]]:
+) -> Throughput:
     """``BLOCKS`` block pairs, raw and HTTP alternating in ABBA order; medians per concurrency."""
     from services.generator.app import freeze_startup_heap
 
     freeze_startup_heap()  # the client side: this process's heap, as in every HTTP block
-    rows: dict[int, list[dict[str, float]]] = {c: [] for c in CONCURRENCY}
+    rows: dict[int, list[RoundPair]] = {c: [] for c in CONCURRENCY}
     for block in range(BLOCKS):
-        sides: dict[str, list[dict[str, Any]]] = {}
+        raw: list[RawRound] = []
+        http: list[HttpRound] = []
         for side in ("raw", "http") if block % 2 == 0 else ("http", "raw"):
             if side == "raw":
-                sides[side] = run_raw_block(config, work / f"raw-{block}.json", work / "raw-engine.log")
+                raw = run_raw_block(config, work / f"raw-{block}.json", work / "raw-engine.log")
             else:
-                sides[side] = asyncio.run(_http_block(renderer, start_generator))
-        for c, rs in pair_rounds(sides["raw"], sides["http"]).items():
+                http = asyncio.run(_http_block(renderer, start_generator))
+        for c, rs in pair_rounds(raw, http).items():
             rows[c].extend(rs)
-    return {str(c): summarize_rounds(rs) for c, rs in rows.items()}
+    return summarize_throughput(rows)
 
 
-def summarize_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
+def summarize_throughput(rows: dict[int, list[RoundPair]]) -> Throughput:
+    """Every concurrency's row, and the range of the load average over all rounds."""
+    loads = [r.load_avg for rs in rows.values() for r in rs]
+    return Throughput([summarize_rounds(c, rs) for c, rs in rows.items()], min(loads), max(loads))
+
+
+def _cpu_ms(rounds: list[RoundPair], cpu_s: Callable[[RoundPair], float]) -> float:
+    return statistics.median(1e3 * cpu_s(r) / r.requests for r in rounds)
+
+
+def summarize_rounds(concurrency: int, rounds: list[RoundPair]) -> ConcurrencyRow:
     """Median tokens/s of each side, the median (and range) of the per-round HTTP/raw ratios, CPU per request."""
-    raw = [r["raw_tokens"] / r["raw_s"] for r in rounds]
-    http = [r["http_tokens"] / r["http_s"] for r in rounds]
+    raw = [r.raw_tokens / r.raw_s for r in rounds]
+    http = [r.http_tokens / r.http_s for r in rounds]
     ratios = [h / r for h, r in zip(http, raw, strict=True)]
-    return {
-        "raw_tok_s": statistics.median(raw),
-        "http_tok_s": statistics.median(http),
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "raw_tokens": sum(r["raw_tokens"] for r in rounds),
-        "http_tokens": sum(r["http_tokens"] for r in rounds),
-        **{
-            f"{k[:-2]}_ms_per_request": statistics.median(1e3 * r[k] / r["requests"] for r in rounds)
-            for k in ("raw_frontend_cpu_s", "http_server_cpu_s", "http_client_cpu_s")
-        },
-        "rounds": rounds,
-    }
-
-
-def main(argv: list[str]) -> int:
-    """``python -m streamrl.bench_throughput CONFIG OUT``: one raw block, results as JSON in OUT."""
-    from services.generator.vllm_env import apply_env_defaults
-
-    apply_env_defaults()  # before anything imports vLLM
-    config, out = Path(argv[0]), Path(argv[1])
-    out.write_text(json.dumps(asyncio.run(_raw_block(config))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    return ConcurrencyRow(
+        concurrency=concurrency,
+        raw_tok_s=statistics.median(raw),
+        http_tok_s=statistics.median(http),
+        ratio=statistics.median(ratios),
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        raw_tokens=sum(r.raw_tokens for r in rounds),
+        http_tokens=sum(r.http_tokens for r in rounds),
+        raw_frontend_cpu_ms_per_request=_cpu_ms(rounds, lambda r: r.raw_frontend_cpu_s),
+        http_server_cpu_ms_per_request=_cpu_ms(rounds, lambda r: r.http_server_cpu_s),
+        http_client_cpu_ms_per_request=_cpu_ms(rounds, lambda r: r.http_client_cpu_s),
+    )
