@@ -26,7 +26,7 @@ from services.gym_gateway.envs.openhands import (
 )
 from shared.protocol import SamplingParams
 from shared.run_config import EnvSection, OpenHandsSection
-from tests.pids import gone, text_of
+from tests.support.pids import gone, text_of
 
 pytestmark = pytest.mark.unit
 
