@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pytest
 
-from shared.run_config import OpenHandsSection
 from tests.support import gateway, generator
 from tests.support.services import ROOT
 
@@ -77,6 +76,8 @@ def scripted_model():
 
 @pytest.fixture(scope="module")
 def openhands_venv():
+    from shared.run_config import OpenHandsSection
+
     python = ROOT / OpenHandsSection().python
     if not python.exists():
         pytest.fail(f"{python} is missing: run scripts/setup_openhands.sh (scripts/test.sh does)")

@@ -28,7 +28,6 @@ from shared import keys as K
 from shared.pause import PauseControl
 from shared.protocol import (
     DeadLetter,
-    Heartbeat,
     SamplingParams,
     Task,
     Trajectory,
@@ -38,11 +37,10 @@ from shared.protocol import (
     encode,
     make_turn,
 )
-from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
 from shared.weights_format import checksum_dir, dir_num_bytes
 from tests.support.messages import make_task, make_trajectory
-from tests.support.refit import save_dummy
+from tests.support.refit import played, save_dummy
 
 pytestmark = pytest.mark.integration
 
@@ -204,9 +202,7 @@ async def test_refit_dead_letters_bad_acks_and_confirms_the_version(redis_url, t
     publisher = WeightPublisher(trainer, PauseControl(redis, keys), transport, timeout_s=10, in_flight_updates=False)
     good = WeightAck(worker_id="gen-a", version=3, ok=True, cache_reset=True)
     entries = bad_entries(good, _task(0))
-    await publish_heartbeat(
-        redis, keys, Heartbeat(worker_id="gen-a", kind="generator", url="http://x", pid=1, host="h", state="ready")
-    )
+    await played(trainer, "gen-a").beat()
 
     async def generator() -> list[str]:
         """Play the generator: on the announcement, bad acks first, then the real one."""
