@@ -1,4 +1,4 @@
-"""Compare two runs of tests/ranked_step.py (the GPU checks' verdict): each step's loss and gradient
+"""Compare two runs of tests/support/ranks/ranked_step.py (the GPU checks' verdict): each step's loss and gradient
 norm within a relative tolerance, and the published weights within an absolute one.
 
     python scripts/compare_runs.py RUN_A RUN_B [--start MODEL_DIR] [--last-step-only] [--tol 1e-4]

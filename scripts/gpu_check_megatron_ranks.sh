@@ -2,7 +2,7 @@
 # Multi-GPU check of the megatron backend's layouts: on two GPUs, tensor parallelism 2 (the tiny
 # dense Qwen3), data parallelism 2 with packed micro-batches, expert parallelism 2 (a tiny
 # Qwen3-MoE) and pipeline parallelism 2 (bfloat16, packed) each train the steps one GPU trains
-# (tests/ranked_step.py, as the trainer wires its ranks: NCCL, torchrun), publish HF weights, and
+# (tests/support/ranks/ranked_step.py, as the trainer wires its ranks: NCCL, torchrun), publish HF weights, and
 # a tensor-parallel checkpoint resumes on one GPU as the uninterrupted run. The same comparisons run on CPU in tests/integration/test_megatron_ranks.py.
 # Needs the `vllm` (or plain torch CUDA) environment plus `pip install -e ".[megatron]"`.
 #
@@ -20,7 +20,7 @@ OUT=${1:-$(mktemp -d -t megatron-ranks-XXXX)}
 mkdir -p "$OUT"
 "$PY" -c "from streamrl.model_builder import build_tiny_model, build_tiny_moe
 build_tiny_model('$OUT/dense'); build_tiny_moe('$OUT/moe', vocab_size=1024)"
-STEP=(tests/ranked_step.py)
+STEP=(tests/support/ranks/ranked_step.py)
 TWO=("$PY" -m torch.distributed.run --standalone --nproc-per-node=2 "${STEP[@]}")
 COMMON=(--set trainer.backend=megatron --set policy.optimizer.lr=1e-4 --max-weight-file-bytes 524288)
 PACKED=(--set policy.train_global_batch_size=6 --set policy.sequence_packing.enabled=true

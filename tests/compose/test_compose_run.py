@@ -1,4 +1,4 @@
-"""docker compose for real, on a Docker engine (marker ``compose``; tests/docker_engine.py finds or
+"""docker compose for real, on a Docker engine (marker ``compose``; tests/support/docker_host.py finds or
 starts one):
 
 * the compose section of docs/deploying.md as written: ``bash scripts/compose_smoke.sh`` builds
@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.scale_compose import DockerAPI, find_compose
-from tests.docker_engine import NoEngine, docker_engine
+from tests.support.docker_host import NoEngine, docker_engine
 
 pytestmark = pytest.mark.compose
 

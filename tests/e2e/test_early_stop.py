@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.services import make_data, streamrl
 
 pytestmark = pytest.mark.e2e
 
@@ -20,30 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(tmp_path: Path, tiny_model_dir: Path, redis_url: str, *overrides: str) -> tuple[Path, list[dict]]:
     data = tmp_path / "data"
-    for name, n in (("train", 40), ("val", 4)):
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "streamrl.cli",
-                "data",
-                "make",
-                "crossing",
-                str(data / f"{name}.jsonl"),
-                "--n",
-                str(n),
-            ],
-            check=True,
-            cwd=ROOT,
-        )
+    make_data(data / "train.jsonl", 40)
+    make_data(data / "val.jsonl", 4)
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl.cli",
-        "up",
-        str(ROOT / "deploy/configs/demo.yaml"),
-        "--no-progress",
+    overrides = [
         f"run.run_id=stop-{tmp_path.name}-{os.getpid()}",
         f"run.output_dir={out}",
         f"data.train_path={data / 'train.jsonl'}",
@@ -60,8 +40,9 @@ def _run(tmp_path: Path, tiny_model_dir: Path, redis_url: str, *overrides: str) 
         "grpo.stop_at_validation_threshold=0.0",
         *overrides,
     ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, capture_output=True, text=True, timeout=600
+    config = str(ROOT / "deploy/configs/demo.yaml")
+    proc = streamrl(
+        "up", config, "--no-progress", *overrides, timeout_s=600, env={**os.environ, "REDIS_URL": redis_url}
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return out, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import yaml
 
 from shared import keys as K
 from shared.protocol import Heartbeat, decode
-from streamrl.redis_server import free_port
+from tests.support.services import Service
 
 pytestmark = pytest.mark.e2e
 
@@ -55,33 +53,13 @@ def test_a_draining_generator_serves_its_sessions_refuses_new_ones_then_exits(tm
     tree["generator"].update(drain_session_idle_s=IDLE_S, drain_timeout_s=30)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(tree))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.generator",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-            "--worker-id",
-            "gen-d",
-        ],
-        cwd=ROOT,
-        stdout=open(tmp_path / "generator.log", "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    gen = Service("services.generator", config, "gen-d", tmp_path / "generator.log").start()
+    url = gen.url
     r, keys = redis.Redis.from_url(redis_url), K.RunKeys(run_id)
     try:
-        deadline = time.monotonic() + 180
-        while not (_ready(url)):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "generator.log").read_text()[-3000:]
-            time.sleep(0.3)
+        gen.wait_ready(180, poll_s=0.3)
         assert _chat(url, "s-known").status_code == 200
-        proc.send_signal(signal.SIGTERM)
+        gen.proc.send_signal(signal.SIGTERM)
         t_signal = time.monotonic()
         while _state(r, keys, "gen-d") != "draining":
             assert time.monotonic() - t_signal < 5, "the registry never showed the generator draining"
@@ -91,18 +69,10 @@ def test_a_draining_generator_serves_its_sessions_refuses_new_ones_then_exits(tm
         new = _chat(url, "s-new")
         assert known.status_code == 200, known.text
         assert new.status_code == 503 and "draining" in new.text
-        code = proc.wait(30)
-        assert code in (0, -signal.SIGTERM), (tmp_path / "generator.log").read_text()[-3000:]
+        code = gen.proc.wait(30)
+        assert code in (0, -signal.SIGTERM), gen.tail()
         assert time.monotonic() - t_last >= IDLE_S  # it waited for the session to go quiet
         assert _state(r, keys, "gen-d") is None  # deregistered
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+        if gen.alive():
+            gen.kill9()

@@ -5,15 +5,15 @@ The generator runs as a process with the transformers engine."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.support.services import Service
 
 pytestmark = pytest.mark.e2e
 
@@ -26,17 +26,13 @@ def test_a_generator_whose_engine_cannot_start_exits_1(tmp_path, tiny_model_dir)
     config = tmp_path / "run.yaml"
     tree = {"policy": {"model_name": str(model), "generation": {"backend": "transformers"}}}
     config.write_text(yaml.safe_dump(tree))
-    log = tmp_path / "generator.log"
-    cmd = [sys.executable, "-m", "services.generator", "--config", str(config), "--port", "0"]  # any free port
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    gen = Service("services.generator", config, None, tmp_path / "generator.log", port=0).start()  # any free port
     try:
-        code = proc.wait(180)
+        code = gen.proc.wait(180)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text(errors="replace")
+        if gen.alive():
+            gen.kill9()
+    text = gen.tail(10**7)
     assert code == 1, text[-3000:]
     assert "bring-up died" in text, text[-3000:]
 

@@ -16,14 +16,14 @@ import pytest
 
 from shared.keys import RunKeys
 from shared.openai_api import ChatCompletionResponse
-from shared.protocol import WeightAck, WeightAnnouncement
+from shared.protocol import WeightAnnouncement
 from shared.registry import live_workers
 from shared.streams import StreamClient, connect
 from shared.weights_format import checksum_dir, dir_num_bytes
-from streamrl.redis_server import free_port
+from tests.support.redis import wait_ack
+from tests.support.services import Service
 
 pytestmark = pytest.mark.e2e
-pytest_plugins = ["tests.generator_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOLERANCE = 1e-3
@@ -36,71 +36,10 @@ SYSTEM = {
 }
 
 
-def _start(config: Path, port: int, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.generator",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-            "--worker-id",
-            "gen-e2e",
-        ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _stop(proc: subprocess.Popen) -> int | None:
-    """SIGTERM, then SIGKILL to the process group we started (vLLM's children included)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-            return None
-    return proc.returncode
-
-
-async def _wait_ready(
-    client: httpx.AsyncClient, proc: subprocess.Popen, log_path: Path, timeout_s: float = 150.0
-) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"generator exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if (await client.get("/ready")).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"generator not ready in {timeout_s}s:\n{log_path.read_text()[-3000:]}")
-
-
 async def _chat(client: httpx.AsyncClient, messages: list, **body) -> ChatCompletionResponse:
     r = await client.post("/v1/chat/completions", json={"messages": messages, **body})
     assert r.status_code == 200, r.text
     return msgspec.json.decode(r.content, type=ChatCompletionResponse)
-
-
-async def _wait_ack(sc: StreamClient, version: int, timeout_s: float = 60.0) -> WeightAck:
-    cursor = "0-0"
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        for d in await sc.read_after(sc.keys.weight_acks, cursor, WeightAck, block_ms=500):
-            cursor = d.entry_id
-            if d.msg is not None and d.msg.version == version:
-                return d.msg
-    raise AssertionError(f"no ack for weight version {version}")
 
 
 def test_vllm_engine_passes_the_engine_contract():
@@ -130,15 +69,14 @@ async def test_vllm_generator_end_to_end(
 ):
     config, cfg = write_config(tiny_model_dir, redis_url=redis_url, backend="vllm")
     temperature = cfg.policy.generation.temperature
-    port = free_port()
-    log_path = tmp_path / "generator.log"
-    proc = _start(config, port, log_path)
+    gen = Service("services.generator", config, "gen-e2e", tmp_path / "generator.log").start()
+    port = gen.port
     redis = connect(redis_url)
     sc = StreamClient(redis, RunKeys(cfg.run.run_id), "e2e-trainer")
     try:
         new_weights = perturbed_model(tiny_model_dir, tmp_path / "v1", scale=0.05, seed=3)  # while vLLM starts
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
-            await _wait_ready(client, proc, log_path)
+            await asyncio.to_thread(gen.wait_ready, 150.0)
             [hb] = await live_workers(redis, sc.keys, "generator")
             assert (hb.worker_id, hb.url, hb.weight_version) == ("gen-e2e", f"http://127.0.0.1:{port}", -1)
 
@@ -190,7 +128,7 @@ async def test_vllm_generator_end_to_end(
                 num_bytes=dir_num_bytes(new_weights),
             )
             await sc.publish(sc.keys.weights, ann)
-            ack = await _wait_ack(sc, 1)
+            ack = await wait_ack(sc, 1, block_ms=500)
             assert ack.ok and ack.cache_reset and ack.worker_id == "gen-e2e", ack
             assert (await client.get("/admin/state")).json()["weight_version"] == 1
             # The same prompt again: its prefix blocks were cached under the old weights.
@@ -208,10 +146,10 @@ async def test_vllm_generator_end_to_end(
 
         # SIGTERM: drains, stops vLLM, deregisters, exits (uvicorn re-raises the signal it caught
         # once shutdown is complete, so a clean exit reads as -SIGTERM).
-        assert _stop(proc) in (0, -signal.SIGTERM)
-        log = log_path.read_text()
+        assert gen.stop(whole_group=False) in (0, -signal.SIGTERM)  # vLLM's engine is stopped by the generator
+        log = gen.tail(10**7)
         assert "vLLM engine stopped" in log and "Application shutdown complete" in log, log[-3000:]
         assert await live_workers(redis, sc.keys, "generator") == []
     finally:
-        _stop(proc)
+        gen.stop(whole_group=False)
         await redis.aclose()

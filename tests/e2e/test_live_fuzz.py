@@ -19,13 +19,10 @@ import json
 import os
 import secrets
 import signal
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 import schemathesis
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
@@ -36,7 +33,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.faults.harness import assert_every_step_trained_once, start_job, write_config
+from tests.support.runs import assert_every_step_trained_once, batch, output_dir, write_run_config
+from tests.support.services import start_job, wait_job_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -100,38 +98,14 @@ def _fuzz(base_url: str, headers: dict[str, str], hold: Hold, paused_by_case: li
 @pytest.fixture(scope="module")
 def fuzzed_job(tmp_path_factory, tiny_model_dir, redis_url):
     tmp = tmp_path_factory.mktemp("live-fuzz")
-    config = write_config(
-        tmp,
-        model_dir=tiny_model_dir,
-        redis_url=redis_url,
-        run_id=f"live-fuzz-{os.getpid()}",
-        overrides={
-            "grpo.max_num_steps": STEPS,
-            "grpo.num_prompts_per_step": PROMPTS,
-            "grpo.num_generations_per_prompt": GENS,
-            "grpo.max_val_samples": 2,
-        },
-    )
-    out = Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
-    token = secrets.token_hex(16)
-    os.environ["STREAMRL_API_TOKEN"] = token  # the job's services read it from the environment
-    try:
-        sup = start_job(config, tmp / "up.log")
-    finally:
-        del os.environ["STREAMRL_API_TOKEN"]
+    overrides = {**batch(STEPS, PROMPTS, GENS), "grpo.max_val_samples": 2}
+    config = write_run_config(tmp, tiny_model_dir, redis_url, f"live-fuzz-{os.getpid()}", overrides)
+    out = output_dir(config)
+    token = secrets.token_hex(16)  # the job's services read it from the environment
+    sup = start_job(config, tmp / "up.log", env={**os.environ, "STREAMRL_API_TOKEN": token})
     paused: list[int] = []
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert sup.poll() is None, (tmp / "up.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "the job did not come up"
-            try:
-                run = json.loads((out / "run.json").read_text())
-                if httpx.get(f"{run['trainer_url']}/ready", timeout=2).status_code == 200:
-                    break
-            except (OSError, ValueError, KeyError, httpx.HTTPError):
-                pass
-            time.sleep(0.5)
+        run = wait_job_up(sup, out, tmp / "up.log", "/ready")
         headers = {"Authorization": f"Bearer {token}"}
         hold = Hold(run["trainer_url"], headers)
         urls = [run["children"]["gateway-0"]["url"], run["trainer_url"]]

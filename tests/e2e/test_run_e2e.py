@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,8 @@ import redis
 from shared import keys as K
 from shared.protocol import Task, Trajectory, WeightAck, WeightAnnouncement, WeightSnapshot, decode
 from shared.records import read_records, step_records
+from tests.support.redis import entries
+from tests.support.services import make_data, start_job, streamrl
 
 pytestmark = pytest.mark.e2e
 
@@ -37,32 +38,10 @@ STEPS, PROMPTS, GENS = 4, 4, 4
 def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
     out = tmp_path_factory.mktemp("run")
     data = out / "data"
-    for name, n, seed in (("train", 200, 1), ("val", 8, 2)):
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "streamrl.cli",
-                "data",
-                "make",
-                "crossing",
-                str(data / f"{name}.jsonl"),
-                "--n",
-                str(n),
-                "--seed",
-                str(seed),
-            ],
-            check=True,
-            cwd=ROOT,
-        )
+    make_data(data / "train.jsonl", 200, seed=1)
+    make_data(data / "val.jsonl", 8, seed=2)
     run_id = f"e2e-{os.getpid()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl.cli",
-        "up",
-        str(ROOT / "deploy/configs/demo.yaml"),
-        "--no-progress",
+    overrides = [
         f"run.run_id={run_id}",
         f"run.output_dir={out}",
         f"data.train_path={data / 'train.jsonl'}",
@@ -86,9 +65,8 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
         "policy.generation.top_p=0.9",
         "grpo.async_grpo.in_flight_weight_updates=true",
     ]
-    log = open(out / "up.log", "w")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=log, stderr=subprocess.STDOUT, text=True
+    proc = start_job(
+        ROOT / "deploy/configs/demo.yaml", out / "up.log", *overrides, env={**os.environ, "REDIS_URL": redis_url}
     )
     try:
         control = _drive_control_plane(out, run_id, redis_url)
@@ -96,15 +74,12 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
     finally:
         if proc.poll() is None:
             proc.kill()
-        log.close()
     proc.stderr = (out / "up.log").read_text()
     return out, run_id, proc, control
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=320
-    )
+    return streamrl(*args, timeout_s=320)
 
 
 def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
@@ -137,10 +112,6 @@ def _drive_control_plane(out: Path, run_id: str, redis_url: str) -> dict:
         "resumed": resumed,
         "validated": validated,
     }
-
-
-def _entries(r: redis.Redis, stream: str, cls):
-    return [decode(f[K.ENTRY_FIELD], cls) for _, f in r.xrange(stream)]
 
 
 def test_run_finishes_and_trains_every_step(finished_run):
@@ -206,12 +177,12 @@ def test_generator_confirms_weight_versions_in_order_before_tasks(finished_run, 
     _, run_id, _, _ = finished_run
     keys = K.RunKeys(run_id)
     r = redis.Redis.from_url(redis_url)
-    announcements = _entries(r, keys.weights, WeightAnnouncement)
+    announcements = entries(r, keys.weights, WeightAnnouncement)
     assert all(a.transport == "collective" and a.collective is not None for a in announcements)
     sent = [a for a in announcements if a.collective.update_info is not None]
     assert [a.version for a in sent] == list(range(STEPS + 1))
     assert len({a.collective.group_id for a in sent}) == 1  # one transfer group for the whole run
-    acks = [a for a in _entries(r, keys.weight_acks, WeightAck) if a.worker_id == "generator-0"]
+    acks = [a for a in entries(r, keys.weight_acks, WeightAck) if a.worker_id == "generator-0"]
     assert [a.version for a in acks] == list(range(STEPS + 1))
     assert all(a.ok and a.cache_reset for a in acks)
     # each ack carries what the engine received (the refit checked it against what was sent) and
@@ -229,7 +200,7 @@ def test_rollouts_come_from_weights_inside_the_staleness_window(finished_run, re
     _, run_id, _, _ = finished_run
     keys = K.RunKeys(run_id)
     r = redis.Redis.from_url(redis_url)
-    trajs = [t for t in _entries(r, keys.trajectories, Trajectory) if t.kind == "train"]
+    trajs = [t for t in entries(r, keys.trajectories, Trajectory) if t.kind == "train"]
     # the demo ends a rollout at a malformed tool call as a policy failure (env.on_tool_call_error: end)
     assert trajs and all(t.status == "ok" or t.failure_kind == "policy" for t in trajs)
     assert not [t.task_id for t in trajs if t.status == "failed"]

@@ -12,10 +12,8 @@ Every service is a process; the generators use the transformers engine on the ti
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +22,9 @@ import redis
 
 from shared import keys as K
 from shared.protocol import Task, Trajectory, decode
+from tests.support.redis import entries
+from tests.support.runs import read_metrics
+from tests.support.services import make_data, start_job, streamrl
 
 pytestmark = pytest.mark.e2e
 
@@ -32,14 +33,7 @@ STEPS, PROMPTS, GENS = 24, 2, 2
 
 
 def _records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    records = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # the line being written
-            break
-    return [r for r in records if r.get("kind") == "train"]
+    return [r for r in read_metrics(out) if r.get("kind") == "train"]
 
 
 def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: float):
@@ -52,19 +46,12 @@ def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: fl
 
 
 def _scale(out: Path, redis_url: str, *targets: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", "scale", *targets, "--run-dir", str(out), "--timeout", "240"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "REDIS_URL": redis_url},
-    )
+    args = ("scale", *targets, "--run-dir", str(out), "--timeout", "240")
+    return streamrl(*args, timeout_s=300, env={**os.environ, "REDIS_URL": redis_url})
 
 
 def _trajectories(redis_url: str, run_id: str) -> list[Trajectory]:
-    r = redis.Redis.from_url(redis_url)
-    return [decode(f[K.ENTRY_FIELD], Trajectory) for _, f in r.xrange(K.RunKeys(run_id).trajectories)]
+    return entries(redis.Redis.from_url(redis_url), K.RunKeys(run_id).trajectories, Trajectory)
 
 
 def _new_workers_used(redis_url: str, run_id: str) -> bool:
@@ -79,19 +66,9 @@ def _new_workers_used(redis_url: str, run_id: str) -> bool:
 def scaled_run(tmp_path_factory, tiny_model_dir, redis_url):
     out = tmp_path_factory.mktemp("scaled")
     data = out / "data"
-    subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(data / "train.jsonl"), "--n", "200"],
-        check=True,
-        cwd=ROOT,
-    )
+    make_data(data / "train.jsonl", 200)
     run_id = f"scale-e2e-{os.getpid()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl.cli",
-        "up",
-        str(ROOT / "deploy/configs/demo.yaml"),
-        "--no-progress",
+    overrides = [
         f"run.run_id={run_id}",
         f"run.output_dir={out}",
         f"data.train_path={data / 'train.jsonl'}",
@@ -109,9 +86,7 @@ def scaled_run(tmp_path_factory, tiny_model_dir, redis_url):
         "logger.plot=false",
     ]
     log = out / "up.log"
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url}, stdout=open(log, "w"), stderr=subprocess.STDOUT
-    )
+    proc = start_job(ROOT / "deploy/configs/demo.yaml", log, *overrides, env={**os.environ, "REDIS_URL": redis_url})
     try:
         _wait_for("first step", lambda: _records(out), proc, log, 300)
         up = _scale(out, redis_url, "generator=2", "gym-gateway=2")

@@ -14,18 +14,16 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.faults.harness import start_job, valkey_pid, write_config
-from tests.pids import alive
+from tests.support.pids import alive
+from tests.support.redis import valkey_pid
+from tests.support.runs import output_dir, write_run_config
+from tests.support.services import start_job, wait_job_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _job_pids(out: Path) -> list[int]:
@@ -37,25 +35,12 @@ def _job_pids(out: Path) -> list[int]:
 
 
 def _start(tmp: Path, tiny_model_dir: Path) -> tuple[subprocess.Popen[bytes], Path]:
-    config = write_config(
-        tmp,
-        model_dir=tiny_model_dir,
-        redis_url="",
-        run_id=f"sig-{os.getpid()}-{tmp.name}",
-        overrides={"redis.url": None, "grpo.max_num_steps": 1000, "gym_gateway.drain_timeout_s": 5.0},
-    )
-    out = Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
+    overrides = {"grpo.max_num_steps": 1000, "gym_gateway.drain_timeout_s": 5.0}
+    config = write_run_config(tmp, tiny_model_dir, None, f"sig-{os.getpid()}-{tmp.name}", overrides)
     sup = start_job(config, tmp / "up.log")
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert sup.poll() is None, (tmp / "up.log").read_text()[-3000:]
-        try:
-            url = json.loads((out / "run.json").read_text())["trainer_url"]
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return sup, out
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.5)
-    pytest.fail("the job did not come up:\n" + (tmp / "up.log").read_text()[-3000:])
+    out = output_dir(config)
+    wait_job_up(sup, out, tmp / "up.log", "/health")
+    return sup, out
 
 
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:

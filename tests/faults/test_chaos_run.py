@@ -26,43 +26,31 @@ from collections import Counter
 import pytest
 
 from shared import keys as K
-from streamrl.redis_server import RedisServer
-from tests.faults.harness import FaultRun, assert_every_step_trained_once, long_variant, write_config
-from tests.faults.injectors import (
+from tests.support.injectors import (
     kill_gateway_mid_rollout,
     kill_generator_mid_request,
     pause_redis_during_refit,
     restart_redis,
 )
+from tests.support.redis import start_valkey
+from tests.support.runs import assert_every_step_trained_once, demo_run, long_variant
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
 PROMPTS, GENS, RECLAIM_IDLE_S = 2, 2, 3.0
 SURVIVORS = ["generator-0", "gateway-0", "trainer"]
+OVERRIDES = {
+    "gym_gateway.reclaim_idle_s": RECLAIM_IDLE_S,
+    "gym_gateway.max_concurrent_rollouts": 2,
+    "env.failure_policy": "retry",
+    "trainer.torch_threads": 1,
+    "checkpointing.save_period": 100,
+}
 
 
 def _chaos_run(tmp, model_dir, *, steps: int, redis_down_s: float, redis_pause_s: float):
-    server = RedisServer(
-        tmp / "valkey", appendonly=True, appendfsync="always", binary=os.environ.get("STREAMRL_TEST_REDIS_BIN")
-    )
-    server.start()
-    config = write_config(
-        tmp,
-        model_dir=model_dir,
-        redis_url=server.url,
-        run_id=f"chaos-{os.getpid()}",
-        overrides={
-            "grpo.max_num_steps": steps,
-            "grpo.num_prompts_per_step": PROMPTS,
-            "grpo.num_generations_per_prompt": GENS,
-            "gym_gateway.reclaim_idle_s": RECLAIM_IDLE_S,
-            "gym_gateway.max_concurrent_rollouts": 2,
-            "env.failure_policy": "retry",
-            "trainer.torch_threads": 1,
-            "checkpointing.save_period": 100,
-        },
-    )
-    run = FaultRun(tmp, config)
+    server = start_valkey(tmp / "valkey", appendonly=True, appendfsync="always")
+    run = demo_run(tmp, model_dir, server.url, f"chaos-{os.getpid()}", (steps, PROMPTS, GENS), **OVERRIDES)
     faults = {}
     try:
         for wid in ("generator-0", "generator-1"):

@@ -19,7 +19,7 @@ import pytest
 
 from shared import keys as K
 from shared.protocol import Trajectory, decode, encode
-from tests.faults.harness import FaultRun, assert_every_step_trained_once, ledger, write_config
+from tests.support.runs import FaultRun, assert_every_step_trained_once, demo_run, ledger
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -48,25 +48,11 @@ def pending_task_ids(run: FaultRun) -> set[str]:
 @pytest.fixture(scope="module")
 def evicted_then_killed(tmp_path_factory, tiny_model_dir, redis_url):
     tmp = tmp_path_factory.mktemp("evict-kill")
-    config = write_config(
-        tmp,
-        model_dir=tiny_model_dir,
-        redis_url=redis_url,
-        run_id=f"evict-kill-{os.getpid()}",
-        overrides={
-            "grpo.max_num_steps": STEPS,
-            "grpo.num_prompts_per_step": PROMPTS,
-            "grpo.num_generations_per_prompt": GENS,
-            "grpo.async_grpo.max_trajectory_age_steps": 1,
-            "checkpointing.save_period": SAVE_PERIOD,
-        },
-    )
-    run = FaultRun(tmp, config)
+    more = {"grpo.async_grpo.max_trajectory_age_steps": 1, "checkpointing.save_period": SAVE_PERIOD}
+    run = demo_run(tmp, tiny_model_dir, redis_url, f"evict-kill-{os.getpid()}", (STEPS, PROMPTS, GENS), **more)
     log = run.folder / "trainer.log"
     try:
-        run.start("services.generator", "generator-0")
-        run.start("services.gym_gateway", "gateway-0")
-        trainer = run.start("services.trainer", "trainer")
+        trainer = run.start_services()
         run.wait_for(
             "the first checkpoint", lambda: (run.out / "checkpoints" / f"step_{SAVE_PERIOD:06d}").is_dir(), 400
         )

@@ -7,7 +7,6 @@ caller (long variant: it takes that long). A refused login is not retried: it is
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -15,36 +14,22 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared import keys as K
-from shared.protocol import SamplingParams, Task
+from shared.protocol import Task
 from shared.streams import REDIS_RECONNECT_BUDGET_S, StreamClient, connect
-from streamrl.redis_server import RedisServer
-from tests.faults.harness import long_variant
-from tests.ports import refused_port
+from tests.support.messages import make_task
+from tests.support.ports import refused_port
+from tests.support.redis import start_valkey
+from tests.support.runs import long_variant
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 
 def _task(i: int) -> Task:
-    return Task(
-        task_id=f"g{i}/0",
-        group_id=f"g{i}",
-        index_in_group=0,
-        group_size=1,
-        prompt_index=i,
-        env="echo",
-        instance={},
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(),
-        deadline_s=60.0,
-    )
+    return make_task(f"g{i}", prompt_index=i)
 
 
 async def test_a_command_sent_while_redis_is_down_completes_after_the_restart(tmp_path):
-    server = RedisServer(
-        tmp_path / "valkey", appendonly=True, appendfsync="always", binary=os.environ.get("STREAMRL_TEST_REDIS_BIN")
-    )
-    server.start()
+    server = start_valkey(tmp_path / "valkey", appendonly=True, appendfsync="always")
     redis = connect(server.url)
     streams = StreamClient(redis, K.RunKeys("reconnect"), "gateway-0")
     try:
@@ -85,12 +70,7 @@ async def test_past_the_budget_the_error_reaches_the_caller():
 
 
 async def test_a_wrong_password_is_reported_at_once(tmp_path):
-    server = RedisServer(
-        tmp_path / "valkey",
-        binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
-        extra_args=["--requirepass", "right-password"],
-    )
-    server.start()
+    server = start_valkey(tmp_path / "valkey", extra_args=["--requirepass", "right-password"])
     redis = connect(f"redis://:wrong-password@127.0.0.1:{server.port}/0")
     t0 = time.monotonic()
     try:

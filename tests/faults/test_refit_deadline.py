@@ -18,7 +18,7 @@ import pytest
 
 from shared import keys as K
 from shared.protocol import WeightAnnouncement, decode
-from tests.faults.harness import FaultRun, write_config
+from tests.support.runs import demo_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
@@ -28,23 +28,11 @@ REFIT_TIMEOUT_S = 4.0
 @pytest.fixture(scope="module")
 def stuck_refit(tmp_path_factory, tiny_model_dir, redis_url):
     tmp = tmp_path_factory.mktemp("refit-deadline")
-    config = write_config(
-        tmp,
-        model_dir=tiny_model_dir,
-        redis_url=redis_url,
-        run_id=f"refit-dl-{os.getpid()}",
-        overrides={
-            "grpo.max_num_steps": 4,
-            "grpo.num_prompts_per_step": 2,
-            "grpo.num_generations_per_prompt": 2,
-            "trainer.refit_timeout_s": REFIT_TIMEOUT_S,
-        },
-    )
-    run = FaultRun(tmp, config)
+    more = {"trainer.refit_timeout_s": REFIT_TIMEOUT_S}
+    run = demo_run(tmp, tiny_model_dir, redis_url, f"refit-dl-{os.getpid()}", (4, 2, 2), **more)
     try:
-        generator = run.start("services.generator", "generator-0")
-        gateway = run.start("services.gym_gateway", "gateway-0")
-        trainer = run.start("services.trainer", "trainer")
+        trainer = run.start_services()
+        generator, gateway = run.services["generator-0"], run.services["gateway-0"]
         # The step is training: the next thing the trainer does is a refit. Freeze the generator
         # as that refit closes the launch gate, before the new version can reach it.
         run.wait_for("a step in training", lambda: trainer.get_json("/status")["state"] == "training", 400, poll_s=0.02)

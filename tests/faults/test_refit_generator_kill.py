@@ -29,26 +29,23 @@ from shared.pause import PauseControl
 from shared.registry import live_workers
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
-from tests.faults.harness import FaultRun, write_config
+from tests.support.runs import FaultRun, write_run_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
+COLLECTIVE = {
+    "refit.transport": "collective",
+    "refit.collective.master_address": "127.0.0.1",
+    "refit.collective.bucket_mb": 1,
+    "policy.precision": "float32",
+    "trainer.refit_timeout_s": 120.0,
+    "trainer.torch_threads": 1,
+}
+
 
 async def test_a_generator_killed_mid_transfer_is_dropped_and_the_rest_confirm(tmp_path, tiny_model_dir, redis_url):
-    config = write_config(
-        tmp_path,
-        model_dir=tiny_model_dir,
-        redis_url=redis_url,
-        run_id=f"refit-kill-{os.getpid()}-{uuid.uuid4().hex[:4]}",
-        overrides={
-            "refit.transport": "collective",
-            "refit.collective.master_address": "127.0.0.1",
-            "refit.collective.bucket_mb": 1,
-            "policy.precision": "float32",
-            "trainer.refit_timeout_s": 120.0,
-            "trainer.torch_threads": 1,
-        },
-    )
+    run_id = f"refit-kill-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    config = write_run_config(tmp_path, tiny_model_dir, redis_url, run_id, COLLECTIVE)
     cfg = load(RunConfig, config, env={})
     run = FaultRun(tmp_path, config)
     redis = connect(redis_url)

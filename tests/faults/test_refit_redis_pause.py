@@ -28,35 +28,22 @@ from services.trainer.refit import WeightPublisher
 from services.trainer.weight_transport import FilesystemTransport
 from shared import keys as K
 from shared.pause import PauseControl
-from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
+from shared.protocol import Heartbeat
 from shared.registry import HeartbeatTask
 from shared.streams import StreamClient, connect
-from streamrl.redis_server import RedisServer
-from tests.faults.harness import long_variant
+from tests.support.peers import FakeGenerator
+from tests.support.redis import start_valkey
+from tests.support.refit import save_dummy
+from tests.support.runs import long_variant
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 LOAD_S = 1.5  # announcement seen -> ack, longer than the publisher's blocking read of the acks
 
 
-def _save(path):
-    (path / "model.safetensors").write_bytes(b"\x00" * 64)
-
-
-async def _play_generator(streams: StreamClient, worker_id: str, version: int) -> None:
-    while True:
-        latest = await streams.read_latest(streams.keys.weights, WeightAnnouncement)
-        if latest is not None and latest.msg.version == version:
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(LOAD_S)
-    await streams.publish(streams.keys.weight_acks, WeightAck(worker_id=worker_id, version=version, ok=True))
-
-
 @long_variant
 async def test_a_refit_does_not_drop_generators_that_were_silent_only_because_redis_was(tmp_path):
-    server = RedisServer(tmp_path / "valkey", binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"))
-    server.start()
+    server = start_valkey(tmp_path / "valkey")
     redis = connect(server.url)
     keys = K.RunKeys("refit-pause")
     trainer = StreamClient(redis, keys, "trainer")
@@ -72,11 +59,11 @@ async def test_a_refit_does_not_drop_generators_that_were_silent_only_because_re
     )
     heartbeat = HeartbeatTask(redis, keys, lambda: hb)
     heartbeat.start()
-    transport = FilesystemTransport(tmp_path / "weights", _save)
+    transport = FilesystemTransport(tmp_path / "weights", save_dummy)
     pub = WeightPublisher(trainer, PauseControl(redis, keys), transport, timeout_s=60.0, in_flight_updates=False)
     try:
         await asyncio.sleep(1.5)  # registered
-        player = asyncio.create_task(_play_generator(generator, "gen-0", 1))
+        player = asyncio.create_task(FakeGenerator(generator, "gen-0").answer(1, load_s=LOAD_S, poll_s=0.05))
         refit = asyncio.create_task(pub.refit(1))
         while b"refit" not in await redis.hkeys(keys.pause):  # the refit has begun
             await asyncio.sleep(0.005)

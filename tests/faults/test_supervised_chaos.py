@@ -21,36 +21,30 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from shared import keys as K
 from shared.protocol import Trajectory, decode
 from streamrl.redis_server import RedisServer
-from tests.faults.harness import assert_every_step_trained_once, ledger, start_job, valkey_pid, write_config
-from tests.pids import alive
+from tests.support.pids import alive
+from tests.support.redis import valkey_pid
+from tests.support.runs import assert_every_step_trained_once, batch, ledger, output_dir, read_metrics, write_run_config
+from tests.support.services import start_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, PROMPTS, GENS = 10, 2, 2
 VICTIMS = ["generator-0", "gateway-0", "trainer", "valkey"]
-
-
-def _records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
+HEALING = {  # the job's own Valkey, durable; victims restarted soon; a killed gateway's tasks reclaimed
+    "redis.embedded_appendfsync": "always",
+    "checkpointing.save_period": 2,
+    "gym_gateway.reclaim_idle_s": 3.0,
+    "env.failure_policy": "retry",
+    "supervisor.restart_backoff_s": 0.5,
+}
 
 
 def _steps_done(out: Path) -> int:
-    return len({r["step"] for r in _records(out) if r.get("kind") == "train"})
+    return len({r["step"] for r in read_metrics(out) if r.get("kind") == "train"})
 
 
 def _pid(out: Path, victim: str) -> int | None:
@@ -68,24 +62,9 @@ def healed_job(tmp_path_factory, tiny_model_dir):
     order = rng.sample(VICTIMS, len(VICTIMS))
     at_steps = sorted(rng.sample(range(1, STEPS - 1), len(VICTIMS)))
     tmp = tmp_path_factory.mktemp("healed")
-    config = write_config(
-        tmp,
-        model_dir=tiny_model_dir,
-        redis_url="",
-        run_id=f"healed-{os.getpid()}",
-        overrides={
-            "redis.url": None,
-            "redis.embedded_appendfsync": "always",
-            "grpo.max_num_steps": STEPS,
-            "grpo.num_prompts_per_step": PROMPTS,
-            "grpo.num_generations_per_prompt": GENS,
-            "checkpointing.save_period": 2,
-            "gym_gateway.reclaim_idle_s": 3.0,
-            "env.failure_policy": "retry",
-            "supervisor.restart_backoff_s": 0.5,
-        },
-    )
-    out = Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
+    overrides = {**batch(STEPS, PROMPTS, GENS), **HEALING}
+    config = write_run_config(tmp, tiny_model_dir, None, f"healed-{os.getpid()}", overrides)
+    out = output_dir(config)
     sup = start_job(config, tmp / "up.log")
     kills = []
     try:
@@ -137,7 +116,7 @@ def healed_job(tmp_path_factory, tiny_model_dir):
         "kills": kills,
         "log": up_log,
         "run": run,
-        "records": _records(out),
+        "records": read_metrics(out),
         "published": [t for t in published if t.kind == "train"],
         "pending": pending,
     }

@@ -19,41 +19,23 @@ import time
 
 import pytest
 
-from tests.faults.harness import FaultRun, assert_every_step_trained_once, assert_resumed_without_loss, write_config
+from tests.support.runs import assert_every_step_trained_once, assert_resumed_without_loss, demo_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
 STEPS, PROMPTS, GENS, SAVE_PERIOD = 6, 2, 2, 2
+SAVING = {"checkpointing.save_period": SAVE_PERIOD}
 
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, tiny_model_dir, redis_url):
     tmp = tmp_path_factory.mktemp("resume")
-    config = write_config(
-        tmp,
-        model_dir=tiny_model_dir,
-        redis_url=redis_url,
-        run_id=f"resume-{os.getpid()}",
-        overrides={
-            "grpo.max_num_steps": STEPS,
-            "grpo.num_prompts_per_step": PROMPTS,
-            "grpo.num_generations_per_prompt": GENS,
-            "checkpointing.save_period": SAVE_PERIOD,
-        },
-    )
-    run = FaultRun(tmp, config)
+    run = demo_run(tmp, tiny_model_dir, redis_url, f"resume-{os.getpid()}", (STEPS, PROMPTS, GENS), **SAVING)
     try:
-        run.start("services.generator", "generator-0")
-        run.start("services.gym_gateway", "gateway-0")
-        trainer = run.start("services.trainer", "trainer")
+        trainer = run.start_services()
         # Kill it mid-step, once it has trained one step past its first checkpoint (the step after
         # that one is running: waiting for data, training or refitting).
-        run.wait_for(
-            "a step past the first checkpoint",
-            lambda: any(r.get("kind") == "train" and r["step"] >= SAVE_PERIOD for r in run.records()),
-            400,
-            poll_s=0.02,
-        )
+        run.wait_for_step("a step past the first checkpoint", SAVE_PERIOD)
         trainer.kill9()
         before = run.records()
         checkpoint = max(int(p.name.split("_")[1]) for p in (run.out / "checkpoints").glob("step_*"))

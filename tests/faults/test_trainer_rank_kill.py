@@ -14,11 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import FaultRun, assert_every_step_trained_once, assert_resumed_without_loss, write_config
+from tests.support.runs import assert_every_step_trained_once, assert_resumed_without_loss, demo_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
 STEPS, PROMPTS, GENS, SAVE_PERIOD, TIMEOUT_S = 5, 2, 2, 2, 30
+OVERRIDES = {
+    "checkpointing.save_period": SAVE_PERIOD,
+    "trainer.nproc_per_node": 2,
+    "trainer.collective_timeout_s": TIMEOUT_S,
+    "trainer.torch_threads": 1,
+}
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "services.trainer"]
 
 
@@ -41,32 +47,10 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
 @pytest.fixture(scope="module")
 def rank_killed_run(tmp_path_factory, tiny_model_dir, redis_url):
     tmp = tmp_path_factory.mktemp("rank-kill")
-    config = write_config(
-        tmp,
-        model_dir=tiny_model_dir,
-        redis_url=redis_url,
-        run_id=f"rank-kill-{os.getpid()}",
-        overrides={
-            "grpo.max_num_steps": STEPS,
-            "grpo.num_prompts_per_step": PROMPTS,
-            "grpo.num_generations_per_prompt": GENS,
-            "checkpointing.save_period": SAVE_PERIOD,
-            "trainer.nproc_per_node": 2,
-            "trainer.collective_timeout_s": TIMEOUT_S,
-            "trainer.torch_threads": 1,
-        },
-    )
-    run = FaultRun(tmp, config)
+    run = demo_run(tmp, tiny_model_dir, redis_url, f"rank-kill-{os.getpid()}", (STEPS, PROMPTS, GENS), **OVERRIDES)
     try:
-        run.start("services.generator", "generator-0")
-        run.start("services.gym_gateway", "gateway-0")
-        trainer = run.start("services.trainer", "trainer", launcher=TORCHRUN)
-        run.wait_for(
-            "a step past the first checkpoint",
-            lambda: any(r.get("kind") == "train" and r["step"] >= SAVE_PERIOD for r in run.records()),
-            400,
-            poll_s=0.02,
-        )
+        trainer = run.start_services(trainer_launcher=TORCHRUN)
+        run.wait_for_step("a step past the first checkpoint", SAVE_PERIOD)
         victim = rank_pid(trainer.proc.pid, 1)
         assert victim is not None, run.logs()
         os.kill(victim, signal.SIGKILL)

@@ -25,11 +25,11 @@ import pytest
 
 from shared.auth import AuthPolicy
 from shared.run_config import RunConfig
-from streamrl.redis_server import RedisServer, free_port
-from tests.gateway_fixtures import collect, make_task
+from streamrl.redis_server import free_port
+from tests.support.gateway import collect, gateway_task
+from tests.support.redis import start_valkey
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "ctl-7d1e94b2c05a4f3e"
 WRONG = "ctl-wrong-0000000000"
@@ -54,19 +54,14 @@ async def _check_route(client: httpx.AsyncClient, method: str, path: str, body: 
 
 @pytest.fixture(scope="module")
 def secured_redis(tmp_path_factory):
-    server = RedisServer(
-        tmp_path_factory.mktemp("valkey-pw"),
-        binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
-        extra_args=["--requirepass", REDIS_PASSWORD],
-    )
-    server.start()
+    server = start_valkey(tmp_path_factory.mktemp("valkey-pw"), extra_args=["--requirepass", REDIS_PASSWORD])
     yield f"redis://:{quote(REDIS_PASSWORD)}@127.0.0.1:{server.port}/0"
     server.stop()
 
 
 @pytest.fixture
 async def trainer(tiny_model_dir, secured_redis, tmp_path, serve_app):
-    from tests.trainer_fixtures import control_plane, serving_app, trainer_config
+    from tests.support.trainer import control_plane, serving_app, trainer_config
 
     cfg = trainer_config(tmp_path, secured_redis, tiny_model_dir, "auth")
     port = free_port()
@@ -219,6 +214,6 @@ async def test_protected_agent_routes_still_run_rollouts(gateway_stack, monkeypa
         async with httpx.AsyncClient(base_url=gen_url, timeout=30) as client:
             assert (await client.get("/v1/models")).status_code == 401
         # environment -> session proxy -> generator: every hop carries the token
-        await st.streams.publish(st.streams.keys.tasks, make_task(0))
+        await st.streams.publish(st.streams.keys.tasks, gateway_task(0))
         (traj,) = await collect(st.streams, 1)
         assert traj.status == "ok" and traj.turns, traj.fallback_reason

@@ -23,95 +23,19 @@ import time
 import httpx
 import pytest
 
-from services.gym_gateway.envs.base import Outcome
-from services.gym_gateway.proxy import Session
-from services.gym_gateway.worker import assemble
 from services.trainer.batch import StepBatch
 from services.trainer.control_plane import ControlPlane
 from services.trainer.intake import RunFailed
 from services.trainer.learner import Learner
 from services.trainer.refit import RefitError
 from shared import keys as K
-from shared.pause import PauseReason, launch_gate_closed
-from shared.protocol import Heartbeat, Task, Trajectory, WeightAck, WeightAnnouncement, make_turn
+from shared.pause import PauseReason
 from shared.records import LearnerMetrics, MeanMaxMin, TrainerState, ValidationRecord, read_records, step_records
-from shared.registry import publish_heartbeat
-from shared.streams import StreamClient, connect
 from shared.tasks import cancel_and_wait
-from tests.trainer_fixtures import control_plane, run_to_end, serving_app, stop_plane, trainer_config
+from tests.support.peers import Peers
+from tests.support.trainer import control_plane, play, run_to_end, serving_app, stop_plane, trainer_config
 
 pytestmark = pytest.mark.integration
-
-
-class Peers:
-    """A generator and a gateway, played through Redis. ``answer(task)`` decides whether the
-    gateway answers a task now (a task it may not answer yet is kept and offered again);
-    ``reward(task)`` scores its rollout (1 for odd rows of a group)."""
-
-    def __init__(self, redis_url: str, keys: K.RunKeys) -> None:
-        self.redis = connect(redis_url)
-        self.keys = keys
-        self.generator = StreamClient(self.redis, keys, "gen-peer")
-        self.gateway = StreamClient(self.redis, keys, "gw-peer")
-        self.answer = lambda task: True
-        self.reward = lambda task: float(task.index_in_group % 2)
-        self.version = -1
-        self.held: list = []
-
-    async def run(self) -> None:
-        await self.gateway.ensure_group(self.keys.tasks, K.GATEWAYS_GROUP)
-        cursor = "0-0"
-        while True:
-            await self._beat()
-            for d in await self.generator.read_after(self.keys.weights, cursor, WeightAnnouncement, block_ms=50):
-                cursor, self.version = d.entry_id, d.msg.version
-                await self._beat()
-                ack = WeightAck(worker_id="gen-peer", version=self.version, ok=True, cache_reset=True)
-                await self.generator.publish(self.keys.weight_acks, ack)
-            await self._serve_tasks()
-            await asyncio.sleep(0.05)
-
-    async def _beat(self) -> None:
-        hb = Heartbeat(
-            worker_id="gen-peer",
-            kind="generator",
-            url="http://peer",
-            pid=1,
-            host="h",
-            state="ready",
-            weight_version=self.version,
-        )
-        await publish_heartbeat(self.redis, self.keys, hb)
-
-    async def _serve_tasks(self) -> None:
-        if not await launch_gate_closed(self.redis, self.keys):
-            self.held += await self.gateway.read_group(self.keys.tasks, K.GATEWAYS_GROUP, Task, count=64, block_ms=20)
-        keep = []
-        for d in self.held:
-            if not self.answer(d.msg):
-                keep.append(d)
-                continue
-            await self.gateway.publish_and_ack(
-                self.keys.trajectories,
-                _trajectory(d.msg, self.version, self.reward(d.msg)),
-                self.keys.tasks,
-                K.GATEWAYS_GROUP,
-                d.entry_id,
-            )
-        self.held = keep
-
-
-def _trajectory(task: Task, version: int, reward: float) -> Trajectory:
-    """The gateway's own record of a one-turn rollout."""
-    turn = make_turn(
-        prompt_ids=[5, 6, 7],
-        context_len=0,
-        generated_ids=[8, 9],
-        generated_logprobs=[-1.0, -1.2],
-        weight_version=version,
-    )
-    session = Session("s", task.kind, task.sampling, "gen-peer", "http://peer", version, env=task.env, turns=[turn])
-    return assemble(task, session, Outcome(reward=reward), None, "gw-peer", time.time())
 
 
 class PausingLearner:
@@ -162,10 +86,7 @@ async def _start(cfg, redis_url: str, *, pause_after: int | None = None):
     control = control_plane(cfg)
     if pause_after is not None:
         control.learner = control.checkpointer.learner = PausingLearner(control.learner, control, pause_after)
-    peers = Peers(redis_url, control.keys)
-    peer_task = asyncio.create_task(peers.run())
-    await control.open()
-    return control, peers, peer_task, asyncio.create_task(control.run())
+    return control, *await play(control, redis_url)
 
 
 async def _stop(control: ControlPlane, peers: Peers, peer_task: asyncio.Task, run: asyncio.Task) -> None:
@@ -222,10 +143,7 @@ async def test_a_pause_before_the_first_task_holds_the_run_and_paused_time_is_no
     cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-start", steps=1, lag=1, data_timeout_s=2.0)
     control = control_plane(cfg)
     epoch = await control.pause.pause(PauseReason.USER)  # paused before the trainer even started
-    peers = Peers(redis_url, control.keys)
-    peer_task = asyncio.create_task(peers.run())
-    await control.open()
-    run = asyncio.create_task(control.run())
+    peers, peer_task, run = await play(control, redis_url)
     try:
         await _until(lambda: control.state == TrainerState.PAUSED, "the run held after its initial refit")
         assert control.weight_version == 0  # v0 was published and confirmed first
@@ -254,10 +172,7 @@ async def test_a_pause_that_lands_after_the_hold_holds_back_the_issue_until_the_
         await issue(step)
 
     control.collector.issue = pause_first
-    peers = Peers(redis_url, control.keys)
-    peer_task = asyncio.create_task(peers.run())
-    await control.open()
-    run = asyncio.create_task(control.run())
+    peers, peer_task, run = await play(control, redis_url)
     try:
         await _until(lambda: "epoch" in paused, "the pause before the first issue")
         await asyncio.sleep(1.0)
@@ -280,14 +195,14 @@ async def test_a_pause_at_a_boundary_holds_the_next_issue_and_a_lag_0_run_contin
         await asyncio.sleep(2 * cfg.trainer.data_timeout_s)
         tasks = await control.redis.xrange(control.keys.tasks)
         assert len(tasks) == 4 and not run.done()  # step 1's tasks wait for the resume; the run waits too
-        peers.answer = lambda task: task.target_step != 1  # step 1's rollouts take their time
+        peers.gateway.finish = lambda task: task.target_step != 1  # step 1's rollouts take their time
         assert (await control.pause.reasons()).keys() == {"user"}
         await control.pause.resume(PauseReason.USER, (await control.pause.reasons())["user"])
         await _until(lambda: control.state == TrainerState.COLLECTING, "step 1 waiting for its data")
         epoch = await control.pause.pause(PauseReason.USER)  # paused while the step collects
         await asyncio.sleep(2 * cfg.trainer.data_timeout_s)
         assert not run.done(), "time spent paused counted against trainer.data_timeout_s"
-        peers.answer = lambda task: True
+        peers.gateway.finish = lambda task: True
         await control.pause.resume(PauseReason.USER, epoch)
         await run_to_end(run, 120)
         assert control.step == 2 and control.state == TrainerState.FINISHED
@@ -340,7 +255,7 @@ async def test_the_last_boundary_holds_and_a_validation_requested_there_runs_bef
 async def test_a_run_without_data_fails_loudly_and_drops_queued_validations(tiny_model_dir, redis_url, tmp_path):
     cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-fail", steps=2, lag=0, data_timeout_s=1.0)
     control, peers, peer_task, run = await _start(cfg, redis_url)
-    peers.answer = lambda task: task.target_step == 0  # step 1's data never comes
+    peers.gateway.finish = lambda task: task.target_step == 0  # step 1's data never comes
     try:
         # Collecting for step 1: the boundary after step 0 (and its validations) has passed, so a
         # request now waits for a boundary that never comes.

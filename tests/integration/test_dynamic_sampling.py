@@ -14,7 +14,6 @@ What a user relies on:
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -25,11 +24,11 @@ from services.trainer.checkpoint import ControlState, latest_checkpoint
 from services.trainer.control_plane import ControlPlane
 from services.trainer.intake import RunFailed
 from shared import keys as K
-from shared.protocol import Task, Trajectory, decode, make_turn
+from shared.protocol import Task, decode, make_turn
 from shared.records import StepRecord, read_records, step_records
 from shared.run_config import RunConfig
-from tests.integration.test_control_plane import Peers
-from tests.trainer_fixtures import control_plane, run_to_end, stop_plane, trainer_config
+from tests.support.messages import make_trajectory
+from tests.support.trainer import control_plane, play, run_to_end, stop_plane, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -63,11 +62,8 @@ def _config(tmp_path: Path, redis_url: str, model_dir: Path, prefix: str, **grpo
 async def _run(cfg: RunConfig, redis_url: str, reward=_reward) -> tuple[ControlPlane, BaseException | None]:
     """Run the control plane's loop to its end; the plane (closed) and what the run raised."""
     control = control_plane(cfg)
-    peers = Peers(redis_url, control.keys)
-    peers.reward = reward
-    peer_task = asyncio.create_task(peers.run())
-    await control.open()
-    run = asyncio.create_task(control.run())
+    peers, peer_task, run = await play(control, redis_url)
+    peers.gateway.reward = reward
     try:
         await run_to_end(run, 180)
         error = None
@@ -150,20 +146,7 @@ async def test_a_filtered_group_is_acked_with_its_step_and_its_prompt_is_not_han
         )
         for n, (gid, rewards) in enumerate((("tie", [1.0, 1.0]), ("a", [0.0, 1.0]), ("b", [1.0, 0.0]))):
             for i, reward in enumerate(rewards):
-                t = Trajectory(
-                    task_id=f"{gid}/{i}",
-                    group_id=gid,
-                    index_in_group=i,
-                    group_size=G,
-                    prompt_index=n,
-                    env="crossing",
-                    kind="train",
-                    target_step=0,
-                    launch_version=0,
-                    reward=reward,
-                    status="ok",
-                    turns=[turn],
-                )
+                t = make_trajectory(f"{gid}/{i}", [turn], group_size=G, prompt_index=n, env="crossing", reward=reward)
                 rt.buffer.add(t, f"{n + 1}-{i}")
         sample = await rt.collector.wait_for_batch(0)
         assert sorted(g.group_id for g in sample.groups) == ["a", "b"]

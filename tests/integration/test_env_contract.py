@@ -9,7 +9,7 @@ coroutine that closes one that never ran, and may be called again.
 Environments whose loop runs in the gateway (crossing, tool_calc, guess_number, echo, and swe's
 built-in agent on the local runtime) are played by scripted policies through a real gateway: tasks
 on the stream, the worker, the registry's environment, the in-process model client and the session
-proxy, in front of a scripted generator (`tests.scripted_generator`). A correct policy earns reward
+proxy, in front of a scripted generator (`tests.support.fakes.generator`). A correct policy earns reward
 1 and a wrong one 0, each in the number of model calls the task takes, every call recorded; a
 policy cut off by ``env.max_turns`` earns 0 within it. A tool call the model writes that does not
 parse is answered with an error observation and the episode goes on (the policy, told, still
@@ -32,12 +32,12 @@ from services.gym_gateway.envs.swe.tools import TOOLS
 from shared.openai_api import ChatMessage, ResponseMessage
 from shared.protocol import SamplingParams, Task, Trajectory
 from shared.sections.gateway import EnvSection
-from tests.gateway_fixtures import collect
-from tests.ports import refused_port
-from tests.scripted_generator import Policy, call, say, write
+from tests.support.fakes.generator import Policy, call, say, write
+from tests.support.gateway import collect
+from tests.support.messages import make_task
+from tests.support.ports import refused_port
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures"]
 
 LOOP_ENVS = ("crossing", "tool_calc", "guess_number", "echo")
 DRIVERS = ("swe", "openhands", "nemo_gym")
@@ -145,18 +145,8 @@ def calls_to_win(name: str, instance: dict) -> int:
 
 
 def _task(name: str, group: str, i: int, instance: dict) -> Task:
-    return Task(
-        task_id=f"{group}-{i}/0",
-        group_id=f"{group}-{i}",
-        index_in_group=0,
-        group_size=1,
-        prompt_index=i,
-        env=name,
-        instance=instance,
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(max_tokens=16),
-        deadline_s=60.0,
+    return make_task(
+        f"{group}-{i}", prompt_index=i, env=name, instance=instance, sampling=SamplingParams(max_tokens=16)
     )
 
 

@@ -40,13 +40,13 @@ from services.gym_gateway.app import build_app as build_gateway
 from services.gym_gateway.envs.base import Outcome
 from shared import keys as K
 from shared.config import load
-from shared.protocol import SamplingParams, Task, Trajectory, WeightAnnouncement, decode, encode
+from shared.protocol import SamplingParams, Trajectory, WeightAnnouncement, decode, encode
 from shared.run_config import RunConfig
 from shared.weights_format import checksum_dir, dir_num_bytes
 from streamrl.redis_server import free_port
+from tests.support.messages import make_task
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.generator_fixtures", "tests.gateway_fixtures"]
 
 FUZZ_EXAMPLES = int(os.environ.get("STREAMRL_FUZZ_EXAMPLES", "15"))
 FUZZ_SETTINGS = settings(
@@ -224,19 +224,7 @@ def test_gateway_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path, regi
         _wait_until(lambda: httpx.get(f"{generator.url}/ready").json()["weight_version"] == 0, "weights v0 loaded")
         app = build_gateway(cfg, worker_id="gw-fuzz", port=0)
         schema = served_schema(app, "/ready")
-        task = Task(
-            task_id="fuzz/0",
-            group_id="fuzz",
-            index_in_group=0,
-            group_size=1,
-            prompt_index=0,
-            env=env.name,
-            instance={},
-            kind="train",
-            target_step=0,
-            sampling=SamplingParams(max_tokens=8),
-            deadline_s=600,
-        )
+        task = make_task("fuzz", env=env.name, sampling=SamplingParams(max_tokens=8), deadline_s=600)
         r.xadd(keys.tasks, {K.ENTRY_FIELD: encode(task)})
         _wait_until(lambda: env.session_id is not None, "a session opened for the task")
         # the training-token-capture paths are served by the same handlers as /ng-rollout/{session_id}/...
@@ -256,7 +244,7 @@ def test_gateway_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path, regi
 
 
 def test_trainer_api_never_answers_5xx(tiny_model_dir, redis_url, tmp_path):
-    from tests.trainer_fixtures import control_plane, serving_app, trainer_config
+    from tests.support.trainer import control_plane, serving_app, trainer_config
 
     cfg = trainer_config(tmp_path, redis_url, tiny_model_dir, "fuzz-tr")
     control = control_plane(cfg)

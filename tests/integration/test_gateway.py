@@ -14,10 +14,9 @@ import pytest
 
 from shared import keys as K
 from shared.protocol import SamplingParams
-from tests.gateway_fixtures import collect, make_task
+from tests.support.gateway import collect, gateway_task
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures"]
 
 
 @pytest.fixture
@@ -27,7 +26,7 @@ async def stack(gateway_stack):
         yield st.gateway, st.streams, st.url
 
 
-_task, _collect = make_task, collect
+_task, _collect = gateway_task, collect
 
 
 async def test_tasks_become_trajectories_and_are_acked_after_publishing(stack):

@@ -23,11 +23,11 @@ from shared import keys as K
 from shared.protocol import SamplingParams, Task
 from shared.streams import StreamClient
 from streamrl.redis_server import free_port
-from tests.gateway_fixtures import collect
-from tests.scripted_generator import say
+from tests.support.fakes.generator import say
+from tests.support.gateway import collect
+from tests.support.messages import make_task
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures"]
 
 TOKEN = "ext-3b9f01c2d7e84a65"
 POLICIES = {"agent": lambda messages: say(f"answer {len(messages)}")}
@@ -35,16 +35,11 @@ POLICIES = {"agent": lambda messages: say(f"answer {len(messages)}")}
 
 def external_task(i: int, *, deadline_s: float = 30.0) -> Task:
     """A task of environment ``external``; its group id starts with the scripted policy's name."""
-    return Task(
-        task_id=f"agent-{i}/0",
-        group_id=f"agent-{i}",
-        index_in_group=0,
-        group_size=1,
+    return make_task(
+        f"agent-{i}",
         prompt_index=i,
         env="external",
         instance={"question": f"what is {i} + {i}?"},
-        kind="train",
-        target_step=0,
         sampling=SamplingParams(temperature=0.7, max_tokens=12),
         deadline_s=deadline_s,
     )

@@ -31,10 +31,9 @@ from shared.protocol import Trajectory, decode
 from shared.records import TrainerState, read_records, step_records
 from shared.streams import connect
 from streamrl.redis_server import free_port
-from tests.trainer_fixtures import control_plane, run_to_end, trainer_config
+from tests.support.trainer import control_plane, run_to_end, trainer_config
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures"]
 
 TOKEN = "ext-train-5e0c7a1b92d4"
 STEPS, PROMPTS, GENERATIONS = 2, 2, 2

@@ -14,10 +14,9 @@ import pytest
 from services.gym_gateway.envs.base import ChatClient, Outcome, SandboxError
 from shared import keys as K
 from shared.protocol import SamplingParams, Task
-from tests.gateway_fixtures import collect, make_task
+from tests.support.gateway import collect, gateway_task
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures"]
 
 
 class FlakyEnv:
@@ -85,7 +84,7 @@ async def test_a_rollout_whose_only_generator_dies_fails_as_infra(gateway_stack,
     with registered_env(env):
         async with gateway_stack(num_generators=1, gym_gateway={"max_failovers": 1, "generator_wait_s": 3.0}) as st:
             await st.stop_generator(0)
-            await st.streams.publish(st.streams.keys.tasks, make_task(1, env="flaky", instance={"key": "a"}))
+            await st.streams.publish(st.streams.keys.tasks, gateway_task(1, env="flaky", instance={"key": "a"}))
             (traj,) = await collect(st.streams, 1, timeout_s=90)
     assert traj.status == "failed" and traj.failure_kind == "infra"
     assert traj.fallback_reason.split(":")[0] in ("transport", "no_generator"), traj.fallback_reason
@@ -99,8 +98,8 @@ async def test_retry_policy_reruns_infra_failures_up_to_the_limit(gateway_stack,
             await st.streams.publish_many(
                 st.streams.keys.tasks,
                 [
-                    make_task(1, env="flaky", instance={"key": "once", "fail_times": 1}),
-                    make_task(2, env="flaky", instance={"key": "always", "fail_times": 99}),
+                    gateway_task(1, env="flaky", instance={"key": "once", "fail_times": 1}),
+                    gateway_task(2, env="flaky", instance={"key": "always", "fail_times": 99}),
                 ],
             )
             trajs = {t.task_id: t for t in await collect(st.streams, 2)}
@@ -121,7 +120,7 @@ async def test_fail_fast_publishes_the_first_infra_failure_without_retrying(gate
     with registered_env(env):
         async with gateway_stack() as st:
             await st.streams.publish(
-                st.streams.keys.tasks, make_task(1, env="flaky", instance={"key": "k", "fail_times": 1})
+                st.streams.keys.tasks, gateway_task(1, env="flaky", instance={"key": "k", "fail_times": 1})
             )
             (traj,) = await collect(st.streams, 1)
     assert traj.status == "failed" and traj.metrics["attempts"] == 1.0 and env.attempts == {"k": 1}
@@ -132,7 +131,7 @@ async def test_a_policy_failure_keeps_its_turns_as_a_truncated_zero_reward_rollo
     with registered_env(env):
         async with gateway_stack(env={"failure_policy": "retry"}) as st:
             await st.streams.publish(
-                st.streams.keys.tasks, make_task(1, env="flaky", instance={"key": "o", "overflow": True})
+                st.streams.keys.tasks, gateway_task(1, env="flaky", instance={"key": "o", "overflow": True})
             )
             (traj,) = await collect(st.streams, 1)
     assert traj.status == "truncated" and traj.failure_kind == "policy" and traj.reward == 0.0
@@ -147,7 +146,7 @@ async def test_drain_releases_unfinished_tasks_to_the_group_at_once(gateway_stac
             streams, worker = st.streams, st.gateway.state.worker
             await streams.publish_many(
                 streams.keys.tasks,
-                [make_task(i, env="flaky", instance={"key": str(i), "sleep_s": 30}) for i in range(3)],
+                [gateway_task(i, env="flaky", instance={"key": str(i), "sleep_s": 30}) for i in range(3)],
             )
             for _ in range(100):
                 if len(worker.active) == 2:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -27,10 +26,9 @@ from shared.registry import live_workers
 from shared.run_config import RunConfig
 from shared.service import EXIT_FAILED, EXIT_OK
 from shared.streams import connect
+from tests.support.services import Service
 
 pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tree(redis_url: str, tmp_path: Path) -> dict:
@@ -111,21 +109,13 @@ async def _exit_decided(app) -> bool:
 def _gateway_process(tree: dict, tmp_path: Path, worker_id: str):
     config = tmp_path / f"{worker_id}.yaml"
     config.write_text(yaml.safe_dump(tree))
-    with open(tmp_path / f"{worker_id}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.gym_gateway", "--config", str(config), "--port", "0"]
-            + ["--worker-id", worker_id],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    gateway = Service("services.gym_gateway", config, worker_id, tmp_path / f"{worker_id}.log", port=0, env=env)
     try:
-        yield proc
+        yield gateway.start().proc
     finally:
-        if proc.poll() is None:
-            proc.kill()  # by pid: the process this test started
-            proc.wait()
+        if gateway.alive():
+            gateway.kill9()  # by pid: the process this test started
 
 
 async def _exit_code(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:

@@ -18,8 +18,6 @@ from services.generator.engine import Engine, GenerationParams, build_engine
 from shared.config import decode_tree
 from shared.run_config import RunConfig
 
-pytest_plugins = ["tests.generator_fixtures"]
-
 IN_CHILD = os.environ.get("STREAMRL_VLLM_CONTRACT_CHILD") == "1"
 PROMPT = [1, 355, 207, 567, 291, 229, 26, 2, 207, 1, 367, 207]
 

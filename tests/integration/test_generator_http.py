@@ -14,7 +14,6 @@ from shared.registry import live_workers
 from shared.streams import connect
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.generator_fixtures"]
 
 USER = {"role": "user", "content": "What is 2 + 3?"}
 

@@ -21,7 +21,6 @@ from shared.service import EXIT_FAILED
 from shared.streams import connect
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.generator_fixtures"]
 
 USER = {"role": "user", "content": "Name a fruit."}
 

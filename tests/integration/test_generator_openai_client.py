@@ -17,7 +17,6 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.generator_fixtures"]
 
 TOOLS = [
     {

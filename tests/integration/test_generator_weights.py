@@ -18,7 +18,6 @@ from shared.streams import StreamClient, connect
 from shared.weights_format import checksum_dir, dir_num_bytes
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.generator_fixtures"]
 
 USER = {"role": "user", "content": "Name a fruit."}
 

@@ -1,5 +1,5 @@
 """The megatron backend on many ranks (torchrun, gloo on CPU) against one rank, through
-tests/ranked_step.py, as ``python -m services.trainer`` wires a trainer of many ranks:
+tests/support/ranks/ranked_step.py, as ``python -m services.trainer`` wires a trainer of many ranks:
 
 * Tensor parallelism 2 (dense Qwen3: fused QKV split by query group, gate/up halves, vocabulary
   rows padded and split), data parallelism 2 with the distributed optimizer (AdamW's state
@@ -151,7 +151,7 @@ def test_a_megatron_checkpoint_resumes_at_another_layout(
     assert_resumed_as_uninterrupted(second, uninterrupted)
 
 
-STREAM = ROOT / "tests" / "megatron_stream.py"
+STREAM = ROOT / "tests" / "support" / "ranks" / "megatron_stream.py"
 
 
 def test_the_collective_refit_stream_is_the_published_policy_on_rank_0(tiny_model_dir, tmp_path):

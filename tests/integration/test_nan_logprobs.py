@@ -24,11 +24,10 @@ from services.gym_gateway.envs.base import ChatClient, ModelClient, Outcome
 from services.gym_gateway.envs.crossing import LOOK_TOOL
 from shared.openai_api import ChatMessage, ResponseMessage
 from shared.protocol import Trajectory
-from tests.gateway_fixtures import counter_by_reason, crossing_task, run_tasks
-from tests.scripted_generator import Policy, call, say
+from tests.support.fakes.generator import Policy, call, say
+from tests.support.gateway import counter_by_reason, crossing_task, run_tasks
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures"]
 
 NAN = ResponseMessage(content="go", generation_log_probs=[float("nan")])
 

@@ -1,5 +1,5 @@
 """The NeMo-Gym driver's failure paths and protocol corners, against servers written to NeMo-Gym's
-protocol (tests/nemo_gym_servers.py) that can be broken on purpose: a head server, a resources
+protocol (tests/support/fakes/nemo_gym.py) that can be broken on purpose: a head server, a resources
 server and a simple agent, served on loopback ports, drive rollouts through a real gateway (worker,
 session proxy, NeMo-Gym routes) and a real generator (transformers engine). The real nemo-gym
 package's servers, unbroken, are tested in test_nemo_gym_package.py.
@@ -28,17 +28,16 @@ from services.gym_gateway.responses import chat_request
 from shared.protocol import Task
 from shared.responses_api import ResponsesRequest
 from streamrl.redis_server import free_port
-from tests.gateway_fixtures import collect, single_task
-from tests.nemo_gym_servers import (
+from tests.support.fakes.nemo_gym import (
     canned_model_app,
     crossing_resources_app,
     head_server_app,
     simple_agent_app,
 )
-from tests.ports import HeldPorts, refused_port
+from tests.support.gateway import collect, single_task
+from tests.support.ports import HeldPorts, refused_port
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
 
 LOOK = {
     "type": "function",

@@ -38,12 +38,11 @@ import yaml
 
 from shared.openai_api import ChatMessage, ResponseMessage
 from shared.protocol import SamplingParams, Task
-from tests.gateway_fixtures import collect, single_task
-from tests.ports import HeldPorts
-from tests.scripted_generator import call, say
+from tests.support.fakes.generator import call, say
+from tests.support.gateway import collect, single_task
+from tests.support.ports import HeldPorts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-pytest_plugins = ["tests.gateway_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY_FILE = "streamrl_policy.yaml"  # the NeMo-Gym config the guide's first step writes

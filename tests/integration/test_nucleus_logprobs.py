@@ -17,7 +17,6 @@ from shared.config import decode_tree
 from shared.run_config import RunConfig
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.generator_fixtures"]
 
 PROMPT = [1, 355, 207, 567, 291, 229, 26, 2, 207, 1, 367, 207]
 TEMPERATURE, TOP_P = 0.8, 0.9

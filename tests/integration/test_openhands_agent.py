@@ -12,7 +12,6 @@ to answer the agent's first prompt with a terminal command and ``finish``, a suc
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from pathlib import Path
 
@@ -21,56 +20,19 @@ import pytest
 
 from services.gym_gateway.envs.base import ChatClient, ModelRequestError
 from services.gym_gateway.envs.openhands import OpenHandsEnv
-from shared.protocol import SamplingParams, Task
+from shared.protocol import SamplingParams
 from shared.sections.env_openhands import OpenHandsSection
-from tests.gateway_fixtures import collect
+from tests.support.gateway import collect
+from tests.support.generator import one_torch_thread
+from tests.support.openhands import OPENHANDS, TASK, env_section, openhands_task
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
-pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("openhands_venv")]
 
 ROOT = Path(__file__).resolve().parents[2]
-# A short system prompt and two tools keep the agent's prompt near 3k tokens of the tiny model.
-OPENHANDS = {
-    "tools": ["terminal"],
-    "default_tools": ["FinishTool"],
-    "system_prompt": "You are a coding agent. Work in the current folder with the terminal tool, then call finish.",
-}
-TASK = {
-    "prompt": "Create a file answer.txt holding the number 5.",
-    "check": 'test "$(cat answer.txt)" = 5',
-    "files": {"README.md": "Put the answer in answer.txt.\n"},
-}
 ANSWER = (
     '<tool_call>\n{"name": "terminal", "arguments": {"command": "echo 5 > answer.txt"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "finish", "arguments": {"message": "done"}}\n</tool_call>'
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def openhands_venv():
-    python = ROOT / OpenHandsSection().python
-    if not python.exists():
-        pytest.fail(f"{python} is missing: run scripts/setup_openhands.sh (scripts/test.sh does)")
-
-
-def _task(i: int, *, sampling: SamplingParams, instance: dict | None = None, deadline_s: float = 300.0) -> Task:
-    return Task(
-        task_id=f"oh{i}/0",
-        group_id=f"oh{i}",
-        index_in_group=0,
-        group_size=1,
-        prompt_index=i,
-        env="openhands",
-        instance=instance or TASK,
-        kind=sampling.kind,
-        target_step=0,
-        sampling=sampling,
-        deadline_s=deadline_s,
-    )
-
-
-def _env_section(**openhands) -> dict:
-    return {"name": "openhands", "max_turns": 3, "openhands": {**OPENHANDS, **openhands}}
 
 
 def _scratch_dirs() -> set[str]:
@@ -79,8 +41,8 @@ def _scratch_dirs() -> set[str]:
 
 async def test_episode_from_task_to_trajectory_with_workspace_reward(gateway_stack):
     before = _scratch_dirs()
-    async with gateway_stack(env=_env_section()) as st:
-        await st.streams.publish(st.streams.keys.tasks, _task(1, sampling=SamplingParams(max_tokens=8)))
+    async with gateway_stack(env=env_section()) as st:
+        await st.streams.publish(st.streams.keys.tasks, openhands_task(1, sampling=SamplingParams(max_tokens=8)))
         [traj] = await collect(st.streams, 1, timeout_s=300)
     assert traj.status in ("ok", "truncated"), traj.fallback_reason
     # every agent call went through the session: recorded with the model's token ids and logprobs
@@ -101,7 +63,7 @@ async def test_sampling_parameters_reach_the_generator(gateway_stack):
     through its chat client, so only what the agent itself sends can explain the generator's
     refusals and the shorter generations."""
     env = OpenHandsEnv(OpenHandsSection(**OPENHANDS))
-    async with gateway_stack(env=_env_section()) as st, aiohttp.ClientSession() as http:
+    async with gateway_stack(env=env_section()) as st, aiohttp.ClientSession() as http:
         proxy = st.gateway.state.proxy
         profile = SamplingParams(max_tokens=24)
 
@@ -130,8 +92,8 @@ async def test_sampling_parameters_reach_the_generator(gateway_stack):
     ],
 )
 async def test_a_broken_harness_is_an_infrastructure_failure(gateway_stack, openhands, message):
-    async with gateway_stack(env=_env_section(**openhands)) as st:
-        await st.streams.publish(st.streams.keys.tasks, _task(10, sampling=SamplingParams(max_tokens=8)))
+    async with gateway_stack(env=env_section(**openhands)) as st:
+        await st.streams.publish(st.streams.keys.tasks, openhands_task(10, sampling=SamplingParams(max_tokens=8)))
         [traj] = await collect(st.streams, 1, timeout_s=120)
     assert traj.status == "failed" and traj.fallback_reason.startswith("sandbox:"), traj.fallback_reason
     assert message in traj.fallback_reason
@@ -143,19 +105,6 @@ def answer_ids(tiny_tokenizer) -> list[int]:
     ids = tiny_tokenizer.encode(ANSWER + "<|im_end|>", add_special_tokens=False)
     assert tiny_tokenizer.decode(ids) == ANSWER + "<|im_end|>"
     return ids
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """Small ops on a busy 2-core machine run ~20x faster on one thread than on two spinning ones."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def fine_tune_head(
@@ -216,8 +165,8 @@ def fine_tune_head(
 
 async def test_scripted_model_runs_a_command_and_finishes(gateway_stack, answer_ids, tiny_model_dir, tmp_path):
     # 1. the agent's first prompt, as the generator tokenised it (the session records it)
-    async with gateway_stack(env=_env_section()) as st:
-        await st.streams.publish(st.streams.keys.tasks, _task(20, sampling=SamplingParams(max_tokens=4)))
+    async with gateway_stack(env=env_section()) as st:
+        await st.streams.publish(st.streams.keys.tasks, openhands_task(20, sampling=SamplingParams(max_tokens=4)))
         [probe] = await collect(st.streams, 1, timeout_s=300)
     prompt_ids = list(probe.turns[0].prompt())
     # 2. a model that answers it with a terminal command and finish (greedy: validation sampling)
@@ -233,8 +182,8 @@ async def test_scripted_model_runs_a_command_and_finishes(gateway_stack, answer_
             "val_temperature": 0.0,
         }
     }
-    async with gateway_stack(env=_env_section(), model_dir=model, policy=policy) as st:
-        await st.streams.publish(st.streams.keys.tasks, _task(21, sampling=greedy))
+    async with gateway_stack(env=env_section(), model_dir=model, policy=policy) as st:
+        await st.streams.publish(st.streams.keys.tasks, openhands_task(21, sampling=greedy))
         [traj] = await collect(st.streams, 1, timeout_s=300)
     assert traj.status == "ok", (traj.fallback_reason, traj.metrics)
     assert traj.metrics["agent_finished"] == 1.0 and traj.metrics["tool_calls"] == 2.0

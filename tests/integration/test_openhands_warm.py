@@ -24,13 +24,11 @@ from services.gym_gateway.envs.openhands import OpenHandsEnv
 from shared.protocol import SamplingParams
 from shared.sections.env_openhands import OpenHandsSection
 from streamrl.bench.openhands import ScriptedModel, scripted_client
-from tests.gateway_fixtures import collect
-from tests.integration.test_openhands_agent import OPENHANDS, _env_section, _task, openhands_venv
-from tests.pids import gone, text_of
+from tests.support.gateway import collect
+from tests.support.openhands import OPENHANDS, env_section, openhands_task
+from tests.support.pids import gone, text_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
-pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
-__all__ = ["openhands_venv"]  # the module's fixture: the SDK's virtualenv must exist
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("openhands_venv")]
 
 
 @pytest.fixture
@@ -54,8 +52,8 @@ async def _episode(env: OpenHandsEnv, model: ScriptedModel, command: str, job_di
 
 async def test_warm_runner_runs_an_episode_from_task_to_trajectory(gateway_stack, tmp_path):
     scratch = tmp_path / "scratch"  # workspaces and the runners' folder; the system one is shared
-    async with gateway_stack(env=_env_section(warm_runners=1, workspace_root=str(scratch))) as st:
-        await st.streams.publish(st.streams.keys.tasks, _task(30, sampling=SamplingParams(max_tokens=8)))
+    async with gateway_stack(env=env_section(warm_runners=1, workspace_root=str(scratch))) as st:
+        await st.streams.publish(st.streams.keys.tasks, openhands_task(30, sampling=SamplingParams(max_tokens=8)))
         [traj] = await collect(st.streams, 1, timeout_s=300)
         env = st.gateway.state.worker._envs["openhands"]
         assert isinstance(env, OpenHandsEnv) and env.pool is not None
@@ -89,7 +87,9 @@ async def test_episodes_are_isolated_and_a_killed_runner_is_replaced(tmp_path, m
         # killed while it runs an episode: that episode fails, its processes die with it
         [runner] = env.pool.pids
         pidfile = tmp_path / "sleeper.pid"
-        busy = asyncio.create_task(_episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c"))
+        busy = asyncio.createopenhands_task(
+            _episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c")
+        )
         sleeper = int(await text_of(pidfile))
         [episode] = [ep.pid for r in env.pool.runners for ep in r.episodes.values()]
         os.kill(runner, signal.SIGKILL)
@@ -113,7 +113,9 @@ async def test_deadline_and_time_limit_kill_the_episodes_processes(tmp_path, mod
 
         # the rollout's deadline: the rollout is cancelled
         pidfile = tmp_path / "cancelled.pid"
-        task = asyncio.create_task(_episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c"))
+        task = asyncio.createopenhands_task(
+            _episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c")
+        )
         sleeper = int(await text_of(pidfile))
         [episode] = [ep.pid for r in env.pool.runners for ep in r.episodes.values()]
         assert os.getpgid(episode) == episode  # the episode leads its own group

@@ -1,4 +1,4 @@
-"""The learner on two ranks (torchrun, gloo on CPU) against one rank, through tests/ranked_step.py:
+"""The learner on two ranks (torchrun, gloo on CPU) against one rank, through tests/support/ranks/ranked_step.py:
 rank 0 drives a RankedLearner, rank 1 follows, as ``python -m services.trainer`` wires them.
 
 * Equivalence: two steps at world size 2 give the losses and gradient norms of world size 1
@@ -36,7 +36,7 @@ from streamrl.redis_server import free_port
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "ranked_step.py"
+SCRIPT = ROOT / "tests" / "support" / "ranks" / "ranked_step.py"
 LR = ["--set", "policy.optimizer.lr=1e-4"]
 TIMEOUT_S = 20
 MAX_FILE_BYTES = 512 * 1024

@@ -23,11 +23,13 @@ import pytest
 from shared import keys as K
 from shared.auth import redact_url
 from shared.pause import PauseControl, PauseReason
-from shared.protocol import Heartbeat, SamplingParams, Task
+from shared.protocol import SamplingParams, Task
 from shared.queue_stats import snapshot
 from shared.registry import live_workers, publish_heartbeat
 from shared.streams import StreamClient, connect
-from streamrl.redis_server import RedisServer, free_port, valkey_binary
+from streamrl.redis_server import free_port, valkey_binary
+from tests.support.messages import make_heartbeat, make_task
+from tests.support.redis import start_valkey
 
 pytestmark = pytest.mark.integration
 
@@ -38,12 +40,7 @@ ACL_USER, ACL_PASSWORD = "streamrl-app", "acl-s3cret-pw"
 @pytest.fixture(scope="module")
 def secured_server(tmp_path_factory):
     """Valkey with a password on the default user and an ACL user allowed only streamrl's keys."""
-    server = RedisServer(
-        tmp_path_factory.mktemp("valkey-auth"),
-        binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"),
-        extra_args=["--requirepass", ADMIN_PASSWORD],
-    )
-    server.start()
+    server = start_valkey(tmp_path_factory.mktemp("valkey-auth"), extra_args=["--requirepass", ADMIN_PASSWORD])
 
     async def add_user() -> None:
         admin = connect(_url(server.port, "", ADMIN_PASSWORD))
@@ -70,19 +67,7 @@ async def _exercise(url: str) -> None:
         keys = K.RunKeys(run_id)
         streams = StreamClient(redis, keys, "gateway-0")
         await streams.ensure_group(keys.tasks, K.GATEWAYS_GROUP)
-        task = Task(
-            task_id="g0/0",
-            group_id="g0",
-            index_in_group=0,
-            group_size=1,
-            prompt_index=0,
-            env="echo",
-            instance={},
-            kind="train",
-            target_step=0,
-            sampling=SamplingParams(max_tokens=4),
-            deadline_s=60.0,
-        )
+        task = make_task("g0", sampling=SamplingParams(max_tokens=4))
         await streams.publish(keys.tasks, task)
         got = await streams.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=10, block_ms=100)
         assert [d.msg.task_id for d in got] == ["g0/0"]
@@ -92,15 +77,7 @@ async def _exercise(url: str) -> None:
         await publish_heartbeat(
             redis,
             keys,
-            Heartbeat(
-                worker_id="gateway-0",
-                kind="gym_gateway",
-                url="http://x",
-                pid=1,
-                host="h",
-                state="ready",
-                started_at=time.time(),
-            ),
+            make_heartbeat("gateway-0", kind="gym_gateway", started_at=time.time()),
         )
         assert [w.worker_id for w in await live_workers(redis, keys)] == ["gateway-0"]
         snap = await snapshot(redis, run_id)

@@ -10,11 +10,8 @@ import time
 import pytest
 
 from services.trainer.refit import RefitError
-from shared.protocol import WeightAck, WeightAnnouncement
-from shared.streams import StreamClient
 from shared.weights_format import checksum_dir
-from tests.refit_fixtures import beat as _register
-from tests.refit_fixtures import publisher_for
+from tests.support.refit import played, publisher_for
 
 pytestmark = pytest.mark.integration
 
@@ -25,28 +22,13 @@ async def publisher(redis_url, tmp_path):
         yield pub_streams
 
 
-async def _answer(
-    streams: StreamClient, worker_id: str, ok: bool = True, error: str | None = None
-) -> WeightAnnouncement:
-    """Play a generator: wait for the announcement, check it, ack it."""
-    while True:
-        latest = await streams.read_latest(streams.keys.weights, WeightAnnouncement)
-        if latest is not None:
-            break
-        await asyncio.sleep(0.02)
-    ann = latest.msg
-    await streams.publish(
-        streams.keys.weight_acks,
-        WeightAck(worker_id=worker_id, version=ann.version, ok=ok, error=error, cache_reset=ok),
-    )
-    return ann
-
-
 async def test_refit_completes_when_every_generator_confirms(publisher):
     pub, streams = publisher
-    await _register(streams, "gen-a")
-    await _register(streams, "gen-b")
-    answers = asyncio.gather(_answer(streams, "gen-a"), _answer(streams, "gen-b"))
+    await played(streams, "gen-a").beat()
+    await played(streams, "gen-b").beat()
+    answers = asyncio.gather(
+        played(streams, "gen-a").answer(cache_reset=True), played(streams, "gen-b").answer(cache_reset=True)
+    )
     report = await pub.refit(3)
     ann, _ = await answers
     assert report.generators == ["gen-a", "gen-b"] and report.version == 3
@@ -56,9 +38,9 @@ async def test_refit_completes_when_every_generator_confirms(publisher):
 
 async def test_a_silent_generator_fails_the_refit_by_name_within_the_deadline(publisher):
     pub, streams = publisher
-    await _register(streams, "gen-a")
-    await _register(streams, "gen-silent")
-    asyncio.create_task(_answer(streams, "gen-a"))
+    await played(streams, "gen-a").beat()
+    await played(streams, "gen-silent").beat()
+    asyncio.create_task(played(streams, "gen-a").answer(cache_reset=True))
     t0 = time.monotonic()
     with pytest.raises(RefitError, match="gen-silent") as err:
         await pub.refit(1)
@@ -69,8 +51,8 @@ async def test_a_silent_generator_fails_the_refit_by_name_within_the_deadline(pu
 
 async def test_a_failed_load_fails_the_refit_with_the_generators_error(publisher):
     pub, streams = publisher
-    await _register(streams, "gen-a")
-    asyncio.create_task(_answer(streams, "gen-a", ok=False, error="checksum mismatch"))
+    await played(streams, "gen-a").beat()
+    asyncio.create_task(played(streams, "gen-a").answer(ok=False, error="checksum mismatch"))
     with pytest.raises(RefitError, match="gen-a failed to load weight version 2: checksum mismatch"):
         await pub.refit(2)
 
@@ -83,7 +65,7 @@ async def test_no_generator_at_all_is_a_clear_error(publisher):
 
 async def test_a_weight_write_that_hangs_fails_the_refit_and_reopens_the_gate(publisher):
     pub, streams = publisher
-    await _register(streams, "gen-a")
+    await played(streams, "gen-a").beat()
     release = asyncio.Event()
     loop = asyncio.get_running_loop()
 

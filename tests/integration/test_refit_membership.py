@@ -11,11 +11,8 @@ import asyncio
 import pytest
 
 from services.trainer.refit import RefitError
-from shared.protocol import WeightAck, WeightAnnouncement
 from shared.registry import remove_worker
-from shared.streams import StreamClient
-from tests.refit_fixtures import beat as _beat
-from tests.refit_fixtures import publisher_for
+from tests.support.refit import played, publisher_for
 
 pytestmark = pytest.mark.integration
 
@@ -26,26 +23,16 @@ async def publisher(redis_url, tmp_path):
         yield pub_streams
 
 
-async def _ack_version(streams: StreamClient, worker_id: str, version: int) -> None:
-    """Play a generator: wait for the announcement of ``version``, then ack it."""
-    while True:
-        latest = await streams.read_latest(streams.keys.weights, WeightAnnouncement)
-        if latest is not None and latest.msg.version == version:
-            break
-        await asyncio.sleep(0.02)
-    await streams.publish(streams.keys.weight_acks, WeightAck(worker_id=worker_id, version=version, ok=True))
-
-
 async def test_a_generator_that_joined_is_waited_for_at_the_next_refit(publisher):
     pub, streams = publisher
-    await _beat(streams, "gen-0")
-    asyncio.create_task(_ack_version(streams, "gen-0", 1))
+    await played(streams, "gen-0").beat()
+    asyncio.create_task(played(streams, "gen-0").answer(1))
     assert (await pub.refit(1)).generators == ["gen-0"]
-    await _beat(streams, "gen-1")  # scaled up between two refits
-    asyncio.create_task(_ack_version(streams, "gen-0", 2))
+    await played(streams, "gen-1").beat()  # scaled up between two refits
+    asyncio.create_task(played(streams, "gen-0").answer(2))
     with pytest.raises(RefitError, match="by generator\\(s\\): gen-1"):
         await pub.refit(2)  # the newcomer is expected: its silence fails the refit by name
-    both = asyncio.gather(_ack_version(streams, "gen-0", 3), _ack_version(streams, "gen-1", 3))
+    both = asyncio.gather(played(streams, "gen-0").answer(3), played(streams, "gen-1").answer(3))
     report = await pub.refit(3)
     await both
     assert report.generators == ["gen-0", "gen-1"] and report.dropped == []
@@ -53,10 +40,10 @@ async def test_a_generator_that_joined_is_waited_for_at_the_next_refit(publisher
 
 async def test_starting_and_draining_generators_are_not_waited_for(publisher):
     pub, streams = publisher
-    await _beat(streams, "gen-0")
-    await _beat(streams, "gen-new", state="starting")  # catches up by itself once its engine is up
-    await _beat(streams, "gen-old", state="draining")  # leaving: must not hold the refit
-    asyncio.create_task(_ack_version(streams, "gen-0", 1))
+    await played(streams, "gen-0").beat()
+    await played(streams, "gen-new").beat(state="starting")  # catches up by itself once its engine is up
+    await played(streams, "gen-old").beat(state="draining")  # leaving: must not hold the refit
+    asyncio.create_task(played(streams, "gen-0").answer(1))
     report = await pub.refit(1)
     assert report.generators == ["gen-0"] and report.dropped == []
 
@@ -64,14 +51,14 @@ async def test_starting_and_draining_generators_are_not_waited_for(publisher):
 async def test_a_generator_that_leaves_or_drains_mid_refit_is_dropped_and_counted(publisher):
     pub, streams = publisher
     for wid in ("gen-0", "gen-1", "gen-2"):
-        await _beat(streams, wid)
+        await played(streams, wid).beat()
 
     async def scale_down_then_ack() -> None:
         while not await streams.redis.xlen(streams.keys.weights):
             await asyncio.sleep(0.02)
-        await _beat(streams, "gen-1", state="draining")  # SIGTERM arrived: it leaves routing first
+        await played(streams, "gen-1").beat(state="draining")  # SIGTERM arrived: it leaves routing first
         await remove_worker(streams.redis, streams.keys, "gen-2")  # gone without a word
-        await _ack_version(streams, "gen-0", 4)
+        await played(streams, "gen-0").answer(4)
 
     asyncio.create_task(scale_down_then_ack())
     report = await pub.refit(4)
@@ -81,14 +68,14 @@ async def test_a_generator_that_leaves_or_drains_mid_refit_is_dropped_and_counte
 
 async def test_the_start_up_refit_waits_for_a_generator_that_can_confirm(publisher):
     pub, streams = publisher
-    await _beat(streams, "gen-0", state="starting")
+    await played(streams, "gen-0").beat(state="starting")
     with pytest.raises(RefitError, match="no generator registered"):
         await pub.refit(0, wait_for_generators_s=0.5)
 
     async def come_up() -> None:
         await asyncio.sleep(0.3)
-        await _beat(streams, "gen-0")
-        await _ack_version(streams, "gen-0", 0)
+        await played(streams, "gen-0").beat()
+        await played(streams, "gen-0").answer(0)
 
     asyncio.create_task(come_up())
     assert (await pub.refit(0, wait_for_generators_s=5.0)).generators == ["gen-0"]

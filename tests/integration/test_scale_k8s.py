@@ -1,4 +1,4 @@
-"""The k8s scale backend against a fake Kubernetes API server (tests/fake_kube_api.py) through the
+"""The k8s scale backend against a fake Kubernetes API server (tests/support/fakes/kube.py) through the
 real kubernetes client and a kubeconfig, checked at the HTTP level: the PATCH of each Deployment's
 scale subresource (path, merge-patch body, bearer token, namespace from the kubeconfig context),
 Deployments found by their labels, and a wait that ends only when the new pods are ready and the
@@ -11,7 +11,7 @@ import yaml
 
 from streamrl.scale import ScaleError
 from streamrl.scale_k8s import KubernetesBackend
-from tests.fake_kube_api import FakeKubeAPI
+from tests.support.fakes.kube import FakeKubeAPI
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from shared import keys as K
 from shared.protocol import RunFile, write_run_file
 from streamrl.scale import ScaleError
 from streamrl.scale_local import LocalBackend
-from tests.scale_rig import Rig
+from tests.support.scale import Rig
 
 pytestmark = pytest.mark.integration
 

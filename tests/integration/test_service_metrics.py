@@ -14,12 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.trainer.step_record import StepClock, build_step_record
 from shared import keys as K
 from shared.protocol import SamplingParams, Task, Trajectory, make_turn
-from tests.gateway_fixtures import collect, make_task
-from tests.record_fixtures import batch_stats, learner_metrics
-from tests.trainer_fixtures import control_plane, serving_app, trainer_config
+from tests.support.gateway import collect, gateway_task
+from tests.support.messages import make_task, make_trajectory
+from tests.support.records import batch_stats, learner_metrics
+from tests.support.trainer import opened_plane, trainer_config
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -54,7 +54,7 @@ async def test_generator_metrics_after_a_generation(hf_generator):
 async def test_gateway_rollout_outcomes_by_reason(gateway_stack):
     async with gateway_stack() as st:
         await st.streams.publish_many(
-            st.streams.keys.tasks, [make_task(0), make_task(1), make_task(2, env="no_such_env")]
+            st.streams.keys.tasks, [gateway_task(0), gateway_task(1), gateway_task(2, env="no_such_env")]
         )
         trajs = await collect(st.streams, 3)
         assert sorted(t.status for t in trajs) == ["failed", "ok", "ok"]
@@ -77,12 +77,8 @@ async def trainer(tiny_model_dir, redis_url, tmp_path):
     cfg = trainer_config(
         tmp_path, redis_url, tiny_model_dir, "obs", grpo={"async_grpo": {"max_trajectory_age_steps": 2}}
     )
-    rt = control_plane(cfg)
-    await rt.open()
-    app = serving_app(cfg, rt)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
-        yield rt, client
-    await rt.aclose()
+    async with opened_plane(cfg) as plane:
+        yield plane
 
 
 def _group(gid: str, target: int, versions: list[int]) -> list[Trajectory]:
@@ -92,19 +88,14 @@ def _group(gid: str, target: int, versions: list[int]) -> list[Trajectory]:
             prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=v
         )
         rows.append(
-            Trajectory(
-                task_id=f"{gid}/{i}",
-                group_id=gid,
-                index_in_group=i,
+            make_trajectory(
+                f"{gid}/{i}",
+                [turn],
                 group_size=len(versions),
-                prompt_index=0,
                 env="crossing",
-                kind="train",
                 target_step=target,
                 launch_version=v,
                 reward=float(i),
-                status="ok",
-                turns=[turn],
             )
         )
     return rows
@@ -146,20 +137,7 @@ async def test_trainer_staleness_refit_phases_and_queues(trainer):
 
     # queues: 3 tasks, 2 delivered to one gateway consumer and not acked
     tasks = [
-        Task(
-            task_id=f"t{i}/0",
-            group_id=f"t{i}",
-            index_in_group=0,
-            group_size=1,
-            prompt_index=i,
-            env="echo",
-            instance={},
-            kind="train",
-            target_step=step,
-            sampling=SamplingParams(max_tokens=4),
-            deadline_s=60.0,
-        )
-        for i in range(3)
+        make_task(f"t{i}", prompt_index=i, target_step=step, sampling=SamplingParams(max_tokens=4)) for i in range(3)
     ]
     await rt.streams.publish_many(rt.keys.tasks, tasks)
     from shared.streams import StreamClient

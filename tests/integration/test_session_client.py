@@ -14,10 +14,9 @@ from services.gym_gateway.envs.base import ChatClient, ModelClient, ModelRequest
 from services.gym_gateway.session_client import SessionClient
 from shared.openai_api import ChatMessage, ResponseMessage
 from shared.protocol import SamplingParams
-from tests.scripted_generator import Refuse, call, say
+from tests.support.fakes.generator import Refuse, call, say
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures"]
 
 SAMPLING = SamplingParams(max_tokens=8)
 

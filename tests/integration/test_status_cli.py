@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from shared import keys as K
-from shared.protocol import Heartbeat, RunFile, SamplingParams, Task, write_run_file
+from shared.protocol import RunFile, SamplingParams, Task, write_run_file
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
-from streamrl.redis_server import RedisServer
+from tests.support.messages import make_heartbeat, make_task
+from tests.support.redis import start_valkey
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +30,7 @@ RUN_ID = "status-run"
 @pytest.fixture(scope="module")
 def run_in_redis(tmp_path_factory):
     """A Valkey of its own (so the run is the only one) with a run's workers, queues and step."""
-    server = RedisServer(tmp_path_factory.mktemp("valkey-status"), binary=os.environ.get("STREAMRL_TEST_REDIS_BIN"))
-    server.start()
+    server = start_valkey(tmp_path_factory.mktemp("valkey-status"))
     asyncio.run(_populate(server.url))
     yield server
     server.stop()
@@ -40,67 +40,20 @@ async def _populate(url: str) -> None:
     redis = connect(url)
     keys = K.RunKeys(RUN_ID)
     workers = [
-        Heartbeat(
-            worker_id="generator-0",
-            kind="generator",
-            url="http://127.0.0.1:1",
-            pid=11,
-            host="h",
-            state="ready",
-            weight_version=6,
-            in_flight=3,
+        make_heartbeat("generator-0", url="http://127.0.0.1:1", pid=11, weight_version=6, in_flight=3),
+        make_heartbeat(
+            "generator-1", url="http://127.0.0.1:2", pid=12, state="failed", weight_version=5, error="engine died"
         ),
-        Heartbeat(
-            worker_id="generator-1",
-            kind="generator",
-            url="http://127.0.0.1:2",
-            pid=12,
-            host="h",
-            state="failed",
-            weight_version=5,
-            error="engine died",
-        ),
-        Heartbeat(
-            worker_id="gateway-0",
-            kind="gym_gateway",
-            url="http://127.0.0.1:3",
-            pid=13,
-            host="h",
-            state="ready",
-            in_flight=2,
-        ),
+        make_heartbeat("gateway-0", kind="gym_gateway", url="http://127.0.0.1:3", pid=13, in_flight=2),
         # A trainer URL nobody listens on: status must still print Redis' view.
-        Heartbeat(
-            worker_id="trainer-0",
-            kind="trainer",
-            url="http://127.0.0.1:9",
-            pid=14,
-            host="h",
-            state="ready",
-            weight_version=6,
-        ),
+        make_heartbeat("trainer-0", kind="trainer", url="http://127.0.0.1:9", pid=14, weight_version=6),
     ]
     for hb in workers:
         await publish_heartbeat(redis, keys, hb)
     gateway = StreamClient(redis, keys, "gateway-0")
     await gateway.ensure_group(keys.tasks, K.GATEWAYS_GROUP)
     await gateway.ensure_group(keys.trajectories, K.TRAINER_GROUP)
-    tasks = [
-        Task(
-            task_id=f"g{i}/0",
-            group_id=f"g{i}",
-            index_in_group=0,
-            group_size=1,
-            prompt_index=i,
-            env="echo",
-            instance={},
-            kind="train",
-            target_step=7,
-            sampling=SamplingParams(max_tokens=4),
-            deadline_s=60.0,
-        )
-        for i in range(5)
-    ]
+    tasks = [make_task(f"g{i}", prompt_index=i, target_step=7, sampling=SamplingParams(max_tokens=4)) for i in range(5)]
     await gateway.publish_many(keys.tasks, tasks)
     await gateway.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=2, block_ms=100)  # 2 pending, 3 undelivered
     await redis.set(keys.trainer_step, "7")

@@ -28,7 +28,6 @@ from shared import keys as K
 from shared.pause import PauseControl
 from shared.protocol import (
     DeadLetter,
-    Heartbeat,
     SamplingParams,
     Task,
     Trajectory,
@@ -38,13 +37,12 @@ from shared.protocol import (
     encode,
     make_turn,
 )
-from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
 from shared.weights_format import checksum_dir, dir_num_bytes
-from tests.refit_fixtures import save_dummy
+from tests.support.messages import make_task, make_trajectory
+from tests.support.refit import played, save_dummy
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures", "tests.generator_fixtures"]
 
 SMALL_LIMIT = 4096  # bytes: the size limit of the stream under test
 
@@ -92,37 +90,19 @@ def _dead_letter_counts(metrics_text: str) -> dict[str, float]:
 
 
 def _task(i: int, env: str = "crossing", group_size: int = 1) -> Task:
-    return Task(
-        task_id=f"g{i}/0",
-        group_id=f"g{i}",
-        index_in_group=0,
+    return make_task(
+        f"g{i}",
         group_size=group_size,
         prompt_index=i,
         env=env,
         instance={"light": "red"},
-        kind="train",
-        target_step=0,
         sampling=SamplingParams(max_tokens=8),
-        deadline_s=60.0,
     )
 
 
 def _trajectory(group: str, index: int) -> Trajectory:
     turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=0)
-    return Trajectory(
-        task_id=f"{group}/{index}",
-        group_id=group,
-        index_in_group=index,
-        group_size=2,
-        prompt_index=0,
-        env="crossing",
-        kind="train",
-        target_step=0,
-        launch_version=0,
-        reward=float(index),
-        status="ok",
-        turns=[turn],
-    )
+    return make_trajectory(f"{group}/{index}", [turn], env="crossing", reward=float(index))
 
 
 async def test_gateway_dead_letters_bad_tasks_and_runs_the_next(gateway_stack, monkeypatch):
@@ -150,7 +130,7 @@ async def test_gateway_dead_letters_bad_tasks_and_runs_the_next(gateway_stack, m
 async def test_trainer_dead_letters_bad_trajectories_and_keeps_consuming(
     tiny_model_dir, redis_url, tmp_path, monkeypatch
 ):
-    from tests.trainer_fixtures import control_plane, serving_app, trainer_config
+    from tests.support.trainer import control_plane, serving_app, trainer_config
 
     monkeypatch.setitem(K.MAX_ENTRY_BYTES, "trajectories", SMALL_LIMIT)
     cfg = trainer_config(tmp_path, redis_url, tiny_model_dir, "dl", grpo={"num_prompts_per_step": 1})
@@ -222,9 +202,7 @@ async def test_refit_dead_letters_bad_acks_and_confirms_the_version(redis_url, t
     publisher = WeightPublisher(trainer, PauseControl(redis, keys), transport, timeout_s=10, in_flight_updates=False)
     good = WeightAck(worker_id="gen-a", version=3, ok=True, cache_reset=True)
     entries = bad_entries(good, _task(0))
-    await publish_heartbeat(
-        redis, keys, Heartbeat(worker_id="gen-a", kind="generator", url="http://x", pid=1, host="h", state="ready")
-    )
+    await played(trainer, "gen-a").beat()
 
     async def generator() -> list[str]:
         """Play the generator: on the announcement, bad acks first, then the real one."""

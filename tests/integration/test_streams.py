@@ -7,27 +7,16 @@ import msgspec
 import pytest
 
 from shared import keys as K
-from shared.protocol import DeadLetter, Heartbeat, SamplingParams, Task, decode, encode
+from shared.protocol import DeadLetter, Heartbeat, Task, decode, encode
 from shared.registry import live_workers, publish_heartbeat, remove_worker
 from shared.streams import StreamClient, connect
+from tests.support.messages import make_task
 
 pytestmark = pytest.mark.integration
 
 
 def _task(i: int) -> Task:
-    return Task(
-        task_id=f"g{i}/0",
-        group_id=f"g{i}",
-        index_in_group=0,
-        group_size=2,
-        prompt_index=i,
-        env="echo",
-        instance={"i": i},
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(),
-        deadline_s=30.0,
-    )
+    return make_task(f"g{i}", group_size=2, prompt_index=i, instance={"i": i}, deadline_s=30.0)
 
 
 @pytest.fixture

@@ -6,27 +6,23 @@ local runtime and the hidden tests. Proves the plumbing: the generator parses th
 next turn's prompt, every model call is recorded, and the reward comes from the hidden tests."""
 
 import asyncio
-import contextlib
 import json
 import uuid
 
 import pytest
-import uvicorn
-import yaml
 
 from services.gym_gateway.envs.swe import load_instances
 from services.gym_gateway.envs.swe.agent import SHIPPED_INSTANCES, SYSTEM_PROMPT
 from services.gym_gateway.envs.swe.tools import TOOLS
 from shared import keys as K
-from shared.config import load
-from shared.protocol import Task, Trajectory, WeightAck, WeightAnnouncement
-from shared.run_config import RunConfig
-from shared.streams import StreamClient, connect
-from shared.weights_format import checksum_dir, dir_num_bytes
+from shared.protocol import Trajectory
+from shared.streams import StreamClient
 from streamrl.redis_server import free_port
+from tests.support.gateway import load_tree, publish_v0, serve, trainer_side
+from tests.support.generator import one_torch_thread
+from tests.support.messages import make_task
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-pytest_plugins = ["tests.generator_fixtures"]
 
 CALC = {i.instance_id: i for i in load_instances(SHIPPED_INSTANCES)}["calc-divide-by-zero"]
 FIX = {
@@ -47,48 +43,6 @@ def fixing_model(tiny_model_dir, tiny_tokenizer, scripted_model, tmp_path_factor
     answer_ids = tiny_tokenizer.encode(ANSWER + "<|im_end|>", add_special_tokens=False)
     with one_torch_thread():
         return scripted_model(tiny_model_dir, tmp_path_factory.mktemp("swe-model"), prompt_ids, answer_ids)
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """Small ops on a busy 2-core machine run many times faster on one thread than on two
-    threads that spin-wait for each other."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@contextlib.asynccontextmanager
-async def serve(app, port: int):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    server.install_signal_handlers = lambda: None
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.02)
-    try:
-        yield
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
-
-
-async def _wait_ack(streams: StreamClient, version: int, timeout_s: float = 60) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    cursor = "0-0"
-    while asyncio.get_running_loop().time() < deadline:
-        for d in await streams.read_after(streams.keys.weight_acks, cursor, WeightAck, block_ms=200):
-            cursor = d.entry_id
-            if d.msg.version == version:
-                assert d.msg.ok, d.msg.error
-                return
-    raise TimeoutError(f"no ack for v{version}")
 
 
 @pytest.fixture
@@ -120,28 +74,14 @@ async def swe_stack(fixing_model, redis_url, tmp_path):
             "drain_timeout_s": 5,
         },
     }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    cfg = load(RunConfig, path, env={})
-    redis = connect(redis_url)
-    streams = StreamClient(redis, K.RunKeys(run_id), "test-trainer")
-    await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
+    cfg = load_tree(tree, tmp_path / "run.yaml")
     gen_port, gw_port = free_port(), free_port()
-    with one_torch_thread():  # the generator's engine runs in this process
-        async with serve(build_generator(cfg, worker_id="gen-0", port=gen_port), gen_port):
-            await streams.publish(
-                streams.keys.weights,
-                WeightAnnouncement(
-                    version=0,
-                    path=str(fixing_model),
-                    checksum=checksum_dir(fixing_model),
-                    num_bytes=dir_num_bytes(fixing_model),
-                ),
-            )
-            await _wait_ack(streams, 0)
-            async with serve(build_gateway(cfg, worker_id="gw-0", port=gw_port), gw_port):
-                yield cfg, streams
-    await redis.aclose()
+    async with trainer_side(cfg, redis_url) as (_, streams):
+        with one_torch_thread():  # the generator's engine runs in this process
+            async with serve(build_generator(cfg, worker_id="gen-0", port=gen_port), gen_port):
+                await publish_v0(streams, fixing_model, "gen-0")
+                async with serve(build_gateway(cfg, worker_id="gw-0", port=gw_port), gw_port):
+                    yield cfg, streams
 
 
 async def _one_trajectory(streams: StreamClient, timeout_s: float = 240) -> Trajectory:
@@ -155,16 +95,11 @@ async def _one_trajectory(streams: StreamClient, timeout_s: float = 240) -> Traj
 
 async def test_agent_fixes_the_bug_through_the_session_proxy(swe_stack, tiny_tokenizer, tmp_path):
     cfg, streams = swe_stack
-    task = Task(
-        task_id="swe0/0",
-        group_id="swe0",
-        index_in_group=0,
-        group_size=1,
-        prompt_index=0,
+    task = make_task(
+        "swe0",
         env="swe",
         instance={"instance_id": CALC.instance_id},
         kind="validation",
-        target_step=0,
         sampling=cfg.policy.generation.sampling("validation"),
         deadline_s=300.0,
     )

@@ -25,11 +25,10 @@ from services.gym_gateway.envs.base import ChatClient, ModelClient, Outcome
 from services.gym_gateway.envs.crossing import LOOK_TOOL, RULE
 from shared.openai_api import ChatMessage, FunctionCall, ResponseMessage, ToolCall
 from shared.protocol import Task
-from tests.gateway_fixtures import counter_by_reason, crossing_task, run_tasks
-from tests.scripted_generator import Policy, call, say, write
+from tests.support.fakes.generator import Policy, call, say, write
+from tests.support.gateway import counter_by_reason, crossing_task, run_tasks
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.gateway_fixtures"]
 
 # group-id head -> (the malformed first turn, the reason it is counted under)
 MALFORMED: dict[str, tuple[ResponseMessage, str]] = {

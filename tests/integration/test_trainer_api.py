@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import uuid
 
-import httpx
 import pytest
 
 from shared import keys as K
 from shared.pause import PauseControl, PauseReason, launch_gate_closed
 from shared.streams import connect
-from tests.trainer_fixtures import control_plane, serving_app, trainer_config
+from tests.support.messages import make_trajectory
+from tests.support.trainer import opened_plane, trainer_config
 
 pytestmark = pytest.mark.integration
 
@@ -19,12 +19,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 async def api(tiny_model_dir, redis_url, tmp_path):
     cfg = trainer_config(tmp_path, redis_url, tiny_model_dir, "api")
-    rt = control_plane(cfg)
-    await rt.open()
-    app = serving_app(cfg, rt)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
-        yield rt, client
-    await rt.aclose()
+    async with opened_plane(cfg) as plane:
+        yield plane
 
 
 async def test_pause_and_resume_with_epochs(api):
@@ -98,25 +94,20 @@ async def test_gateway_gate_reasons_follow_pause_reasons(redis_url):
 
 
 def _group_rows(group: str, target: int, version: int, size: int = 2):
-    from shared.protocol import Trajectory, make_turn
+    from shared.protocol import make_turn
 
     turn = make_turn(
         prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.5], weight_version=version
     )
     return [
-        Trajectory(
-            task_id=f"{group}/{i}",
-            group_id=group,
-            index_in_group=i,
+        make_trajectory(
+            f"{group}/{i}",
+            [turn],
             group_size=size,
-            prompt_index=0,
             env="crossing",
-            kind="train",
             target_step=target,
             launch_version=version,
             reward=float(i),
-            status="ok",
-            turns=[turn],
         )
         for i in range(size)
     ]

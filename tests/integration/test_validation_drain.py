@@ -26,90 +26,18 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from services.gym_gateway.envs.base import Outcome
-from services.gym_gateway.proxy import Session
-from services.gym_gateway.worker import assemble
 from services.trainer.checkpoint import ControlState
 from services.trainer.control_plane import ControlPlane
 from shared import keys as K
 from shared.pause import launch_gate_closed
-from shared.protocol import Heartbeat, Task, Trajectory, WeightAck, WeightAnnouncement, decode, make_turn
+from shared.protocol import Task, Trajectory, decode
 from shared.records import TrainerState, ValidationRecord, read_records, step_records
-from shared.registry import publish_heartbeat
-from shared.streams import StreamClient, connect
-from tests.trainer_fixtures import control_plane, run_to_end, stop_plane, trainer_config
+from tests.support.peers import Peers
+from tests.support.trainer import control_plane, run_to_end, stop_plane, trainer_config
 
 pytestmark = pytest.mark.integration
 
 LIGHTS = ("red", "green", "yellow")
-
-
-class Peers:
-    """A generator (heartbeat, confirms every weight version) and a gateway: a task starts when
-    the gateway reads it and finishes once ``finish(task)`` allows; its trajectory carries both
-    times (``started_at``, ``finished_at``)."""
-
-    def __init__(self, redis_url: str, keys: K.RunKeys) -> None:
-        self.redis = connect(redis_url)
-        self.keys = keys
-        self.generator = StreamClient(self.redis, keys, "gen-peer")
-        self.gateway = StreamClient(self.redis, keys, "gw-peer")
-        self.finish: Callable[[Task], bool] = lambda task: True
-        self.version = -1
-        self.running: list[tuple[str, Task, float]] = []  # entry id, task, started at
-
-    async def run(self) -> None:
-        await self.gateway.ensure_group(self.keys.tasks, K.GATEWAYS_GROUP)
-        cursor = "0-0"
-        while True:
-            for d in await self.generator.read_after(self.keys.weights, cursor, WeightAnnouncement, block_ms=20):
-                cursor, self.version = d.entry_id, d.msg.version
-                await self._beat()
-                ack = WeightAck(worker_id="gen-peer", version=self.version, ok=True, cache_reset=True)
-                await self.generator.publish(self.keys.weight_acks, ack)
-            await self._beat()
-            await self._serve()
-            await asyncio.sleep(0.05)
-
-    async def _beat(self) -> None:
-        hb = Heartbeat(
-            worker_id="gen-peer",
-            kind="generator",
-            url="http://peer",
-            pid=1,
-            host="h",
-            state="ready",
-            weight_version=self.version,
-        )
-        await publish_heartbeat(self.redis, self.keys, hb)
-
-    async def _serve(self) -> None:
-        if not await launch_gate_closed(self.redis, self.keys):
-            got = await self.gateway.read_group(self.keys.tasks, K.GATEWAYS_GROUP, Task, count=64, block_ms=20)
-            self.running += [(d.entry_id, d.msg, time.time()) for d in got]
-        still = []
-        for entry_id, task, started_at in self.running:
-            if not self.finish(task):
-                still.append((entry_id, task, started_at))
-                continue
-            traj = _trajectory(task, self.version, started_at)
-            await self.gateway.publish_and_ack(
-                self.keys.trajectories, traj, self.keys.tasks, K.GATEWAYS_GROUP, entry_id
-            )
-        self.running = still
-
-
-def _trajectory(task: Task, version: int, started_at: float) -> Trajectory:
-    """A one-turn rollout (reward 1 for odd rows of a group, so no group's rewards tie)."""
-    turn = make_turn(
-        prompt_ids=[5, 6, 7],
-        context_len=0,
-        generated_ids=[8, 9],
-        generated_logprobs=[-1.0, -1.2],
-        weight_version=version,
-    )
-    session = Session("s", task.kind, task.sampling, "gen-peer", "http://peer", version, env=task.env, turns=[turn])
-    return assemble(task, session, Outcome(reward=float(task.index_in_group % 2)), None, "gw-peer", started_at)
 
 
 def _straggler(task: Task) -> bool:
@@ -175,7 +103,7 @@ class Run:
             f"state {c.state}, step {c.step}, pauses {await c.pause.reasons()}, "
             f"in flight {c.scheduler.in_flight_by_target()}, staged {c.buffer.depth_by_target()}, "
             f"validations {[(v.validation_id, v.status) for v in c.validation.statuses.values()]}, "
-            f"gateway running {[t.task_id for _, t, _ in self.peers.running]}"
+            f"gateway running {[t.task_id for _, t, _ in self.peers.gateway.running]}"
         )
 
     async def stop(self) -> None:
@@ -204,6 +132,16 @@ class Run:
         assert [r.step for r in records] == [0, 1, 2]
         return [list(r.consumed_ids) for r in records]
 
+    async def with_stragglers_past_the_validation(
+        self,
+    ) -> tuple[ValidationRecord, list[tuple[str, Task]], dict[str, tuple[str, Trajectory]]]:
+        """The run to its end, its stragglers finishing only once the validation is over (it cannot
+        have waited for them): the validation's record, the tasks and the trajectories."""
+        self.peers.gateway.finish = lambda task: not _straggler(task) or self.control.validation.last is not None
+        await self.start()
+        await self.finished()
+        return self.validation(), await self.tasks(), await self.trajectories()
+
     async def check_exactly_once(self, expected: set[str]) -> list[list[str]]:
         """Each of ``expected`` (task ids) trained once, nothing else; nothing left unacknowledged."""
         trained = self.trained()
@@ -221,7 +159,7 @@ async def test_a_validation_waits_for_running_training_rollouts_and_none_overlap
     run = Run(tmp_path, redis_url, tiny_model_dir, "drain-wait", validation_drain_timeout_s=120.0)
     control, peers = run.control, run.peers
     released = False
-    peers.finish = lambda task: released or not _straggler(task)
+    peers.gateway.finish = lambda task: released or not _straggler(task)
     try:
         await run.start()
         await _until(lambda: control.state == TrainerState.VALIDATING, "the validation after step 1")
@@ -232,7 +170,7 @@ async def test_a_validation_waits_for_running_training_rollouts_and_none_overlap
         assert await control.pause.stops_task_issue() and not await launch_gate_closed(control.redis, control.keys)
         assert await control.redis.xlen(control.keys.tasks) == issued  # no training task, no validation task
         stragglers = sorted(t.task_id for _, t in await run.tasks() if _straggler(t))
-        assert len(stragglers) == 2 and sorted(t.task_id for _, t, _ in peers.running) == stragglers
+        assert len(stragglers) == 2 and sorted(t.task_id for _, t, _ in peers.gateway.running) == stragglers
         released = True
         await run.finished()
 
@@ -259,21 +197,11 @@ async def test_at_the_drain_deadline_proceed_validates_while_stragglers_run_and_
     tiny_model_dir, redis_url, tmp_path
 ):
     run = Run(
-        tmp_path,
-        redis_url,
-        tiny_model_dir,
-        "drain-proceed",
-        validation_drain_timeout_s=0.5,
-        on_drain_timeout="proceed",
+        tmp_path, redis_url, tiny_model_dir, "drain-proceed", validation_drain_timeout_s=0.5, on_drain_timeout="proceed"
     )
     control = run.control
-    # The stragglers finish only once the validation is over: it cannot have waited for them.
-    run.peers.finish = lambda task: not _straggler(task) or control.validation.last is not None
     try:
-        await run.start()
-        await run.finished()
-        record = run.validation()
-        tasks, trajs = await run.tasks(), await run.trajectories()
+        record, tasks, trajs = await run.with_stragglers_past_the_validation()
         stragglers = [trajs[t.task_id][1] for _, t in tasks if _straggler(t)]
         assert len(stragglers) == 2
         for t in stragglers:  # running all through the validation
@@ -291,20 +219,11 @@ async def test_at_the_drain_deadline_cancel_gives_the_prompts_back_and_drops_the
     tiny_model_dir, redis_url, tmp_path
 ):
     run = Run(
-        tmp_path,
-        redis_url,
-        tiny_model_dir,
-        "drain-cancel",
-        validation_drain_timeout_s=0.5,
-        on_drain_timeout="cancel",
+        tmp_path, redis_url, tiny_model_dir, "drain-cancel", validation_drain_timeout_s=0.5, on_drain_timeout="cancel"
     )
     control = run.control
-    run.peers.finish = lambda task: not _straggler(task) or control.validation.last is not None
     try:
-        await run.start()
-        await run.finished()
-        record = run.validation()
-        tasks, trajs = await run.tasks(), await run.trajectories()
+        record, tasks, trajs = await run.with_stragglers_past_the_validation()
         first_val_task = min(_stream_id(e) for e, t in tasks if t.kind == "validation")
         target2 = [t for _, t in tasks if t.kind == "train" and t.target_step == 2]
         cancelled = {t.group_id for e, t in tasks if t in target2 and _stream_id(e) < first_val_task}

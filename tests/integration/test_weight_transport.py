@@ -34,7 +34,6 @@ from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ["tests.generator_fixtures"]
 
 # (transport, training backend)
 RIGS = [("filesystem", "torch"), ("collective", "torch"), ("collective", "megatron")]

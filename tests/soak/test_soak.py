@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from shared import keys as K
-from tests.faults.harness import FaultRun, assert_every_step_trained_once, long_variant, write_config
+from tests.support.runs import FaultRun, assert_every_step_trained_once, demo_run, long_variant
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak]
 
@@ -43,6 +43,14 @@ STREAMS = ("tasks", "trajectories", "weights", "weight_acks", "deadletter")
 # once their trajectory is published, so at most the issue window (lag + 1 targets) waits.
 TRAJECTORIES_BOUND = ROWS * (SAVE_PERIOD + LAG + 2)
 TASKS_BOUND = ROWS * (LAG + 2)
+OVERRIDES = {
+    "grpo.async_grpo.max_trajectory_age_steps": LAG,
+    "gym_gateway.max_concurrent_rollouts": ROWS,
+    "checkpointing.save_period": SAVE_PERIOD,
+    "trainer.stream_retention_s": 0,
+    "trainer.torch_threads": 1,
+    "logger.tensorboard": False,
+}
 
 
 def rss_bytes(pid: int) -> int:
@@ -76,24 +84,7 @@ class Samples:
 
 
 def soak(folder: Path, model_dir: Path, redis_url: str, steps: int) -> tuple[FaultRun, int, Samples]:
-    config = write_config(
-        folder,
-        model_dir=model_dir,
-        redis_url=redis_url,
-        run_id=f"soak-{os.getpid()}-{steps}",
-        overrides={
-            "grpo.max_num_steps": steps,
-            "grpo.num_prompts_per_step": PROMPTS,
-            "grpo.num_generations_per_prompt": GENS,
-            "grpo.async_grpo.max_trajectory_age_steps": LAG,
-            "gym_gateway.max_concurrent_rollouts": ROWS,
-            "checkpointing.save_period": SAVE_PERIOD,
-            "trainer.stream_retention_s": 0,
-            "trainer.torch_threads": 1,
-            "logger.tensorboard": False,
-        },
-    )
-    run = FaultRun(folder, config)
+    run = demo_run(folder, model_dir, redis_url, f"soak-{os.getpid()}-{steps}", (steps, PROMPTS, GENS), **OVERRIDES)
     samples = Samples()
     try:
         for wid, module in SERVICES.items():

@@ -10,7 +10,7 @@ import pytest
 
 from shared.records import DynamicSamplingStats, ValidationRecord, encode_record
 from streamrl.bench import demo_variants as bdv
-from tests.record_fixtures import learner_metrics, step_record
+from tests.support.records import learner_metrics, step_record
 
 pytestmark = pytest.mark.unit
 

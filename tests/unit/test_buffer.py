@@ -4,6 +4,7 @@ import pytest
 
 from services.trainer.buffer import ReplayBuffer
 from shared.protocol import Trajectory, make_turn
+from tests.support.messages import make_trajectory
 
 pytestmark = pytest.mark.unit
 
@@ -11,23 +12,11 @@ G = 2
 
 
 def traj(group: str, idx: int, target: int, version: int, reward: float = 1.0) -> Trajectory:
-    return Trajectory(
-        task_id=f"{group}/{idx}",
-        group_id=group,
-        index_in_group=idx,
-        group_size=G,
-        prompt_index=0,
-        env="e",
-        kind="train",
-        target_step=target,
-        launch_version=version,
-        reward=reward,
-        status="ok",
-        turns=[
-            make_turn(
-                prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.1], weight_version=version
-            )
-        ],
+    turn = make_turn(
+        prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.1], weight_version=version
+    )
+    return make_trajectory(
+        f"{group}/{idx}", [turn], group_size=G, target_step=target, launch_version=version, reward=reward
     )
 
 
@@ -135,19 +124,14 @@ def test_rows_without_model_turns_do_not_age_their_group():
     # A rollout that failed before any model call carries version -1; under backfill its group
     # must still be trainable, not evicted as stale.
     buf = ReplayBuffer(max_age=1)
-    failed = Trajectory(
-        task_id="g/0",
-        group_id="g",
-        index_in_group=0,
+    failed = make_trajectory(
+        "g/0",
+        [],
         group_size=G,
-        prompt_index=0,
-        env="e",
-        kind="train",
         target_step=3,
         launch_version=-1,
         reward=0.0,
         status="failed",
-        turns=[],
         fallback_reason="transport: refused",
     )
     assert buf.add(failed, "e-0") is None

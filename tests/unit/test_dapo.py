@@ -16,6 +16,7 @@ from shared.config import decode_tree
 from shared.config_error import ConfigError
 from shared.protocol import SamplingParams, Trajectory, Turn, make_turn
 from shared.run_config import RunConfig
+from tests.support.messages import make_trajectory
 
 pytestmark = pytest.mark.unit
 
@@ -34,20 +35,8 @@ def turn(n_gen: int = 1, finish: str = "stop", context_len: int = 0) -> Turn:
 def traj(
     group: str, idx: int, reward: float, *, size: int = 2, turns: list[Turn] | None = None, status: str = "ok"
 ) -> Trajectory:
-    return Trajectory(
-        task_id=f"{group}/{idx}",
-        group_id=group,
-        index_in_group=idx,
-        group_size=size,
-        prompt_index=7,
-        env="e",
-        kind="train",
-        target_step=0,
-        launch_version=0,
-        reward=reward,
-        status=status,  # type: ignore[arg-type]
-        turns=[turn()] if turns is None else turns,
-    )
+    rows = [turn()] if turns is None else turns
+    return make_trajectory(f"{group}/{idx}", rows, group_size=size, prompt_index=7, reward=reward, status=status)
 
 
 def group_of(gid: str, rows: list[Trajectory]) -> Group:

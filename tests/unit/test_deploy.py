@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import pytest
 import typer
 
-from tests.deploy_checks import ROOT, launch, unknown_env
+from tests.support.deploy import ROOT, launch, unknown_env
 
 pytestmark = pytest.mark.unit
 COMPOSE = ROOT / "docker-compose.yml"

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy_checks import ROOT, Launch, launch, unknown_env
+from tests.support.deploy import ROOT, Launch, launch, unknown_env
 
 pytestmark = pytest.mark.unit
 K8S_VERSION = "1.32.0"

@@ -17,21 +17,18 @@ from services.gym_gateway.envs.base import Outcome
 from services.gym_gateway.external import CompleteRequest, ExternalSessions
 from shared.http import HTTPError, decode_body
 from shared.protocol import SamplingParams, Task
+from tests.support.messages import make_task
 
 pytestmark = pytest.mark.unit
 
 
 def _task(i: int) -> Task:
-    return Task(
-        task_id=f"t{i}/0",
-        group_id=f"t{i}",
-        index_in_group=0,
+    return make_task(
+        f"t{i}",
         group_size=2,
         prompt_index=i,
         env="external",
         instance={"row": i},
-        kind="train",
-        target_step=0,
         sampling=SamplingParams(max_tokens=16),
         deadline_s=5.0,
     )

@@ -16,8 +16,9 @@ from services.trainer.buffer import Group
 from shared.config import decode_tree
 from shared.config_error import ConfigError
 from shared.openai_api import FunctionCall, ResponseMessage, ToolCall, ToolCallError
-from shared.protocol import SamplingParams, Task, make_turn
+from shared.protocol import SamplingParams, make_turn
 from shared.sections.gateway import EnvSection
+from tests.support.messages import make_task
 
 pytestmark = pytest.mark.unit
 
@@ -53,19 +54,7 @@ def test_the_observation_names_each_parse_error():
 
 
 def test_ending_at_a_bad_call_is_a_policy_failure_that_keeps_its_turns_and_is_counted_per_step():
-    task = Task(
-        task_id="g/0",
-        group_id="g",
-        index_in_group=0,
-        group_size=2,
-        prompt_index=0,
-        env="crossing",
-        instance={},
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(),
-        deadline_s=10,
-    )
+    task = make_task("g", group_size=2, env="crossing", deadline_s=10)
     failure = classify(ToolCallFailed([ToolCallError(reason="unclosed_tag", message="no closing tag")]))
     assert (failure.reason, failure.kind, failure.retryable) == ("tool_call_unclosed_tag", "policy", False)
     turn = make_turn(prompt_ids=[1, 2], context_len=0, generated_ids=[3], generated_logprobs=[-0.1], weight_version=0)

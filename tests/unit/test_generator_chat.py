@@ -8,7 +8,6 @@ from shared.http import HTTPError, decode_body
 from shared.openai_api import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 
 pytestmark = pytest.mark.unit
-pytest_plugins = ["tests.generator_fixtures"]
 
 
 @pytest.mark.parametrize(

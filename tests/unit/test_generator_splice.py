@@ -9,7 +9,6 @@ from shared.http import HTTPError
 from shared.openai_api import ChatMessage, FunctionCall, ToolCall
 
 pytestmark = pytest.mark.unit
-pytest_plugins = ["tests.generator_fixtures"]
 
 EOS = 2
 

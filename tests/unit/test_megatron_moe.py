@@ -30,10 +30,10 @@ from services.trainer.backends.megatron_convert import read_hf_state  # noqa: E4
 from shared.config_error import ConfigError  # noqa: E402
 from streamrl.model_builder import build_tiny_moe  # noqa: E402
 from streamrl.redis_server import free_port  # noqa: E402
-from tests import megatron_moe_ep as rig  # noqa: E402
+from tests.support.ranks import megatron_moe_ep as rig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "megatron_moe_ep.py"
+SCRIPT = ROOT / "tests" / "support" / "ranks" / "megatron_moe_ep.py"
 VARIANTS = {
     "experts in every layer": {},
     "layer 1 dense": {"mlp_only_layers": [1]},

@@ -18,25 +18,22 @@ from services.trainer.observe import TrainerMetrics
 from services.trainer.refit import RefitReport
 from shared.protocol import Trajectory, make_turn
 from shared.records import BufferSummary, MeanMaxMin, Staleness, StepRecord, StepTiming, decode_record, encode_record
-from tests.record_fixtures import learner_metrics, step_record
+from tests.support.messages import make_trajectory
+from tests.support.records import learner_metrics, step_record
 
 pytestmark = pytest.mark.unit
 
 
 def _traj(task_id: str, turns, *, reward: float, status: str = "ok", mask_sample: bool = False) -> Trajectory:
-    return Trajectory(
-        task_id=task_id,
-        group_id=task_id.split("/")[0],
-        index_in_group=int(task_id[-1]),
-        group_size=2,
-        prompt_index=0,
-        env="e",
-        kind="train",
+    index = int(task_id[-1])
+    return make_trajectory(
+        task_id,
+        turns,
+        index=index,
         target_step=3,
         launch_version=3,
         reward=reward,
         status=status,
-        turns=turns,
         mask_sample=mask_sample,
     )
 

@@ -27,7 +27,7 @@ from services.gym_gateway.envs.openhands import (
 from shared.protocol import SamplingParams
 from shared.sections.env_openhands import OpenHandsSection
 from shared.sections.gateway import EnvSection
-from tests.pids import gone, text_of
+from tests.support.pids import gone, text_of
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,8 @@ from services.gym_gateway.proxy import Session
 from services.gym_gateway.worker import assemble
 from services.trainer.buffer import Group, SampleResult
 from services.trainer.step_record import staleness, trajectory_spans
-from shared.protocol import SamplingParams, Task, Trajectory, make_turn
+from shared.protocol import SamplingParams, Trajectory, make_turn
+from tests.support.messages import make_task, make_trajectory
 
 pytestmark = pytest.mark.unit
 
@@ -94,19 +95,8 @@ async def test_an_abort_without_a_refit_is_not_continued():
 
 
 def _traj(task_id: str, turns, launch_version: int = 0) -> Trajectory:
-    return Trajectory(
-        task_id=task_id,
-        group_id="g",
-        index_in_group=int(task_id[-1]),
-        group_size=2,
-        prompt_index=0,
-        env="e",
-        kind="train",
-        target_step=5,
-        launch_version=launch_version,
-        reward=1.0,
-        status="ok",
-        turns=turns,
+    return make_trajectory(
+        task_id, turns, group_id="g", index=int(task_id[-1]), target_step=5, launch_version=launch_version
     )
 
 
@@ -137,19 +127,7 @@ def test_a_step_reports_the_versions_its_trajectories_span_and_the_worst_age():
 
 
 def test_the_gateway_bounds_a_trajectory_by_its_oldest_token():
-    task = Task(
-        task_id="g/0",
-        group_id="g",
-        index_in_group=0,
-        group_size=1,
-        prompt_index=0,
-        env="e",
-        instance={},
-        kind="train",
-        target_step=5,
-        sampling=SamplingParams(max_tokens=8),
-        deadline_s=60.0,
-    )
+    task = make_task("g", env="e", target_step=5, sampling=SamplingParams(max_tokens=8))
     session = Session("s", "train", SamplingParams(max_tokens=8), "g0", "http://x", open_version=4)
     # The first call was admitted under version 1 and interrupted before its first token: its
     # tokens came from versions 2 and 3, so version 1 generated nothing of this trajectory.

@@ -16,6 +16,7 @@ from shared.protocol import (
     encode,
     make_turn,
 )
+from tests.support.messages import make_task
 
 pytestmark = pytest.mark.unit
 
@@ -78,18 +79,13 @@ def test_token_arrays_are_packed_int32_little_endian():
 
 
 def test_task_and_weights_round_trip():
-    task = Task(
-        task_id="s0-p1/2",
-        group_id="s0-p1",
-        index_in_group=2,
+    task = make_task(
+        "s0-p1",
+        index=2,
         group_size=4,
         prompt_index=1,
-        env="echo",
         instance={"words": ["a", "b"], "n": 3},
-        kind="train",
-        target_step=0,
         sampling=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=32),
-        deadline_s=60.0,
     )
     assert decode(encode(task), Task) == task
     ann = WeightAnnouncement(version=4, path="/w/v4", checksum="ab", num_bytes=10)

@@ -5,7 +5,7 @@ import pytest
 
 from services.trainer.observe import TrainerMetrics
 from services.trainer.refit import RefitReport
-from tests.record_fixtures import step_record
+from tests.support.records import step_record
 
 pytestmark = pytest.mark.unit
 

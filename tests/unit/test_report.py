@@ -12,7 +12,7 @@ import pytest
 
 from services.trainer.metrics_log import MetricsLog
 from shared.records import read_records
-from tests.record_fixtures import step_record, validation_record
+from tests.support.records import step_record, validation_record
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,6 +10,7 @@ from services.trainer.batch import build_row, build_step_batch
 from services.trainer.buffer import Group
 from services.trainer.scheduler import PromptSource, Scheduler
 from shared.protocol import SamplingParams, Trajectory, make_turn
+from tests.support.messages import make_task, make_trajectory
 
 pytestmark = pytest.mark.unit
 
@@ -73,20 +74,7 @@ def test_epoch_order_is_a_permutation(source):
 
 
 def _traj(task_id, turns, reward=1.0, status="ok", group="g"):
-    return Trajectory(
-        task_id=task_id,
-        group_id=group,
-        index_in_group=int(task_id[-1]),
-        group_size=2,
-        prompt_index=0,
-        env="e",
-        kind="train",
-        target_step=0,
-        launch_version=0,
-        reward=reward,
-        status=status,
-        turns=turns,
-    )
+    return make_trajectory(task_id, turns, group_id=group, index=int(task_id[-1]), reward=reward, status=status)
 
 
 def test_row_concatenates_turns_and_masks_only_generated_tokens():
@@ -185,21 +173,9 @@ def test_mask_flag_is_left_out_of_the_record_when_not_carried():
     from services.gym_gateway.envs.base import Outcome
     from services.gym_gateway.proxy import Session
     from services.gym_gateway.worker import assemble
-    from shared.protocol import SamplingParams, Task, decode, encode
+    from shared.protocol import SamplingParams, decode, encode
 
-    task = Task(
-        task_id="g/0",
-        group_id="g",
-        index_in_group=0,
-        group_size=2,
-        prompt_index=0,
-        env="echo",
-        instance={},
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(),
-        deadline_s=60.0,
-    )
+    task = make_task("g", group_size=2)
     session = Session("s", "train", SamplingParams(), "", "", 0)
     carried = assemble(task, session, Outcome(reward=1.0), None, "gw", 0.0, carry_mask_flag=True)
     stripped = assemble(task, session, Outcome(reward=1.0, mask_sample=True), None, "gw", 0.0, carry_mask_flag=False)

@@ -5,6 +5,7 @@ import pytest
 
 from services.trainer.validation import periodic_due, summarize
 from shared.protocol import Trajectory, make_turn
+from tests.support.messages import make_trajectory
 
 pytestmark = pytest.mark.unit
 
@@ -13,20 +14,9 @@ def _traj(prompt: int, j: int, reward: float) -> Trajectory:
     turn = make_turn(
         prompt_ids=[1, 2], context_len=0, generated_ids=[3, 4, 5], generated_logprobs=[-0.1] * 3, weight_version=0
     )
-    return Trajectory(
-        task_id=f"v-{prompt}/{j}",
-        group_id=f"v-{prompt}",
-        index_in_group=j,
-        group_size=4,
-        prompt_index=prompt,
-        env="e",
-        kind="validation",
-        target_step=0,
-        launch_version=0,
-        reward=reward,
-        status="ok",
-        turns=[turn],
-        metrics={"turns": 2.0},
+    task_id = f"v-{prompt}/{j}"
+    return make_trajectory(
+        task_id, [turn], group_size=4, prompt_index=prompt, kind="validation", reward=reward, metrics={"turns": 2.0}
     )
 
 

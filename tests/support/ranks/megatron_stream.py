@@ -1,6 +1,6 @@
 """The megatron backend's collective-refit stream against its published files, at any layout.
 
-    torchrun --nproc-per-node N tests/megatron_stream.py MODEL OUT [--set key=value ...]
+    torchrun --nproc-per-node N tests/support/ranks/megatron_stream.py MODEL OUT [--set key=value ...]
 
 Every rank builds the backend (as the trainer does), publishes the policy to OUT/weights
 (`save_weights`) and drains `weight_tensors`; rank 0 writes OUT/stream.json: the metadata every
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from services.trainer.backends import build_backend  # noqa: E402
 from services.trainer.ranks import SINGLE, join, launched_world_size, leave  # noqa: E402
-from tests.ranked_step import config  # noqa: E402
+from tests.support.ranks.ranked_step import config  # noqa: E402
 
 
 def main() -> int:

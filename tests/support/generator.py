@@ -1,31 +1,27 @@
-"""Fixtures and helpers for the generator's tests (loaded with ``pytest_plugins`` by its modules).
+"""The generator's engine and app on the tiny model, in-process, and model copies its tests need;
+the fixtures that hand these out live in tests/conftest.py (used by more than one tier) and
+tests/integration/conftest.py.
 
-* ``tiny_tokenizer``: the tiny model's tokenizer (session).
-* ``write_config``: writes a run config YAML for the tiny model and returns (path, RunConfig);
-  ``generator_config_tree`` builds the same tree as a dict.
-* ``hf_generator``: the generator app with the transformers engine, served in-process through
-  httpx's ASGI transport with its lifespan running, on a fresh run id of the session's Valkey.
-* ``perturbed_model``: a factory for copies of a model folder with noise added to every weight.
-* ``logprob_reference``: per-token logprobs from a plain transformers forward pass.
-* ``scripted_model``: a factory for copies of a model fine-tuned until greedy decoding of a
-  given prompt reproduces a given answer (real model output with tool calls and reasoning).
-
-Helpers are handed out as fixtures so test modules never import this module directly (pytest
-must import it first to rewrite its asserts).
-
-Builds on ``tiny_model_dir`` and ``redis_url`` from tests/conftest.py.
+* `config_tree` / `write_generator_config`: a run config for the tiny model (YAML path and
+  `RunConfig`).
+* `InProcessGenerator` / `in_process_generator`: the generator app with its lifespan running,
+  behind an httpx client (ASGI transport), on a fresh run id.
+* `wait_generating`: until an engine generated a few tokens of a request.
+* `perturbed_copy`, `fine_tune_to_answer`, `reference_logprobs`: copies of a model folder with
+  noise added, or trained to answer one prompt; per-token logprobs of a plain forward pass.
+* `one_torch_thread`: torch on one thread for a block.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from shared.config import load
@@ -53,28 +49,15 @@ def config_tree(model_dir: Path | str, *, run_id: str, redis_url: str | None, ba
     }
 
 
-@pytest.fixture
-def write_config(tmp_path):
-    def _write(model_dir, *, redis_url=None, backend="transformers", run_id=None, **generation):
-        tree = config_tree(
-            model_dir,
-            run_id=run_id or f"gen-{uuid.uuid4().hex[:8]}",
-            redis_url=redis_url,
-            backend=backend,
-            **generation,
-        )
-        path = tmp_path / f"run-{uuid.uuid4().hex[:6]}.yaml"
-        path.write_text(yaml.safe_dump(tree))
-        return path, load(RunConfig, path, env={})
-
-    return _write
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+def write_generator_config(
+    folder: Path, model_dir: Path | str, *, redis_url=None, backend="transformers", run_id=None, **generation
+) -> tuple[Path, RunConfig]:
+    """`config_tree` (on a fresh run id unless ``run_id``) written to a new file of ``folder``."""
+    run_id = run_id or f"gen-{uuid.uuid4().hex[:8]}"
+    tree = config_tree(model_dir, run_id=run_id, redis_url=redis_url, backend=backend, **generation)
+    path = folder / f"run-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path, load(RunConfig, path, env={})
 
 
 class InProcessGenerator:
@@ -112,52 +95,34 @@ async def wait_generating(engine, task: asyncio.Task, min_tokens: int = 3, timeo
         await asyncio.sleep(0.01)
 
 
-@pytest.fixture(scope="session")
-def until_generating():
-    return wait_generating
-
-
-@pytest.fixture
-async def hf_generator(tiny_model_dir, redis_url, write_config):
-    """Factory: ``async with hf_generator(**generation) as gen``."""
-    import contextlib
-
+@contextlib.asynccontextmanager
+async def in_process_generator(cfg: RunConfig) -> AsyncIterator[InProcessGenerator]:
+    """The generator app of ``cfg`` with its lifespan running, once ready."""
     import httpx
 
     from services.generator.app import build_app
 
-    @contextlib.asynccontextmanager
-    async def _make(*, with_redis: bool = True, model_dir=None, **generation):
-        _, cfg = write_config(model_dir or tiny_model_dir, redis_url=redis_url if with_redis else None, **generation)
-        app = build_app(cfg, worker_id=f"gen-test-{uuid.uuid4().hex[:6]}", port=0)
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://generator", timeout=60.0) as client:
-                gen = InProcessGenerator(app, client, cfg)
-                await gen.wait_ready()
-                yield gen
-
-    return _make
+    app = build_app(cfg, worker_id=f"gen-test-{uuid.uuid4().hex[:6]}", port=0)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://generator", timeout=60.0) as client:
+            gen = InProcessGenerator(app, client, cfg)
+            await gen.wait_ready()
+            yield gen
 
 
-@pytest.fixture(scope="session")
-def generator_config_tree():
-    return config_tree
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for the block: small ops on a busy 2-core machine run many times faster
+    on one thread than on two threads that spin-wait for each other."""
+    import torch
 
-
-@pytest.fixture(scope="session")
-def perturbed_model():
-    return perturbed_copy
-
-
-@pytest.fixture(scope="session")
-def scripted_model():
-    return fine_tune_to_answer
-
-
-@pytest.fixture(scope="session")
-def logprob_reference():
-    return reference_logprobs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def perturbed_copy(src: Path | str, dst: Path | str, *, scale: float = 0.05, seed: int = 1) -> Path:

@@ -10,13 +10,12 @@ old observedGeneration; new pods become ready, and removed pods stay terminating
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import json
-import threading
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
+from tests.support.fakes.http import ThreadedServer, read_json
 
 MERGE_PATCHES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 
@@ -59,8 +58,7 @@ class FakeKubeAPI:
 
     def __post_init__(self) -> None:
         self._pod_ids = itertools.count(1)
-        self._started = threading.Event()
-        self.port = 0
+        self._server = ThreadedServer("fake API server", self._handle, lambda r: web.TCPSite(r, "127.0.0.1", 0))
 
     def add_deployment(self, name: str, component: str, replicas: int, part_of: str = "streamrl") -> None:
         labels = {"app.kubernetes.io/name": part_of, "app.kubernetes.io/component": component}
@@ -76,32 +74,21 @@ class FakeKubeAPI:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
+    @property
+    def port(self) -> int:
+        return self._server.port
+
     def start(self) -> str:
-        threading.Thread(target=self._serve, daemon=True).start()
-        assert self._started.wait(10), "fake API server did not start"
+        self._server.start()
         return f"http://127.0.0.1:{self.port}"
 
-    def _serve(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self._started.set()
-        self._loop.run_forever()
-
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._server.stop()
 
     # -- the API --------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        body = json.loads(raw) if raw else None
+        body = await read_json(request)
         self.calls.append(
             Call(
                 request.method,

@@ -1,6 +1,6 @@
 """A tiny Qwen3-MoE in megatron-core on CPU, at any expert-parallel size (tests/unit/test_megatron_moe.py).
 
-    torchrun --standalone --nproc-per-node N tests/megatron_moe_ep.py IDS OUT MODEL [MODEL ...]
+    torchrun --standalone --nproc-per-node N tests/support/ranks/megatron_moe_ep.py IDS OUT MODEL [MODEL ...]
 
 Every rank joins a gloo group with expert parallelism N (the dense parts data-parallel over the
 same N ranks), and for each MODEL (an HF folder) builds the megatron model, loads the weights of
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from services.trainer.backends import megatron_cpu  # noqa: E402
 from services.trainer.backends.megatron_convert import hf_to_megatron, megatron_to_hf  # noqa: E402

@@ -1,16 +1,19 @@
 """The trainer's control plane and REST app on the tiny model, for integration tests: a config on
 the test's Valkey, a control plane opened (policy loaded, groups made) but not running its loop,
-and the app serving it in-process."""
+and the app serving it in-process; or its loop running against played peers (`play`), waited for
+(`run_to_end`) and stopped (`stop_plane`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
@@ -22,6 +25,7 @@ from shared.auth import AuthPolicy
 from shared.config import decode_tree
 from shared.run_config import RunConfig
 from shared.tasks import cancel_and_wait
+from tests.support.peers import Peers
 
 
 def trainer_config(tmp_path: Path, redis_url: str, model_dir: Path, prefix: str, **sections: Any) -> RunConfig:
@@ -60,6 +64,18 @@ def serving_app(cfg: RunConfig, control: ControlPlane, auth: AuthPolicy | None =
     return build_app(cfg, worker_id=control.worker_id, url=control.url, control=control, run=False, auth=auth)
 
 
+@contextlib.asynccontextmanager
+async def opened_plane(cfg: RunConfig) -> AsyncIterator[tuple[ControlPlane, httpx.AsyncClient]]:
+    """The control plane of ``cfg`` opened (its loop not running) and a client of its REST app;
+    the plane closed after."""
+    rt = control_plane(cfg)
+    await rt.open()
+    app = serving_app(cfg, rt)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
+        yield rt, client
+    await rt.aclose()
+
+
 async def run_to_end(
     run: asyncio.Task[None], timeout_s: float, where: Callable[[], Awaitable[str]] | None = None
 ) -> None:
@@ -83,3 +99,13 @@ async def stop_plane(control: ControlPlane, peers_redis: Redis, *loops: asyncio.
     await control.aclose()
     await peers_redis.aclose()
     assert not stuck, f"still running 30s after they were stopped: {stuck}"
+
+
+async def play(control: ControlPlane, redis_url: str) -> tuple[Peers, asyncio.Task[None], asyncio.Task[None]]:
+    """``control`` opened and its loop started, against a played generator and gateway
+    (`tests.support.peers.Peers`, started first): (peers, the peers' loop, the run). Stop them with
+    `stop_plane` (``peers.redis`` is theirs)."""
+    peers = Peers(redis_url, control.keys)
+    peer_task = asyncio.create_task(peers.run())
+    await control.open()
+    return peers, peer_task, asyncio.create_task(control.run())

@@ -21,7 +21,7 @@ import msgspec
 
 from shared.run_config import RunConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVICE_MODULES = {
     "services.generator": "generator",
     "services.gym_gateway": "gym_gateway",

@@ -1,7 +1,7 @@
 """Train a fixed batch on the trainer's learner at any world size, as the trainer does.
 
-    torchrun --nproc-per-node N tests/ranked_step.py MODEL OUT [--steps K] [--save] [--load CKPT]
-    python tests/ranked_step.py MODEL OUT ...          (one rank)
+    torchrun --nproc-per-node N tests/support/ranks/ranked_step.py MODEL OUT [--steps K] [--save] [--load CKPT]
+    python tests/support/ranks/ranked_step.py MODEL OUT ...          (one rank)
 
 Rank 0 drives a `RankedLearner` (one rank: a `LocalLearner`), every other rank `follow`s, exactly
 as ``python -m services.trainer`` under torchrun wires them, minus the control plane. Rank 0
@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from services.trainer.backends import build_backend  # noqa: E402
 from services.trainer.backends.backend import Backend  # noqa: E402

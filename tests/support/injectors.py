@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from streamrl.redis_server import RedisServer
-from tests.faults.harness import FaultRun
+from tests.support.runs import FaultRun
 
 
 @dataclass

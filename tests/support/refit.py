@@ -1,5 +1,7 @@
-"""Shared set-up of the refit tests against a real Valkey: a trainer-side `WeightPublisher` on a
-fresh run, a stand-in weights writer, and a generator's registry heartbeat as the test plays it."""
+"""Shared set-up of the refit tests against a real Valkey (tests/integration/test_refit.py,
+test_refit_membership.py, test_stream_bad_entries.py, tests/faults/test_refit_redis_pause.py): a
+trainer-side `WeightPublisher` on a fresh run, a stand-in weights writer, and the generators the
+tests play (`tests.support.peers.FakeGenerator`)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,8 @@ from services.trainer.refit import WeightPublisher
 from services.trainer.weight_transport import FilesystemTransport
 from shared import keys as K
 from shared.pause import PauseControl
-from shared.protocol import Heartbeat
-from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
+from tests.support.peers import FakeGenerator
 
 
 def save_dummy(path: Path) -> None | dict[str, str]:
@@ -38,7 +39,6 @@ async def publisher_for(
         await redis.aclose()
 
 
-async def beat(streams: StreamClient, worker_id: str, state: str = "ready") -> None:
-    """One registry heartbeat of generator ``worker_id``, as a generator sends it."""
-    hb = Heartbeat(worker_id=worker_id, kind="generator", url="http://x", pid=1, host="h", state=state)
-    await publish_heartbeat(streams.redis, streams.keys, hb)
+def played(streams: StreamClient, worker_id: str) -> FakeGenerator:
+    """Generator ``worker_id`` as a refit test plays it on the trainer's ``streams``."""
+    return FakeGenerator(streams, worker_id, url="http://x")

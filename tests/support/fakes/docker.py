@@ -10,15 +10,15 @@ cannot create the container would.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+
+from tests.support.fakes.http import ThreadedServer, read_json
 
 API_VERSION = "1.47"
 IMAGE_ID = "sha256:" + "ab" * 32
@@ -59,31 +59,16 @@ class FakeEngine:
 
     def __post_init__(self) -> None:
         self._ids = itertools.count(1)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
-        self._started = threading.Event()
+        self._server = ThreadedServer("fake engine", self._handle, lambda r: web.UnixSite(r, str(self.socket_path)))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> str:
-        threading.Thread(target=self._serve, daemon=True).start()
-        assert self._started.wait(10), "fake engine did not start"
+        self._server.start()
         return f"unix://{self.socket_path}"
 
-    def _serve(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.UnixSite(self._runner, str(self.socket_path)).start())
-        self._started.set()
-        self._loop.run_forever()
-
     def stop(self) -> None:
-        if self._loop is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._server.stop()
 
     # -- what tests look at ---------------------------------------------------------------------
 
@@ -104,11 +89,10 @@ class FakeEngine:
     # -- the API --------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
+        body = await read_json(request)
         path = request.path
         if path.startswith(f"/v{API_VERSION}/"):
             path = path[len(API_VERSION) + 2 :]
-        body = json.loads(raw) if raw else None
         self.calls.append(Call(request.method, self._named(path), dict(request.query), body))
         if path == "/_ping":
             return web.Response(text="OK", headers={"API-Version": API_VERSION, "OSType": "linux"})

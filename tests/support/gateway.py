@@ -1,17 +1,15 @@
-"""Fixtures for the gym gateway's tests (loaded with ``pytest_plugins`` by its modules).
+"""A gym gateway over the session's Valkey, served on loopback ports in the test's event loop, and
+what the gateway tests read back from it. The fixtures that hand these out live in
+tests/integration/conftest.py.
 
-* ``serve_app``: ``async with serve_app(app, port) as url`` serves an ASGI app with uvicorn on a
-  loopback port, lifespan included, and stops it on exit.
-* ``gateway_stack``: ``async with gateway_stack(...) as stack`` starts generator(s) (transformers
-  engine, weights v0 confirmed) and a gateway on loopback ports over the session's Valkey, on a
-  fresh run id; ``stack.stop_generator(i)`` stops one generator mid-test.
-* ``scripted_gateway``: ``async with scripted_gateway(policies, **sections) as stack`` starts a
-  gateway whose only generator is a `tests.scripted_generator.ScriptedGenerator` playing
-  ``policies``: real worker, environments and session proxy, no model.
-* ``registered_env``: ``with registered_env(env): ...`` makes an environment object resolvable by
-  its name for the duration of a test.
-
-Builds on ``tiny_model_dir`` and ``redis_url`` from tests/conftest.py.
+* `serve`: ``async with serve(app, port) as url`` serves an ASGI app with uvicorn on a loopback
+  port, lifespan included, and stops it on exit.
+* `gateway_stack`: ``async with gateway_stack(...)(...) as stack`` starts generator(s)
+  (transformers engine, weights v0 confirmed) and a gateway, on a fresh run id;
+  ``stack.stop_generator(i)`` stops one generator mid-test.
+* `scripted_gateway`: the same with `tests.support.fakes.generator.ScriptedGenerator` playing
+  ``policies`` as the only generator: real worker, environments and session proxy, no model.
+* `collect`, `run_tasks`, `counter_by_reason`: trajectories and counters a test reads back.
 """
 
 from __future__ import annotations
@@ -19,20 +17,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import pytest
 import uvicorn
 import yaml
+from redis.asyncio import Redis
 
 from shared import keys as K
 from shared.config import load
-from shared.protocol import SamplingParams, Task, TaskKind, Trajectory, WeightAck, WeightAnnouncement
+from shared.protocol import SamplingParams, Task, Trajectory, WeightAnnouncement
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
 from shared.weights_format import checksum_dir, dir_num_bytes
 from streamrl.redis_server import free_port
+from tests.support.messages import make_task
+from tests.support.redis import wait_ack
 
 
 class _Served:
@@ -68,39 +71,17 @@ async def serve(app, port: int):
         await served.stop()
 
 
-@pytest.fixture
-def serve_app():
-    return serve
-
-
-async def wait_ack(
-    streams: StreamClient, version: int, worker_id: str | None = None, timeout_s: float = 60
-) -> WeightAck:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    cursor = "0-0"
-    while asyncio.get_running_loop().time() < deadline:
-        for d in await streams.read_after(streams.keys.weight_acks, cursor, WeightAck, block_ms=200):
-            cursor = d.entry_id
-            if d.msg.version == version and worker_id in (None, d.msg.worker_id):
-                assert d.msg.ok, d.msg.error
-                return d.msg
-    raise TimeoutError(f"no ack for v{version}")
-
-
-def make_task(
+def gateway_task(
     i: int, env: str = "crossing", instance: dict | None = None, *, deadline_s: float = 60.0, max_tokens: int = 12
 ) -> Task:
-    return Task(
-        task_id=f"g{i}/0",
-        group_id=f"g{i}",
-        index_in_group=0,
-        group_size=1,
-        prompt_index=i,
+    """Group ``g{i}`` of one rollout (the red light of ``crossing`` unless ``instance`` says)."""
+    sampling = SamplingParams(max_tokens=max_tokens)
+    return make_task(
+        f"g{i}",
         env=env,
         instance=instance or {"light": "red"},
-        kind="train",
-        target_step=0,
-        sampling=SamplingParams(max_tokens=max_tokens),
+        prompt_index=i,
+        sampling=sampling,
         deadline_s=deadline_s,
     )
 
@@ -115,29 +96,11 @@ async def collect(streams: StreamClient, n: int, timeout_s: float = 60) -> list[
 
 
 def single_task(
-    group_id: str,
-    env: str,
-    instance: dict[str, Any],
-    *,
-    prompt_index: int = 0,
-    kind: TaskKind = "train",
-    sampling: SamplingParams | None = None,
-    deadline_s: float = 60.0,
+    group_id: str, env: str, instance: dict[str, Any], *, sampling: SamplingParams | None = None, **fields: Any
 ) -> Task:
-    """A group of one rollout (task id ``group_id/0``) for target step 0."""
-    return Task(
-        task_id=f"{group_id}/0",
-        group_id=group_id,
-        index_in_group=0,
-        group_size=1,
-        prompt_index=prompt_index,
-        env=env,
-        instance=instance,
-        kind=kind,
-        target_step=0,
-        sampling=sampling or SamplingParams(max_tokens=16),
-        deadline_s=deadline_s,
-    )
+    """A group of one rollout (task id ``group_id/0``) for target step 0, 16 tokens a call unless
+    ``sampling`` says; ``fields``: ``prompt_index``, ``kind``, ``deadline_s`` (`make_task`)."""
+    return make_task(group_id, env=env, instance=instance, sampling=sampling or SamplingParams(max_tokens=16), **fields)
 
 
 def crossing_task(head: str, i: int, env: str = "crossing") -> Task:
@@ -195,8 +158,39 @@ def run_tree(model_dir, redis_url: str, out_dir, run_id: str, **sections: dict) 
     return tree
 
 
-@pytest.fixture
-def gateway_stack(tiny_model_dir, redis_url, tmp_path):
+def load_tree(tree: dict, path: Path) -> RunConfig:
+    """``tree`` written to ``path`` as YAML and loaded as the services load it."""
+    path.write_text(yaml.safe_dump(tree))
+    return load(RunConfig, path, env={})
+
+
+@contextlib.asynccontextmanager
+async def trainer_side(cfg: RunConfig, redis_url: str) -> AsyncIterator[tuple[Redis, StreamClient]]:
+    """A connection and the stream client of the trainer's side of run ``cfg`` (its consumer group
+    on the trajectories made); closed after."""
+    redis = connect(redis_url)
+    streams = StreamClient(redis, K.RunKeys(cfg.run.run_id), "test-trainer")
+    await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
+    try:
+        yield redis, streams
+    finally:
+        await redis.aclose()
+
+
+async def publish_v0(streams: StreamClient, model_dir: Path | str, *worker_ids: str) -> None:
+    """Weights v0 announced as the trainer's initial refit does, and confirmed by ``worker_ids``."""
+    ann = WeightAnnouncement(
+        version=0, path=str(model_dir), checksum=checksum_dir(model_dir), num_bytes=dir_num_bytes(model_dir)
+    )
+    await streams.publish(streams.keys.weights, ann)
+    for worker_id in worker_ids:
+        ack = await wait_ack(streams, 0, worker_id=worker_id)
+        assert ack.ok, ack.error
+
+
+def gateway_stacks(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path
+) -> Callable[..., AbstractAsyncContextManager[Stack]]:
     """Factory: ``gateway_stack(num_generators=1, drain_timeout_s=5, model_dir=None, **sections)`` where
     sections (``env={...}``, ``gym_gateway={...}``) update the run config and ``model_dir`` replaces
     the tiny model (as the policy and as weights v0)."""
@@ -208,65 +202,42 @@ def gateway_stack(tiny_model_dir, redis_url, tmp_path):
         model_dir = model_dir or tiny_model_dir
         run_id = f"gw-{uuid.uuid4().hex[:8]}"
         sections["gym_gateway"] = {"drain_timeout_s": drain_timeout_s, **sections.get("gym_gateway", {})}
-        path = tmp_path / f"{run_id}.yaml"
-        path.write_text(yaml.safe_dump(run_tree(model_dir, redis_url, tmp_path, run_id, **sections)))
-        cfg = load(RunConfig, path, env={})
-        redis = connect(redis_url)
-        streams = StreamClient(redis, K.RunKeys(run_id), "test-trainer")
-        await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
-        gens = []
-        try:
-            for i in range(num_generators):
-                port = free_port()
-                gens.append(_Served(build_generator(cfg, worker_id=f"gen-{i}", port=port), port))
-                await gens[-1].start()
-            ann = WeightAnnouncement(
-                version=0, path=str(model_dir), checksum=checksum_dir(model_dir), num_bytes=dir_num_bytes(model_dir)
-            )
-            await streams.publish(streams.keys.weights, ann)
-            for i in range(num_generators):
-                await wait_ack(streams, 0, f"gen-{i}")
-            gw_port = free_port()
-            gateway = build_gateway(cfg, worker_id="gw-0", port=gw_port)
-            async with serve(gateway, gw_port) as gw_url:
-                yield Stack(cfg, gateway, streams, gw_url, gens)
-        finally:
-            for g in reversed(gens):
-                await g.stop()
-            await redis.aclose()
+        cfg = load_tree(run_tree(model_dir, redis_url, tmp_path, run_id, **sections), tmp_path / f"{run_id}.yaml")
+        gens: list[_Served] = []
+        async with trainer_side(cfg, redis_url) as (_, streams):
+            try:
+                for i in range(num_generators):
+                    port = free_port()
+                    gens.append(_Served(build_generator(cfg, worker_id=f"gen-{i}", port=port), port))
+                    await gens[-1].start()
+                await publish_v0(streams, model_dir, *(f"gen-{i}" for i in range(num_generators)))
+                gw_port = free_port()
+                gateway = build_gateway(cfg, worker_id="gw-0", port=gw_port)
+                async with serve(gateway, gw_port) as gw_url:
+                    yield Stack(cfg, gateway, streams, gw_url, gens)
+            finally:
+                for g in reversed(gens):
+                    await g.stop()
 
     return _stack
 
 
-@pytest.fixture
-def scripted_gateway(redis_url, tmp_path):
+def scripted_gateways(redis_url: str, tmp_path: Path) -> Callable[..., AbstractAsyncContextManager[Stack]]:
     """Factory: ``scripted_gateway(policies, **sections)`` (sections as for ``gateway_stack``)."""
     from services.gym_gateway.app import build_app as build_gateway
-    from tests.scripted_generator import ScriptedGenerator
+    from tests.support.fakes.generator import ScriptedGenerator
 
     @contextlib.asynccontextmanager
     async def _stack(policies: dict, **sections: dict):
         run_id = f"sg-{uuid.uuid4().hex[:8]}"
-        path = tmp_path / f"{run_id}.yaml"
-        path.write_text(yaml.safe_dump(run_tree("scripted-policy", redis_url, tmp_path, run_id, **sections)))
-        cfg = load(RunConfig, path, env={})
-        redis = connect(redis_url)
-        streams = StreamClient(redis, K.RunKeys(run_id), "test-trainer")
-        await streams.ensure_group(streams.keys.trajectories, K.TRAINER_GROUP)
-        try:
+        cfg = load_tree(
+            run_tree("scripted-policy", redis_url, tmp_path, run_id, **sections), tmp_path / f"{run_id}.yaml"
+        )
+        async with trainer_side(cfg, redis_url) as (redis, streams):
             async with ScriptedGenerator(policies).serving(serve, redis, streams.keys):
                 gw_port = free_port()
                 gateway = build_gateway(cfg, worker_id="gw-0", port=gw_port)
                 async with serve(gateway, gw_port) as gw_url:
                     yield Stack(cfg, gateway, streams, gw_url)
-        finally:
-            await redis.aclose()
 
     return _stack
-
-
-@pytest.fixture
-def registered_env():
-    from services.gym_gateway.envs import registered
-
-    return registered

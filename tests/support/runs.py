@@ -1,14 +1,16 @@
-"""Harness of the fault-injection tests: a real run whose Valkey and services are processes the
-test started itself, so that it can kill (SIGKILL), freeze (SIGSTOP) and restart each of them by
-pid, and then audit what a user would: the trainer's exit code and error, the per-step ledger of
-consumed trajectory ids in metrics.jsonl, and the trajectories published per task id.
+"""A whole run of the demo on the tiny model, its services started as processes by the test, so
+that it can kill (SIGKILL), freeze (SIGSTOP) and restart each of them by pid, and then audit what a
+user would: the trainer's exit code and error, the per-step ledger of consumed trajectory ids in
+metrics.jsonl, and the trajectories published per task id. Used by tests/faults, tests/soak and the
+``streamrl up`` tests of tests/e2e.
 
-* `write_config`: a run config (the demo's, on the tiny model with the transformers engine, which
-  starts in seconds) with dotted overrides.
-* `Service`: one ``python -m services.<name>`` process in its own process group.
-* `FaultRun`: the run's services, its output folder and read-only views of its Redis.
+* `write_run_config`: a run config (the demo's, on the tiny model with the transformers engine,
+  which starts in seconds) with dotted overrides; `demo_run` the same as a `FaultRun`.
+* `FaultRun`: the run's services (`tests.support.services.Service`), its output folder and
+  read-only views of its Redis.
 * `StreamTail`: every entry of a stream as it was published, read as it comes (the run may trim
   acknowledged entries later), riding out Redis restarts and pauses.
+* `read_metrics`, `ledger` and the assertions on them.
 
 Long variants of the tests are skipped unless STREAMRL_LONG_TESTS=1 (`long_variant`).
 """
@@ -17,14 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +31,7 @@ import yaml
 
 from shared import keys as K
 from shared.protocol import Heartbeat, Trajectory, decode
-from streamrl.redis_server import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.services import ROOT, Service, make_data
 
 _skip_unless_long = pytest.mark.skipif(
     os.environ.get("STREAMRL_LONG_TESTS") != "1", reason="long variant: set STREAMRL_LONG_TESTS=1 to run it"
@@ -48,25 +43,25 @@ def long_variant(test):
     return pytest.mark.long(_skip_unless_long(test))
 
 
-def make_data(folder: Path, n_train: int = 200, n_val: int = 4) -> tuple[Path, Path]:
-    """Train and validation sets of the demo's `crossing` environment."""
-    paths = []
-    for name, n in (("train", n_train), ("val", n_val)):
-        path = folder / f"{name}.jsonl"
-        if not path.is_file():
-            subprocess.run(
-                [sys.executable, "-m", "streamrl.cli", "data", "make", "crossing", str(path), "--n", str(n)],
-                check=True,
-                cwd=ROOT,
-            )
-        paths.append(path)
-    return paths[0], paths[1]
+def batch(steps: int, prompts: int, generations: int) -> dict[str, int]:
+    """The overrides of a run of ``steps`` steps of ``prompts`` groups of ``generations``."""
+    return {
+        "grpo.max_num_steps": steps,
+        "grpo.num_prompts_per_step": prompts,
+        "grpo.num_generations_per_prompt": generations,
+    }
 
 
-def write_config(folder: Path, *, model_dir: Path, redis_url: str, run_id: str, overrides: dict[str, Any]) -> Path:
+def write_run_config(
+    folder: Path, model_dir: Path, redis_url: str | None, run_id: str, overrides: dict[str, Any]
+) -> Path:
     """The demo config on the tiny model and the transformers engine, without validations, with
-    ``overrides`` (dotted keys) on top; written to ``folder/run.yaml``."""
-    train, val = make_data(folder / "data")
+    ``overrides`` (dotted keys) on top; written to ``folder/run.yaml``. Its data (200 training
+    rows, 4 validation rows) in ``folder/data``."""
+    train, val = folder / "data" / "train.jsonl", folder / "data" / "val.jsonl"
+    for path, n in ((train, 200), (val, 4)):
+        if not path.is_file():  # the runs of one folder share it
+            make_data(path, n)
     tree = yaml.safe_load((ROOT / "deploy/configs/demo.yaml").read_text())
     base = {
         "run.run_id": run_id,
@@ -92,83 +87,29 @@ def write_config(folder: Path, *, model_dir: Path, redis_url: str, run_id: str, 
     return path
 
 
-@dataclass
-class Service:
-    """A service process (``python -m <module>``, or ``launcher`` starting it, e.g. torchrun) in its
-    own process group, signalled by pid."""
+def output_dir(config: Path) -> Path:
+    """Where the run of ``config`` writes (run.json, metrics.jsonl, checkpoints)."""
+    return Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
 
-    module: str
-    config: Path
-    worker_id: str
-    log: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-    launcher: list[str] = field(default_factory=list)
 
-    def start(self) -> Service:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                *(self.launcher or ["-m", self.module]),
-                "--config",
-                str(self.config),
-                "--port",
-                str(self.port),
-                "--worker-id",
-                self.worker_id,
-            ],
-            cwd=ROOT,
-            stdout=open(self.log, "ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
-
-    def kill9(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if not self.alive():
-            return
-        self.signal(signal.SIGCONT)  # a frozen process would never see the SIGTERM
-        self.signal(signal.SIGTERM)
+def read_metrics(out: Path) -> list[dict]:
+    """The records of ``out/metrics.jsonl`` so far (none before it exists), as dicts."""
+    path = out / "metrics.jsonl"
+    records: list[dict] = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
         try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait(10)
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line while the trainer is still writing it
+            break
+    return records
 
-    def crashed(self) -> bool:
-        """Exited by anything but a clean end (0, or SIGTERM: a gateway leaves a finished run by
-        signalling itself and uvicorn re-raises the signal after its drain), or logged a CRITICAL."""
-        code = self.proc.poll() if self.proc is not None else None
-        return code not in (None, 0, -signal.SIGTERM) or "CRITICAL" in self.tail(10**7)
 
-    def tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.is_file() else ""
-
-    def get_json(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=5) as resp:
-            return json.loads(resp.read())
-
-    def metric(self, name: str) -> float:
-        """One unlabelled sample of the service's Prometheus /metrics."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
-        raise KeyError(name)
+def demo_run(
+    folder: Path, model_dir: Path, redis_url: str, run_id: str, shape: tuple[int, int, int], **more: Any
+) -> FaultRun:
+    """A `FaultRun` of the demo (`write_run_config`) of ``shape`` (steps, prompts per step,
+    generations per prompt), with the dotted overrides ``more`` (``"a.b": v`` as ``**{...}``)."""
+    return FaultRun(folder, write_run_config(folder, model_dir, redis_url, run_id, {**batch(*shape), **more}))
 
 
 class StreamTail(threading.Thread):
@@ -223,6 +164,13 @@ class FaultRun:
         self.services[worker_id] = svc
         return svc
 
+    def start_services(self, trainer_launcher: list[str] | None = None) -> Service:
+        """One generator, one gateway worker and the trainer (started by ``trainer_launcher``
+        when given); the trainer."""
+        self.start("services.generator", "generator-0")
+        self.start("services.gym_gateway", "gateway-0")
+        return self.start("services.trainer", "trainer", launcher=trainer_launcher)
+
     def restart(self, worker_id: str) -> Service:
         """The same command again (same worker id, port and log)."""
         svc = self.services[worker_id]
@@ -240,16 +188,12 @@ class FaultRun:
     # ---- what a user would check ---------------------------------------------------------------
 
     def records(self) -> list[dict]:
-        path = self.out / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # the last line while the trainer is still writing it
-                break
-        return records
+        return read_metrics(self.out)
+
+    def wait_for_step(self, what: str, step: int, timeout_s: float = 400) -> float:
+        """Until the trainer recorded training step ``step`` (`wait_for`, polling every 20 ms)."""
+        trained = lambda: any(r.get("kind") == "train" and r["step"] >= step for r in self.records())  # noqa: E731
+        return self.wait_for(what, trained, timeout_s, poll_s=0.02)
 
     def trained_steps(self) -> int:
         return len({r["step"] for r in self.records() if r.get("kind") == "train"})
@@ -333,32 +277,3 @@ def assert_every_step_trained_once(records: list[dict], steps: int, rows_per_ste
     assert {s: len(ids) for s, ids in book.items() if len(ids) != rows_per_step} == {}
     ids = [i for step_ids in book.values() for i in step_ids]
     assert len(ids) == len(set(ids)), "a trajectory id was trained twice"
-
-
-# ---- a whole `streamrl up` job ------------------------------------------------------------------
-
-
-def start_job(config: Path, log: Path) -> subprocess.Popen:
-    """``streamrl up CONFIG`` in a session of its own (signals come from the test only)."""
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "streamrl.cli", "up", str(config), "--no-progress"],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def valkey_pid(redis_url: str) -> int | None:
-    """The Valkey serving ``redis_url`` on this machine (its process title names its port)."""
-    port = redis_url.rsplit(":", 1)[1].split("/")[0]
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if "valkey-server" in cmd and f":{port}" in cmd:
-                return int(proc.name)
-    return None
