@@ -59,19 +59,19 @@ done
 for svc in prepare redis generator gym-gateway trainer; do
   [ -n "$(dc ps -a -q "$svc")" ] || { echo "no container of $svc" >&2; fail=1; }
 done
-steps=$(dc run --rm --no-deps -T --entrypoint python trainer -c '
-import json
+steps=$(dc run --rm --no-deps -T -e STREAMRL_STEPS="${STREAMRL_STEPS:-}" --entrypoint python trainer -c '
+import json, os
 from shared.config import load
 from shared.run_config import RunConfig
 cfg = load(RunConfig, "deploy/configs/compose.yaml", env={})
 rows = [json.loads(l) for l in open(cfg.run.output_dir + "/metrics.jsonl")]
 done = sorted({r["step"] for r in rows if r.get("kind") == "train"})
-print(len(done), '"${STREAMRL_STEPS:-}"' or cfg.grpo.max_num_steps)' 2>/dev/null | tail -n 1) || true
+print(len(done), os.environ.get("STREAMRL_STEPS") or cfg.grpo.max_num_steps)' | tail -n 1) || true
 echo "training steps recorded / configured: $steps"
 read -r got want <<<"${steps:-0 ?}"
 [ "$got" = "$want" ] || fail=1
 if [ "$rc" != 0 ] || [ "$fail" != 0 ]; then
-  echo "FAIL: compose exit code $rc" >&2
+  echo "FAIL: compose exit code $rc; a container failed or the steps recorded differ from the steps configured" >&2
   exit 1
 fi
 echo "compose smoke run passed"
