@@ -87,9 +87,7 @@ async def test_episodes_are_isolated_and_a_killed_runner_is_replaced(tmp_path, m
         # killed while it runs an episode: that episode fails, its processes die with it
         [runner] = env.pool.pids
         pidfile = tmp_path / "sleeper.pid"
-        busy = asyncio.create_task(
-            _episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c")
-        )
+        busy = asyncio.create_task(_episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c"))
         sleeper = int(await text_of(pidfile))
         [episode] = [ep.pid for r in env.pool.runners for ep in r.episodes.values()]
         os.kill(runner, signal.SIGKILL)
@@ -113,9 +111,7 @@ async def test_deadline_and_time_limit_kill_the_episodes_processes(tmp_path, mod
 
         # the rollout's deadline: the rollout is cancelled
         pidfile = tmp_path / "cancelled.pid"
-        task = asyncio.create_task(
-            _episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c")
-        )
+        task = asyncio.create_task(_episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "c"))
         sleeper = int(await text_of(pidfile))
         [episode] = [ep.pid for r in env.pool.runners for ep in r.episodes.values()]
         assert os.getpgid(episode) == episode  # the episode leads its own group
