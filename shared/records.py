@@ -69,6 +69,9 @@ class LearnerMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     loss: float
     grad_norm: float
     num_updates: int
+    # updates skipped for a NaN or inf gradient norm (policy.on_nonfinite_grad: skip); loss and
+    # grad_norm are the other updates' means (0.0 when none was applied)
+    num_skipped_updates: int | None = None
     train_tokens: int
     lr: float
     train_time_s: float

@@ -243,6 +243,15 @@ class ControlPlane:
             self.state = TrainerState.COLLECTING
             await self.collector.lookahead_barrier(self.step)
 
+    async def _train(self, step: int, batch: StepBatch) -> LearnerMetrics:
+        """The learner's part of ``step``. A non-finite gradient's error (the backends'
+        `NonFiniteGradient`, a FloatingPointError) is raised again naming the step: the run fails
+        before the step's checkpoint, so the one before it stays the latest."""
+        try:
+            return await self.learner.train(batch)
+        except FloatingPointError as exc:
+            raise type(exc)(f"step {step}: {exc}") from exc
+
     async def _step(self) -> None:
         step = self.step
         await self._hold_while_paused()
@@ -254,7 +263,7 @@ class ControlPlane:
         self.state = TrainerState.TRAINING
         batch = self._batch(sample)
         t_batch = time.perf_counter()
-        learner_metrics = await self.learner.train(batch)
+        learner_metrics = await self._train(step, batch)
         self._check_refit_fidelity(learner_metrics)
         t_train = time.perf_counter()
         report = await self._refit(step + 1)

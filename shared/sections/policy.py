@@ -77,7 +77,7 @@ class MegatronSection(Section):
         dict[str, Any],
         D(
             "fields of megatron.core DistributedDataParallelConfig, passed through (unknown fields are an error); "
-            "check_for_nan_in_grad stays on unless set to false"
+            "check_for_nan_in_grad follows policy.on_nonfinite_grad (on with fail) unless set"
         ),
     ] = msgspec.field(default_factory=dict)
 
@@ -89,6 +89,14 @@ class PolicySection(Section):
     train_global_batch_size: Annotated[int | None, D("rows per optimizer step; null: the whole step's batch")] = None
     train_micro_batch_size: Annotated[int, D("rows per forward/backward pass")] = 8
     max_grad_norm: Annotated[float, D("gradient clipping norm")] = 1.0
+    on_nonfinite_grad: Annotated[
+        Literal["fail", "skip"],
+        D(
+            "an optimizer update whose gradient norm is NaN or inf: fail the run, naming the step and the "
+            "parameters (the checkpoint before it stays the latest), or skip the update (no optimizer or "
+            "schedule step; num_skipped_updates in the step record)"
+        ),
+    ] = "fail"
     precision: Annotated[
         Literal["float32", "bfloat16"],
         D(

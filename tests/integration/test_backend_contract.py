@@ -5,6 +5,7 @@ and a checkpoint restores model, optimizer and schedule so the next step is the 
 
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -12,16 +13,18 @@ import pytest
 import torch
 
 from services.trainer.backends import ADAPTERS, adapter_class, build_backend
+from services.trainer.backends.base import NonFiniteGradient
 from services.trainer.batch import Row, StepBatch
 from shared.config import load
 from shared.config_error import ConfigError
 from shared.records import LearnerMetrics
 from shared.run_config import RunConfig
+from tests.support.gradients import mlp_weight, poison_gradient
 
 pytestmark = pytest.mark.integration
 
 
-def _config(model_dir, backend: str) -> RunConfig:
+def _config(model_dir, backend: str, *extra: str) -> RunConfig:
     return load(
         RunConfig,
         None,
@@ -30,6 +33,7 @@ def _config(model_dir, backend: str) -> RunConfig:
             "data.train_path=t.jsonl",
             f"trainer.backend={backend}",
             "trainer.torch_threads=1",
+            *extra,
         ],
         env={},
     )
@@ -87,6 +91,54 @@ def test_every_backend_trains_exports_and_resumes_the_same_step(backend_name, ti
     assert again.loss == pytest.approx(after.loss, rel=1e-5, abs=1e-7)
     assert again.grad_norm == pytest.approx(after.grad_norm, rel=1e-4)
     assert again.lr == after.lr
+
+
+def _weights(backend) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in backend.model.parameters()]
+
+
+def test_a_nan_gradient_fails_the_step_naming_the_parameter_and_applies_nothing(backend_name, tiny_model_dir):
+    """policy.on_nonfinite_grad: fail (the default). A NaN in one parameter's gradient: the step
+    raises NonFiniteGradient naming that parameter (megatron: its DDP's own check, before the
+    gradients are reduced), and neither the weights nor the schedule moved."""
+    backend = build_backend(_config(tiny_model_dir, backend_name))
+    backend.train_step(_batch(0))
+    name = mlp_weight(backend)
+    poison_gradient(backend, name)
+    before, lr = _weights(backend), backend.scheduler.get_last_lr()
+    with pytest.raises(NonFiniteGradient, match=rf"non-finite gradients on rank 0 in {re.escape(name)}"):
+        backend.train_step(_batch(1))
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(backend), strict=True))
+    assert backend.scheduler.get_last_lr() == lr and backend.updates == 1
+
+
+def test_a_nan_gradient_skips_the_update_when_configured_and_the_next_step_trains(backend_name, tiny_model_dir, caplog):
+    """policy.on_nonfinite_grad: skip. The poisoned update is not applied (no optimizer or schedule
+    step), the step record counts it and the warning names the parameter; the next step trains."""
+    backend = build_backend(_config(tiny_model_dir, backend_name, "policy.on_nonfinite_grad=skip"))
+    name = mlp_weight(backend)
+    poison_gradient(backend, name)
+    before, lr = _weights(backend), backend.scheduler.get_last_lr()
+    skipped = backend.train_step(_batch(0))
+    assert skipped.num_skipped_updates == 1 and skipped.num_updates == 1
+    assert (skipped.loss, skipped.grad_norm) == (0.0, 0.0)  # no update applied: no figures of one
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(backend), strict=True))
+    assert backend.scheduler.get_last_lr() == lr
+    assert any(name in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
+    trained = backend.train_step(_batch(1))
+    assert trained.num_skipped_updates is None and np.isfinite(trained.grad_norm) and trained.grad_norm > 0
+    assert not all(torch.equal(a, b) for a, b in zip(before, _weights(backend), strict=True))
+
+
+def test_skipping_nan_gradients_with_megatrons_own_nan_check_on_is_a_config_error(tiny_model_dir):
+    cfg = _config(
+        tiny_model_dir,
+        "megatron",
+        "policy.on_nonfinite_grad=skip",
+        "policy.megatron_cfg.distributed_data_parallel_config.check_for_nan_in_grad=true",
+    )
+    with pytest.raises(ConfigError, match=r"check_for_nan_in_grad is true.*policy.on_nonfinite_grad is skip"):
+        build_backend(cfg)
 
 
 def test_an_unknown_backend_is_a_config_error_naming_the_key():

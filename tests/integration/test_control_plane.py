@@ -18,12 +18,16 @@ What a user of pause, resume and validation relies on, whatever the machine's sp
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import httpx
 import pytest
 
+from services.trainer.backends.base import NonFiniteGradient
 from services.trainer.batch import StepBatch
+from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.control_plane import ControlPlane
 from services.trainer.intake import RunFailed
 from services.trainer.learner import Learner
@@ -32,6 +36,7 @@ from shared import keys as K
 from shared.pause import PauseReason
 from shared.records import LearnerMetrics, MeanMaxMin, TrainerState, ValidationRecord, read_records, step_records
 from shared.tasks import cancel_and_wait
+from tests.support.gradients import mlp_weight, poison_gradient
 from tests.support.peers import Peers
 from tests.support.trainer import control_plane, play, run_to_end, serving_app, stop_plane, trainer_config
 
@@ -133,6 +138,31 @@ async def test_a_refit_that_delivered_other_weights_fails_the_run_naming_the_ver
         ):
             await run_to_end(run, 120)
         assert control.state == TrainerState.FAILED and control.step == 0
+    finally:
+        await _stop(control, peers, peer_task, run)
+
+
+async def test_a_nan_gradient_fails_the_run_naming_step_and_parameter_and_the_last_checkpoint_stays(
+    tiny_model_dir, redis_url, tmp_path
+):
+    """policy.on_nonfinite_grad: fail (the default), a checkpoint after every step, a NaN in one
+    parameter's gradient at step 1: the run fails saying the step and the parameter, and step 0's
+    checkpoint is the latest (a restart resumes from the weights before the NaN)."""
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-nan", steps=3, lag=0, data_timeout_s=60.0)
+    cfg.checkpointing.save_period = 1
+    control, peers, peer_task, run = await _start(cfg, redis_url)
+    backend = control.learner.backend
+    name = mlp_weight(backend)
+    poison_gradient(backend, name, at_update=1)  # one update a step: step 1's
+    try:
+        said = rf"^step 1: gradient norm nan in update 1 of 1 of this step: .* on rank 0 in {re.escape(name)}$"
+        with pytest.raises(NonFiniteGradient, match=said):
+            await run_to_end(run, 120)
+        assert control.state == TrainerState.FAILED and "step 1" in control.error and name in control.error
+        ckpt_dir = control.checkpointer.ckpt_dir
+        latest = latest_checkpoint(ckpt_dir)
+        assert latest is not None and [p.name for p in ckpt_dir.glob("step_*")] == [latest.name]
+        assert json.loads((latest / "meta.json").read_text())["step"] == 1  # the next step to run: step 0 done
     finally:
         await _stop(control, peers, peer_task, run)
 

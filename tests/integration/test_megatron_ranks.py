@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from tests.integration.test_ranks import (
     LR,
     ROOT,
+    SCRIPT,
     SMALL_FILES,
     VARIANTS,
     assert_exported_in_files,
@@ -40,6 +41,7 @@ from tests.integration.test_ranks import (
     assert_transformers_loads,
     many_ranks,
     one_rank,
+    two_ranks,
     weights,
 )
 
@@ -171,3 +173,42 @@ def test_the_collective_refit_stream_is_the_published_policy_on_rank_0(tiny_mode
     assert [[s["name"], s["shape"]] for s in streamed] == report["metadata"]
     assert sorted(s["name"] for s in streamed) == report["published"]
     assert all(s["equal"] for s in streamed), [s["name"] for s in streamed if not s["equal"]]
+
+
+def test_a_nan_gradient_on_one_data_rank_fails_the_job_naming_the_parameter(tiny_model_dir, tmp_path):
+    """policy.on_nonfinite_grad: fail, data parallelism 2, a NaN in one parameter's gradient on
+    rank 1 only, at step 1 of 3: megatron's DDP check refuses it on rank 1 before the gradients are
+    reduced, the job fails naming the parameter, and rank 0 never finishes the step."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    out = tmp_path / "run"
+    cmd = [*launcher, str(SCRIPT), str(tiny_model_dir), str(out), *MEGATRON, "--steps", "3"]
+    done = subprocess.run(
+        [*cmd, "--nan-step", "1", "--nan-rank", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said[-4000:]
+    name = (out / "poisoned-rank1.txt").read_text()
+    assert "NonFiniteGradient" in said and f"non-finite gradients on rank 1 in {name}" in said, said[-4000:]
+    assert not (out / "metrics.json").exists()
+
+
+def test_a_nan_gradient_on_one_data_rank_is_skipped_on_every_rank_when_configured(tiny_model_dir, tmp_path):
+    """policy.on_nonfinite_grad: skip, the same NaN: after the data-parallel reduction the global
+    gradient norm is NaN on both ranks, both skip that update (so their replicas stay the same),
+    and the job trains the other steps."""
+    run = two_ranks(
+        tiny_model_dir,
+        tmp_path / "run",
+        *MEGATRON,
+        "--steps",
+        "3",
+        "--nan-step",
+        "1",
+        "--nan-rank",
+        "1",
+        "--set",
+        "policy.on_nonfinite_grad=skip",
+    )
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert [m.get("num_skipped_updates") for m in metrics] == [None, 1, None]
+    assert metrics[2]["grad_norm"] > 0

@@ -7,6 +7,7 @@ every tier uses); test modules import the rest directly.
 * Played peers and fakes: `peers` (a generator and a gateway played through Redis), `fakes`
   (a scripted generator, NeMo-Gym's servers, the Docker Engine and Kubernetes APIs).
 * Services in-process: `gateway`, `generator`, `trainer`, `refit`, `scale`.
+* `gradients`: a NaN put into one parameter's gradient (the non-finite-gradient tests).
 * Processes: `services` (the one launcher: a service, a ``streamrl up`` job, a command), `runs`
   (a whole run of the demo to inject faults into), `injectors`, `pids`, `ports`, `redis`,
   `docker_host` (a real Docker engine), `deploy` (the deployment files' checks).

@@ -89,7 +89,8 @@ class ModelAdapter(Protocol):
         ...
 
     def clip_grads(self, model: torch.nn.Module, max_norm: float) -> float:
-        """Clip the gradients to ``max_norm`` by their global norm; that norm."""
+        """Clip the gradients to ``max_norm`` by their global norm (the same on every rank); that
+        norm. A NaN or inf norm leaves the gradients as they are."""
         ...
 
     def checkpoint_state(

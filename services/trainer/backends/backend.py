@@ -47,6 +47,7 @@ import torch
 from services.trainer import mismatch
 from services.trainer.backends import kl_shaping
 from services.trainer.backends.adapter import ModelAdapter
+from services.trainer.backends.base import NonFiniteGradient, describe_nonfinite, nonfinite_grads
 from services.trainer.backends.dcp import LearnerCheckpoint
 from services.trainer.backends.layout import Layout
 from services.trainer.backends.micro_batch import MicroBatch, micro_batch, padded_to_most, split, stacked
@@ -128,8 +129,8 @@ class Backend:
             share = kl_shaping.shaped_share(share, mine, self.layout, self.loss_cfg, self.grpo, acc)
         needs_prev = len(share.updates) > 1 and not self.loss_cfg.force_on_policy_ratio
         prev = self.rows_logprobs(share.rows, share.filler) if needs_prev else None
-        for rows in share.updates:
-            self._update(rows, prev, acc, share.filler)
+        for i, rows in enumerate(share.updates):
+            self._update(rows, prev, acc, share.filler, f"update {i + 1} of {len(share.updates)} of this step")
         acc = global_totals(acc, self.layout)
         if mismatch.debug_enabled() and self.layout.world.is_root:
             line = mismatch.debug_line(acc.records, self.seq_error_threshold)
@@ -145,10 +146,13 @@ class Backend:
             packing_cfg=self.policy.sequence_packing,
         )
 
-    def _update(self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: StepTotals, filler: Row) -> None:
+    def _update(
+        self, rows: list[Row], prev: dict[str, torch.Tensor] | None, acc: StepTotals, filler: Row, which: str
+    ) -> None:
         """One optimizer update over ``rows`` (this rank's share of it), accumulated over
         micro-batches; the gradients, summed over ranks, are normalised once the update's global
-        valid-token (or sequence) count is known."""
+        valid-token (or sequence) count is known. A non-finite gradient norm (the same on every
+        rank: it is global) fails or skips the update (``policy.on_nonfinite_grad``)."""
         self.adapter.zero_grads(self.model, self.optimizer)
         local = self._accumulate(rows, prev, acc, filler)
         self.adapter.grads_ready(self.model)
@@ -168,7 +172,13 @@ class Backend:
                 p.grad.div_(scale)
         grad_norm = self.adapter.clip_grads(self.model, self.policy.max_grad_norm)
         if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at update {self.updates}")
+            names = nonfinite_grads((n, p.grad) for n, p in self.model.named_parameters())
+            what = f"gradient norm {grad_norm} in {which}: {describe_nonfinite(names, self.layout.world.rank)}"
+            if self.policy.on_nonfinite_grad == "fail":
+                raise NonFiniteGradient(what)
+            log.warning("skipped (policy.on_nonfinite_grad: skip) the %s", what)
+            acc.skipped_updates += 1
+            return
         self.optimizer.step()
         self.scheduler.step()
         self.updates += 1

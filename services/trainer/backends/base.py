@@ -21,7 +21,7 @@ every adapter that can run on this machine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +31,35 @@ from services.trainer.backends.layout import Layout
 from services.trainer.batch import StepBatch
 from services.trainer.step_plan import RankShare
 from shared.records import LearnerMetrics
+
+
+class NonFiniteGradient(FloatingPointError):
+    """An optimizer update's gradient norm was NaN or inf while ``policy.on_nonfinite_grad`` is
+    ``fail``: the update was not applied. The message names the parameters whose gradients hold
+    such values on the rank that raised (the control plane adds the step)."""
+
+
+def nonfinite_grads(grads: Iterable[tuple[str, torch.Tensor | None]]) -> list[str]:
+    """The names of ``(name, gradient)`` pairs whose gradient (a DTensor's local shard) holds a
+    NaN or an inf, in order."""
+    from torch.distributed.tensor import DTensor
+
+    names = []
+    for name, g in grads:
+        if g is None:
+            continue
+        local = g.to_local() if isinstance(g, DTensor) else g
+        if not bool(torch.isfinite(local).all()):
+            names.append(name)
+    return names
+
+
+def describe_nonfinite(names: list[str], rank: int, shown: int = 3) -> str:
+    """Which parameters hold the non-finite gradients, for an error or a warning."""
+    if not names:
+        return f"no parameter's gradient on rank {rank} holds one (another rank's does)"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"non-finite gradients on rank {rank} in {', '.join(names[:shown])}{more}"
 
 
 class TrainingBackend(Protocol):

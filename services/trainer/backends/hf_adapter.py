@@ -20,6 +20,7 @@ collective refit streams the same tensors. Built by `services.trainer.backends.b
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,7 +142,15 @@ class HFAdapter:
         """Nothing to do: FSDP2 reduced the gradients in the backward passes."""
 
     def clip_grads(self, model: torch.nn.Module, max_norm: float) -> float:
-        return _as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        """torch's clipping by the global norm (a DTensor's over its mesh), in its two halves so that
+        a non-finite norm leaves the gradients as they are (not all NaN), for the step runner to
+        name the parameters that hold one."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        value = _as_float(norm)
+        if math.isfinite(value):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return value
 
     # ---- state and weights ----------------------------------------------------------------------
 

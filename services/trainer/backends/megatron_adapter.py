@@ -59,6 +59,7 @@ from services.trainer.backends import (
     step,
 )
 from services.trainer.backends.adapter import LoadedModel, OnLogits
+from services.trainer.backends.base import NonFiniteGradient, describe_nonfinite, nonfinite_grads
 from services.trainer.backends.hf_adapter import adamw_settings, compute_dtype
 from services.trainer.backends.layout import Layout
 from services.trainer.backends.megatron_convert import (
@@ -134,9 +135,7 @@ class MegatronAdapter:
             compute_dtype=self.dtype,
         ).to(self._device)
         self._load_hf(model)
-        ddp = DistributedDataParallel(
-            config=model.config, ddp_config=ddp_config(self.policy.megatron_cfg), module=model
-        )
+        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config(self.policy), module=model)
         # Set after DDP has chosen to average gradients over the data ranks (as FSDP2 does, which the
         # update's normalisation expects): the pipeline schedule then keeps our summed losses as
         # they are instead of dividing them by the micro-batch count.
@@ -271,7 +270,15 @@ class MegatronAdapter:
         to the optimizer as .grad."""
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([model])
+        try:
+            finalize_model_grads([model])
+        except RuntimeError as exc:  # DDP's check_for_nan_in_grad, on this rank's buckets
+            if "found NaN" not in str(exc) and "found Inf" not in str(exc):
+                raise
+            names = nonfinite_grads((n, getattr(p, "main_grad", p.grad)) for n, p in model.named_parameters())
+            raise NonFiniteGradient(
+                f"megatron-core's check_for_nan_in_grad: {exc}; {describe_nonfinite(names, self.layout.world.rank)}"
+            ) from None
         for p in model.parameters():
             if getattr(p, "main_grad", None) is not None:
                 p.grad = p.main_grad.to(p.dtype)

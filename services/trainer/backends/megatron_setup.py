@@ -28,15 +28,25 @@ if TYPE_CHECKING:
 _DDP_KEY = "policy.megatron_cfg.distributed_data_parallel_config"
 
 
-def ddp_config(cfg: MegatronSection) -> DistributedDataParallelConfig:
-    """megatron-core DistributedDataParallelConfig from the run config (nan check on by default)."""
+def ddp_config(policy: PolicySection) -> DistributedDataParallelConfig:
+    """megatron-core DistributedDataParallelConfig from the run config. Its NaN check (which
+    raises on the rank that finds one, before the gradients are reduced) is on when a non-finite
+    gradient fails the run, off when the update is skipped (the step runner skips it on every rank
+    at once)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    cfg = policy.megatron_cfg
     fields = DistributedDataParallelConfig.__dataclass_fields__
     for key in cfg.distributed_data_parallel_config:
         if key not in fields:
             raise ConfigError(f"{_DDP_KEY}.{key} is not a field of megatron.core DistributedDataParallelConfig")
-    values = {"check_for_nan_in_grad": True, **cfg.distributed_data_parallel_config}
+    skip = policy.on_nonfinite_grad == "skip"
+    if skip and cfg.distributed_data_parallel_config.get("check_for_nan_in_grad"):
+        raise ConfigError(
+            f"{_DDP_KEY}.check_for_nan_in_grad is true, which fails the run on a NaN gradient, while "
+            "policy.on_nonfinite_grad is skip: set one of them"
+        )
+    values = {"check_for_nan_in_grad": not skip, **cfg.distributed_data_parallel_config}
     return DistributedDataParallelConfig(**values)
 
 

@@ -23,7 +23,8 @@ class StepTotals:
 
     sums: dict[str, float] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # of the updates applied
+    skipped_updates: int = 0  # non-finite gradient norm (the same on every rank)
     records: list[mismatch.SeqRecord] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)  # row lengths of each micro-batch run
 
@@ -37,7 +38,7 @@ def global_totals(acc: StepTotals, layout: Layout) -> StepTotals:
     """The step's totals over its data ranks (losses and norms are global already), as the last
     stage scored them, on every rank."""
     if layout.data.sharded:
-        out = StepTotals(losses=acc.losses, grad_norms=acc.grad_norms)
+        out = StepTotals(losses=acc.losses, grad_norms=acc.grad_norms, skipped_updates=acc.skipped_updates)
         for sums, records, shapes in layout.data.gather((acc.sums, acc.records, acc.shapes)):
             out.add(sums)
             out.records += records
@@ -82,9 +83,10 @@ def learner_metrics(
     seq = mismatch.summarize(acc.records, seq_error_threshold)
     masked = seq.pop("num_masked_seqs_by_logprob_error", None)
     return LearnerMetrics(
-        loss=float(np.mean(acc.losses)),
-        grad_norm=float(np.mean(acc.grad_norms)),
+        loss=float(np.mean(acc.losses)) if acc.losses else 0.0,  # of the updates applied
+        grad_norm=float(np.mean(acc.grad_norms)) if acc.grad_norms else 0.0,
         num_updates=num_updates,
+        num_skipped_updates=acc.skipped_updates or None,
         train_tokens=int(sums.get("tokens", 0.0)),
         lr=lr,
         train_time_s=train_time_s,

@@ -12,7 +12,9 @@ writes OUT/manifest-rankR.json, what its backend's `save_weights` returned, and
 OUT/load-rankR.json, the bytes it read of the checkpoint when it read only its shards (null when
 it loaded it whole). --load restores a learner checkpoint (written at any world size) before
 training. --kill-rank R --kill-step S: rank R
-kills itself (SIGKILL) inside step S's first forward pass.
+kills itself (SIGKILL) inside step S's first forward pass. --nan-step S [--nan-rank R]: rank R
+(default every rank) puts a NaN into one parameter's gradient in step S
+(`tests.support.gradients`) and writes that parameter's name to OUT/poisoned-rankR.txt.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from services.trainer.rank_learner import RankedLearner, follow  # noqa: E402
 from services.trainer.ranks import SINGLE, join, launched_world_size, leave  # noqa: E402
 from shared.config import load  # noqa: E402
 from shared.run_config import RunConfig  # noqa: E402
+from tests.support.gradients import mlp_weight, poison_gradient  # noqa: E402
 
 
 def config(model: str, extra: list[str]) -> RunConfig:
@@ -99,6 +102,8 @@ def main() -> int:
     p.add_argument("--load")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--nan-step", type=int, default=-1)
+    p.add_argument("--nan-rank", type=int, default=-1, help="-1: every rank")
     p.add_argument("--max-weight-file-bytes", type=int, default=None)
     p.add_argument("--set", action="append", default=[], help="config override key=value")
     args = p.parse_args()
@@ -111,6 +116,11 @@ def main() -> int:
         backend = build_backend(cfg, ranks, max_weight_file_bytes=args.max_weight_file_bytes)
         if ranks.rank == args.kill_rank:
             _kill_in_step(backend, args.kill_step - args.first_step)
+        if args.nan_step >= 0 and args.nan_rank in (-1, ranks.rank):
+            name = mlp_weight(backend)
+            (out / f"poisoned-rank{ranks.rank}.txt").write_text(name)
+            updates_a_step = len(backend.plan(batch(0))[0].updates)
+            poison_gradient(backend, name, at_update=(args.nan_step - args.first_step) * updates_a_step)
         _record_manifest(backend, out / f"manifest-rank{ranks.rank}.json")
         (out / f"load-rank{ranks.rank}.json").write_text(json.dumps({"bytes_read": backend.checkpoint_bytes_read}))
         return backend
