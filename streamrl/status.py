@@ -29,7 +29,7 @@ import msgspec
 from shared.auth import client_headers, load_api_token, redact_url
 from shared.protocol import RUN_FILE, ProtocolError, RunFile, read_run_file
 from shared.queue_stats import RunSnapshot, find_runs, snapshot
-from shared.records import TrainerStatus
+from shared.records import TrainerStatus, read_records, step_records
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -39,19 +39,47 @@ class StatusError(RuntimeError):
     """The run cannot be found or reached; the message says what to set."""
 
 
-def find_run_file(run_dir: Path | None) -> RunFile | None:
-    """The run file of ``run_dir`` (or of runs/demo, then any folder under runs/); None if none."""
+def find_run_file(run_dir: Path | None) -> tuple[Path, RunFile] | None:
+    """The folder and run file of ``run_dir`` (or of runs/demo, then any folder under runs/); None
+    if none."""
     candidates = [run_dir] if run_dir else [Path("runs/demo"), *sorted(Path("runs").glob("*"))]
     for d in candidates:
         f = Path(d) / RUN_FILE
         if f.is_file():
             try:
-                return read_run_file(f)
+                return Path(d), read_run_file(f)
             except ProtocolError as exc:
                 raise StatusError(str(exc)) from None
     if run_dir:
         raise StatusError(f"no {RUN_FILE} in {run_dir} (is it the output folder of `streamrl up`?)")
     return None
+
+
+def no_live_run(folder: Path, run: RunFile) -> str | None:
+    """What to say when the run a run file names has ended: none of the processes it records is
+    alive (a live one: None, the run's Redis may just be slow or moved). Where the last run wrote
+    its records and logs, and its last step record."""
+    if any(child.pid is not None and _alive(child.pid) for child in run.children.values()):
+        return None
+    try:
+        steps = step_records(read_records(folder / "metrics.jsonl"))
+        last = f"its last step record is step {steps[-1].step}" if steps else "it wrote no step record"
+    except ValueError as exc:  # a line that is no record
+        last = f"its records do not read: {exc}"
+    return (
+        f"no run is live: the last one in {folder} (run id {run.run_id!r}) has ended and none of its "
+        f"processes is running; {last}. Records: {folder / 'metrics.jsonl'}, logs: {folder / 'logs'}"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def resolve_redis_url(option: str | None, run_file: RunFile | None) -> str:
@@ -207,7 +235,8 @@ def run_status(
     # A Redis named on the command line or in the environment is not paired with some other run's file.
     explicit = redis_url or os.environ.get("REDIS_URL")
     trainer_url = trainer_url or os.environ.get("STREAMRL_TRAINER_URL")
-    run_file = find_run_file(run_dir) if run_dir or not (explicit or trainer_url) else None
+    found = find_run_file(run_dir) if run_dir or not (explicit or trainer_url) else None
+    run_file = found[1] if found else None
     trainer_url = (trainer_url or (run_file.trainer_url if run_file else "")).rstrip("/")
     if not (explicit or (run_file and run_file.redis_url)) and trainer_url:
         alone = fetch_trainer_status(trainer_url, timeout_s=10.0)
@@ -216,7 +245,13 @@ def run_status(
         render_trainer_only(alone)
         return None
     url = resolve_redis_url(redis_url, run_file)
-    snap = asyncio.run(gather(url, run_id or (run_file.run_id if run_file else None)))
+    try:
+        snap = asyncio.run(gather(url, run_id or (run_file.run_id if run_file else None)))
+    except StatusError:
+        ended = no_live_run(*found) if found and not explicit else None
+        if ended is None:
+            raise
+        raise StatusError(ended) from None
     trainer = trainer_status(snap, trainer_url or None)
     if as_json:
         return to_json(snap, trainer)

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from shared import keys as K
-from shared.protocol import RunFile, SamplingParams, Task, write_run_file
+from shared.protocol import RunChild, RunFile, SamplingParams, Task, write_run_file
+from shared.records import encode_record
 from shared.registry import publish_heartbeat
 from shared.streams import StreamClient, connect
 from tests.support.messages import make_heartbeat, make_task
+from tests.support.records import step_record
 from tests.support.redis import start_valkey
 
 pytestmark = pytest.mark.integration
@@ -129,4 +131,34 @@ def test_a_file_that_is_no_run_file_is_refused_naming_it(tmp_path):
 
 def test_unknown_redis_is_a_clear_error():
     out = _status("--redis-url", "redis://127.0.0.1:1/0", "--run-id", RUN_ID)
+    assert out.returncode == 1 and "cannot read Redis at redis://127.0.0.1:1/0" in out.stderr
+
+
+def _ended_pid() -> int:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
+def test_a_run_that_has_ended_is_said_plainly_with_where_its_records_are(tmp_path):
+    """The run file of a finished `streamrl up` job: its embedded Redis and every process it
+    records are gone. Not a connection error to a stale port: no run is live, and where the last
+    one wrote its records, with its last step."""
+    children = {"trainer": RunChild(pid=_ended_pid(), url="http://127.0.0.1:9", log="logs/trainer.log")}
+    write_run_file(
+        tmp_path, RunFile(run_id=RUN_ID, redis_url="redis://127.0.0.1:1/0", trainer_url="", children=children)
+    )
+    (tmp_path / "metrics.jsonl").write_bytes(b"".join(encode_record(r) + b"\n" for r in (step_record(0), step_record(1))))
+    out = _status("--run-dir", str(tmp_path))
+    assert out.returncode == 1, out.stdout
+    assert "no run is live" in out.stderr and "cannot read Redis" not in out.stderr
+    assert f"its last step record is step 1. Records: {tmp_path / 'metrics.jsonl'}" in " ".join(out.stderr.split())
+
+
+def test_a_run_whose_processes_live_but_whose_redis_does_not_answer_is_a_connection_error(tmp_path):
+    children = {"trainer": RunChild(pid=os.getpid(), url="http://127.0.0.1:9", log="logs/trainer.log")}
+    write_run_file(
+        tmp_path, RunFile(run_id=RUN_ID, redis_url="redis://127.0.0.1:1/0", trainer_url="", children=children)
+    )
+    out = _status("--run-dir", str(tmp_path))
     assert out.returncode == 1 and "cannot read Redis at redis://127.0.0.1:1/0" in out.stderr
