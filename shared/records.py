@@ -86,6 +86,16 @@ class LearnerMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     clip_fraction: float | None = None
     kl_penalty: float | None = None
     max_abs_logprob_diff: float | None = None
+    # NeMo-RL's other divergences over the same tokens: KL(trainer || generator) (k3),
+    # Jensen-Shannon, and the current policy's entropy importance-weighted to the generator's samples
+    policy_kl_error: float | None = None
+    js_divergence_error: float | None = None
+    approx_entropy: float | None = None
+    # the policy ratio pi/pi_old over the loss tokens (mean, clipped mean, extremes; none: no token)
+    probs_ratio: float | None = None
+    probs_ratio_clamped: float | None = None
+    probs_ratio_min: float | None = None
+    probs_ratio_max: float | None = None
     # with top_p < 1 (a diagnostic): token_mult_prob_error and gen_kl_error against the old policy
     # scored without the nucleus truncation, the bias the trainer's truncation removes
     token_mult_prob_error_untruncated: float | None = None

@@ -40,6 +40,7 @@ kl_penalty (mean kl_t). Pure torch; called by the training backend per micro-bat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -210,5 +211,45 @@ def clipped_pg_loss(
             "clip_fraction_sum": float((((ratio - clipped).abs() > 1e-9).float() * mask).sum()),
             "kl_penalty_sum": kl_sum,
             "max_abs_logprob_diff": float(diff.abs().max()) if mask.any() else 0.0,
+            **divergence_sums(curr_lp.detach(), prev_lp, gen_lp, mask),
+            **ratio_sums(ratio.detach(), clipped.detach(), mask),
         }
     return loss, metrics
+
+
+def _k3(log_r: torch.Tensor) -> torch.Tensor:
+    """Per token, the k3 estimate of KL(q || p) from samples of q, given log r = log p - log q."""
+    return torch.exp(log_r) - log_r - 1.0
+
+
+def divergence_sums(
+    curr_lp: torch.Tensor, prev_lp: torch.Tensor, gen_lp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """NeMo-RL's other trainer/generator divergences, summed over ``mask``'s tokens (the step
+    divides by its tokens), all from the tokens the generator sampled:
+
+    * ``policy_kl_error``: KL(P_train || P_gen), the reverse of ``gen_kl_error`` (k3 with the log
+      ratio turned round);
+    * ``js_divergence_error``: the Jensen-Shannon divergence, half of each side's k3 KL to the
+      mixture M = (P_train + P_gen) / 2;
+    * ``approx_entropy``: the current policy's entropy, importance-weighted to the generator's
+      samples (-exp(logp_curr - logp_gen) logp_curr)."""
+    log_mix = torch.logaddexp(prev_lp, gen_lp) - math.log(2.0)
+    js = 0.5 * _k3(log_mix - prev_lp) + 0.5 * _k3(log_mix - gen_lp)
+    entropy = -torch.exp(curr_lp - gen_lp) * curr_lp
+    return {
+        "policy_kl_error_sum": float((_k3(gen_lp - prev_lp) * mask).sum()),
+        "js_divergence_error_sum": float((js * mask).sum()),
+        "approx_entropy_sum": float((entropy * mask).sum()),
+    }
+
+
+def ratio_sums(ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The policy ratio's sum over ``mask``'s tokens (``probs_ratio``), the clipped ratio's
+    (``probs_ratio_clamped``), and their extremes; no extreme without a token."""
+    sums = {"probs_ratio_sum": float((ratio * mask).sum()), "probs_ratio_clamped_sum": float((clipped * mask).sum())}
+    if mask.any():
+        kept = ratio[mask > 0]
+        sums["max_probs_ratio"] = float(kept.max())
+        sums["min_probs_ratio"] = float(kept.min())
+    return sums

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -66,6 +67,12 @@ class TrainerMetrics(ServiceMetrics):
         self.val_accuracy = Gauge("streamrl_trainer_validation_accuracy", "Accuracy of the last validation", registry=r)
         self.nemo_rl = Gauge(
             "streamrl_trainer_nemo_rl", "The last step's figures under NeMo-RL's names", ["name"], registry=r
+        )
+        self.learner = Gauge(
+            "streamrl_trainer_learner",
+            "The last step's learner figures (loss, grad_norm, the trainer/generator divergences, probs_ratio, ...)",
+            ["name"],
+            registry=r,
         )
         self.staleness = Histogram(
             "streamrl_trainer_trajectory_staleness_steps",
@@ -142,6 +149,9 @@ class TrainerMetrics(ServiceMetrics):
         if record.nemo_rl is not None:
             for name, value in record.nemo_rl.named().items():
                 self.nemo_rl.labels(name=name).set(value)
+        for name, value in msgspec.structs.asdict(record.learner).items():
+            if isinstance(value, int | float) and not isinstance(value, bool):  # None: not measured this step
+                self.learner.labels(name=name).set(value)
 
     def update_from_control(self, control: ControlView) -> None:
         """The control plane's live state, read at scrape time."""

@@ -76,6 +76,12 @@ def test_every_backend_trains_exports_and_resumes_the_same_step(backend_name, ti
     first = backend.train_step(_batch(0))
     assert isinstance(first, LearnerMetrics) and first.num_updates == 1
     assert np.isfinite([first.loss, first.grad_norm, first.lr]).all() and first.train_tokens == 4 * 6
+    # NeMo-RL's divergences and ratio figures: one update, so the old policy is this pass's own
+    # and every ratio is exactly 1; the generator's made-up logprobs are 3 nats below, so the
+    # divergences are positive and the entropy estimate is finite
+    assert (first.probs_ratio, first.probs_ratio_min, first.probs_ratio_max) == (1.0, 1.0, 1.0)
+    assert first.probs_ratio_clamped == 1.0
+    assert first.policy_kl_error > 0 and first.js_divergence_error > 0 and np.isfinite(first.approx_entropy)
 
     backend.save_weights(tmp_path / "weights")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "weights")

@@ -148,7 +148,9 @@ def test_a_run_that_has_ended_is_said_plainly_with_where_its_records_are(tmp_pat
     write_run_file(
         tmp_path, RunFile(run_id=RUN_ID, redis_url="redis://127.0.0.1:1/0", trainer_url="", children=children)
     )
-    (tmp_path / "metrics.jsonl").write_bytes(b"".join(encode_record(r) + b"\n" for r in (step_record(0), step_record(1))))
+    (tmp_path / "metrics.jsonl").write_bytes(
+        b"".join(encode_record(r) + b"\n" for r in (step_record(0), step_record(1)))
+    )
     out = _status("--run-dir", str(tmp_path))
     assert out.returncode == 1, out.stdout
     assert "no run is live" in out.stderr and "cannot read Redis" not in out.stderr

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.loss import LossNormalizer, clipped_pg_loss
+from services.trainer.loss import LossNormalizer, clipped_pg_loss, divergence_sums, ratio_sums
 from shared.sections.grpo import LossSection
 
 pytestmark = pytest.mark.unit
@@ -136,3 +136,43 @@ def test_seq_mask_tis_needs_a_lower_bound():
     with pytest.raises(ConfigError, match="truncated_importance_sampling_ratio_min"):
         load(RunConfig, None, base, env={})
     assert load(RunConfig, None, base + ["loss_fn.truncated_importance_sampling_ratio_min=0.5"], env={})
+
+
+def _pair(seed: int, vocab: int = 12, spread: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two nearby categorical distributions over ``vocab`` tokens, as log-probabilities."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(vocab, generator=g, dtype=torch.float64)
+    return torch.log_softmax(base, -1), torch.log_softmax(
+        base + spread * torch.randn(vocab, generator=g, dtype=torch.float64), -1
+    )
+
+
+def test_the_divergences_are_their_definitions_in_expectation_over_the_generators_samples():
+    """Every token of the vocabulary scored once, weighted by its probability under the generator
+    (the expectation the per-token estimates are averaged towards): the importance-weighted
+    entropy is the policy's entropy exactly, the Jensen-Shannon and reverse-KL estimates agree
+    with their closed forms to second order in the distance, and all three vanish when trainer
+    and generator agree."""
+    for seed in range(3):
+        p, q = _pair(seed, spread=0.03)  # trainer (prev and current), generator
+        weights = q.exp()[None, :]  # one row, every token, each weighted by q
+        sums = divergence_sums(p[None, :], p[None, :], q[None, :], weights)
+        entropy = float(-(p.exp() * p).sum())
+        assert sums["approx_entropy_sum"] == pytest.approx(entropy, rel=1e-9)
+        m = torch.logaddexp(p, q) - math.log(2.0)
+        js = float(0.5 * (p.exp() * (p - m)).sum() + 0.5 * (q.exp() * (q - m)).sum())
+        assert sums["js_divergence_error_sum"] == pytest.approx(js, rel=0.1)
+        reverse = float((p.exp() * (p - q)).sum())  # KL(P_train || P_gen)
+        assert sums["policy_kl_error_sum"] == pytest.approx(reverse, rel=0.1)
+        same = divergence_sums(q[None, :], q[None, :], q[None, :], weights)
+        assert same["policy_kl_error_sum"] == pytest.approx(0.0, abs=1e-12)
+        assert same["js_divergence_error_sum"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_probs_ratio_extremes_are_over_the_loss_tokens_only():
+    ratio = torch.tensor([[0.5, 1.0, 9.0], [1.5, 1.2, 0.1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    sums = ratio_sums(ratio, ratio.clamp(0.8, 1.2), mask)
+    assert (sums["min_probs_ratio"], sums["max_probs_ratio"]) == (0.5, 1.5)
+    assert sums["probs_ratio_sum"] == pytest.approx(3.0) and sums["probs_ratio_clamped_sum"] == pytest.approx(3.0)
+    assert "min_probs_ratio" not in ratio_sums(ratio, ratio, torch.zeros_like(mask))

@@ -139,6 +139,7 @@ def test_the_names_are_nemo_rls_in_json_tensorboard_and_prometheus():
     assert not any(t.startswith(("train/nemo_rl", "nemo_rl")) for t in tags)
     assert {t.split("/")[0] for t in record.nemo_rl.named()} == {"timing", "performance", "train"}
 
+    record.learner.policy_kl_error = 2e-3
     metrics = TrainerMetrics()
     metrics.observe_record(record)
     [family] = [
@@ -146,6 +147,12 @@ def test_the_names_are_nemo_rls_in_json_tensorboard_and_prometheus():
     ]
     gauge = {s.labels["name"]: s.value for s in family.samples}
     assert gauge == record.nemo_rl.named() and gauge["timing/train/total_step_time"] == 10.0
+    [learner] = [
+        f for f in text_string_to_metric_families(metrics.render().decode()) if f.name == "streamrl_trainer_learner"
+    ]
+    figures = {s.labels["name"]: s.value for s in learner.samples}
+    assert figures["loss"] == record.learner.loss and figures["policy_kl_error"] == record.learner.policy_kl_error
+    assert "probs_ratio_max" not in figures  # not measured in this record: no sample, not a zero
 
 
 def test_records_written_before_the_nemo_rl_figures_still_read():

@@ -29,9 +29,14 @@ class StepTotals:
     shapes: list[list[int]] = field(default_factory=list)  # row lengths of each micro-batch run
 
     def add(self, sums: dict[str, float]) -> None:
-        """Add a micro-batch's sums (``max_*`` figures keep the largest)."""
+        """Add a micro-batch's sums (``max_*`` figures keep the largest, ``min_*`` the smallest)."""
         for k, v in sums.items():
-            self.sums[k] = max(self.sums.get(k, 0.0), v) if k.startswith("max_") else self.sums.get(k, 0.0) + v
+            if k.startswith("max_"):
+                self.sums[k] = max(self.sums.get(k, v), v)
+            elif k.startswith("min_"):
+                self.sums[k] = min(self.sums.get(k, v), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v
 
 
 def global_totals(acc: StepTotals, layout: Layout) -> StepTotals:
@@ -100,6 +105,13 @@ def learner_metrics(
         clip_fraction=sums.get("clip_fraction_sum", 0.0) / tokens,
         kl_penalty=kl,
         max_abs_logprob_diff=sums.get("max_abs_logprob_diff", 0.0),
+        policy_kl_error=sums.get("policy_kl_error_sum", 0.0) / tokens,
+        js_divergence_error=sums.get("js_divergence_error_sum", 0.0) / tokens,
+        approx_entropy=sums.get("approx_entropy_sum", 0.0) / tokens,
+        probs_ratio=sums.get("probs_ratio_sum", 0.0) / tokens,
+        probs_ratio_clamped=sums.get("probs_ratio_clamped_sum", 0.0) / tokens,
+        probs_ratio_min=sums.get("min_probs_ratio"),
+        probs_ratio_max=sums.get("max_probs_ratio"),
         num_masked_seqs_by_logprob_error=None if masked is None else int(masked),
         micro_batch_token_efficiency=token_efficiency(acc.shapes, packing_cfg),
         **seq,
