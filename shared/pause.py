@@ -8,8 +8,13 @@ reason): a user pause and a refit can be active together, and ending one leaves 
 
     reason       set by                        closes the launch gate   stops training-task issue
     USER         POST /pause on the trainer    yes                      yes (and steps, at a boundary)
+    INFRA        the trainer, over its budget  yes                      yes (and the step it holds)
+                 of infrastructure failures
     REFIT        the trainer's weight refit    yes                      no
     VALIDATION   the trainer's validation      no                       yes
+
+USER and INFRA hold the run (`PauseReason.holds_run`) until POST /resume (`streamrl resume`) ends
+them.
 
 Writers: the trainer (`PauseControl`). Readers: gateway workers (`launch_gate_closed`, polled
 before every task read), `streamrl status` and the trainer's /status (`read_pauses`).
@@ -29,18 +34,24 @@ log = logging.getLogger(__name__)
 
 class PauseReason(enum.StrEnum):
     USER = "user"
+    INFRA = "infra_failures"  # grpo.max_infra_failure_fraction (services.trainer.infra_budget)
     REFIT = "refit"
     VALIDATION = "validation"
 
     @property
     def closes_launch_gate(self) -> bool:
         """Gateways launch no new rollout while a pause of this reason is active."""
-        return self in (PauseReason.USER, PauseReason.REFIT)
+        return self in (PauseReason.USER, PauseReason.INFRA, PauseReason.REFIT)
 
     @property
     def stops_task_issue(self) -> bool:
         """The trainer issues no training task while a pause of this reason is active."""
-        return self in (PauseReason.USER, PauseReason.VALIDATION)
+        return self in (PauseReason.USER, PauseReason.INFRA, PauseReason.VALIDATION)
+
+    @property
+    def holds_run(self) -> bool:
+        """The trainer takes no step while a pause of this reason is active; a resume ends it."""
+        return self in (PauseReason.USER, PauseReason.INFRA)
 
 
 # Atomically end a pause only if it is still the one with this epoch.
@@ -105,6 +116,11 @@ class PauseControl:
     async def active(self, reason: PauseReason) -> int | None:
         """The epoch of the active pause of ``reason``, or None."""
         return (await self.reasons()).get(reason.value)
+
+    async def holding(self) -> dict[PauseReason, int]:
+        """The active pauses that hold the run (`PauseReason.holds_run`), with their epochs."""
+        active = await self.reasons()
+        return {r: e for k, e in active.items() if isinstance(r := _reason(k), PauseReason) and r.holds_run}
 
     async def stops_task_issue(self) -> bool:
         """True while a pause that stops training-task issue is active."""

@@ -58,6 +58,10 @@ class BatchStats(msgspec.Struct, kw_only=True):
     zero_advantage_groups: int  # groups whose rewards all tie: no signal
     env: dict[str, float] = {}  # the mean of each environment metric over the step's rollouts
     rollout_failures: dict[str, int] = {}  # rollouts that failed, by reason
+    # rollouts failed for an infrastructure reason (placeholders): this step's share, and the share
+    # over grpo.infra_failure_window_steps steps up to this one (None: no window kept)
+    infra_failure_fraction: float = 0.0
+    infra_failure_fraction_window: float | None = None
     num_overlong_filtered: int = 0  # out of its token budget, masked (grpo.overlong_filtering)
     num_overlong_penalized: int = 0  # given a penalty by grpo.reward_shaping
     overlong_penalty_mean: float = 0.0  # mean penalty per rollout: the shaped reward mean is reward_mean + this
@@ -351,6 +355,7 @@ class TrainerStatus(msgspec.Struct, kw_only=True):
     cancelled_rollouts_total: int
     early_stopped: bool
     pause: dict[str, int]
+    pause_detail: str | None = None  # why the trainer paused the run itself (infra_failures)
     last: StepRecord | None
     last_validation: ValidationRecord | None
     workers: list[WorkerSummary]

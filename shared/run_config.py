@@ -60,6 +60,13 @@ class RunConfig(Section):
             raise ConfigError("grpo.num_generations_per_prompt must be >= 2 (GRPO compares rollouts of a group)")
         if g.num_prompts_per_step < 1:
             raise ConfigError("grpo.num_prompts_per_step must be >= 1")
+        if g.max_infra_failure_fraction is not None and not 0.0 <= g.max_infra_failure_fraction < 1.0:
+            raise ConfigError(
+                f"grpo.max_infra_failure_fraction is {g.max_infra_failure_fraction}; it must be in [0, 1) "
+                "(null: no bound)"
+            )
+        if g.infra_failure_window_steps < 1:
+            raise ConfigError("grpo.infra_failure_window_steps must be >= 1")
         if g.async_grpo.max_trajectory_age_steps < 0:
             raise ConfigError("grpo.async_grpo.max_trajectory_age_steps must be >= 0")
         if (

@@ -148,6 +148,7 @@ def render_trainer_only(trainer: TrainerStatus, console: Console | None = None) 
     console.print(
         f"run {trainer.run_id}: step {trainer.step}/{trainer.max_num_steps} ({trainer.state})  "
         f"pause {', '.join(trainer.pause) or '-'}  (from the trainer; set REDIS_URL for queues)"
+        + (f"\npaused by the trainer: {trainer.pause_detail}" if trainer.pause_detail else "")
     )
     t = Table(title="services")
     for col in ("kind", "id", "state", "weight version", "in flight"):
@@ -182,6 +183,8 @@ def render(snap: RunSnapshot, trainer: TrainerStatus | None, console: Console | 
     if trainer:
         step += f"/{trainer.max_num_steps} ({trainer.state})"
     console.print(f"run {snap.run_id}: step {step}  pause {', '.join(snap.pause) or '-'}")
+    if trainer and trainer.pause_detail:
+        console.print(f"paused by the trainer: {trainer.pause_detail}")
     services = Table(title="services")
     for col in ("kind", "id", "url", "state", "weight version", "in flight", "heartbeat age"):
         services.add_column(col)

@@ -233,6 +233,7 @@ def batch_stats(
         zero_advantage_groups=sum(all(abs(r.advantage) < 1e-9 for r in rows[i : i + group_size]) for i in groups),
         env={k: v / len(trajs) for k, v in sorted(env.items())},
         rollout_failures=failures,
+        infra_failure_fraction=(len(rows) - len(real)) / len(rows) if rows else 0.0,
         num_overlong_filtered=sum(r.overlong_filtered for r in real),
         num_overlong_penalized=sum(r.reward_penalty < 0 for r in real),
         overlong_penalty_mean=float(np.mean([r.reward_penalty for r in rows])) if rows else 0.0,

@@ -35,7 +35,7 @@ from services.trainer.buffer import Group, ReplayBuffer, SampleResult
 from services.trainer.intake import RunFailed, TrajectoryIntake
 from services.trainer.scheduler import Scheduler
 from services.trainer.step_record import dynamic_sampling_stats
-from shared.pause import PauseControl, PauseReason
+from shared.pause import PauseControl
 from shared.protocol import Task
 from shared.records import DynamicSamplingStats
 from shared.run_config import RunConfig
@@ -55,7 +55,7 @@ class DataDeadline:
         self.at = time.monotonic() + timeout_s
 
     async def passed(self) -> bool:
-        if await self.pause.active(PauseReason.USER) is not None:
+        if await self.pause.holding():
             self.at = time.monotonic() + self.timeout_s
             return False
         return time.monotonic() > self.at
@@ -86,9 +86,10 @@ class Collector:
         self.filtered: list[Group] = []  # groups dynamic sampling filtered since the last batch was taken
 
     async def hold_while_paused(self, on_pause: Callable[[], None]) -> None:
-        """Return once no user pause is active; ``on_pause`` is called first if one is."""
+        """Return once no pause that holds the run (user, infrastructure failures) is active;
+        ``on_pause`` is called first if one is."""
         paused = False
-        while await self.pause.active(PauseReason.USER) is not None:
+        while await self.pause.holding():
             if not paused:
                 paused = True
                 on_pause()

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.trainer.batch import StepBatch, build_step_batch
-from services.trainer.buffer import ReplayBuffer, SampleResult
+from services.trainer.buffer import ReplayBuffer, SampleResult, is_placeholder
 from services.trainer.checkpoint import Checkpointer, ControlState, checkpoint_meta
 from services.trainer.collection import Collector
+from services.trainer.infra_budget import InfraFailureBudget
 from services.trainer.intake import TrajectoryIntake
 from services.trainer.learner import Learner, LearnerLost
 from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_curve
@@ -49,7 +50,7 @@ from services.trainer.validation import ValidationRunner
 from services.trainer.validation_control import ValidationController
 from services.trainer.weight_transport import build_transport
 from shared import keys as K
-from shared.pause import PauseControl
+from shared.pause import PauseControl, PauseReason
 from shared.protocol import Heartbeat, Task, Trajectory
 from shared.records import (
     LearnerMetrics,
@@ -154,6 +155,8 @@ class ControlPlane:
         self._fidelity_checked = -1  # the newest version whose first step passed refit.max_gen_kl_error
         self.incarnation = 0
         self.early_stopped = False
+        self.infra = InfraFailureBudget(cfg.grpo.max_infra_failure_fraction, cfg.grpo.infra_failure_window_steps)
+        self.pause_detail: str | None = None  # why the trainer paused the run itself
         self.last_record: StepRecord | None = None
         self.started_at = time.time()
 
@@ -243,6 +246,24 @@ class ControlPlane:
             self.state = TrainerState.COLLECTING
             await self.collector.lookahead_barrier(self.step)
 
+    async def _within_infra_budget(self, step: int, sample: SampleResult, batch: StepBatch) -> None:
+        """Count the step's rollouts failed for an infrastructure reason (`infra_budget`); over
+        the bound, pause the run (reason infra_failures, named in /status and the log) and hold
+        here until `streamrl resume`, then train the step and start a new window."""
+        trajs = [t for g in sample.groups for t in g.ordered()]
+        window = self.infra.observe(step, trajs, [t for t in trajs if is_placeholder(t)])
+        if batch.stats is not None:
+            batch.stats.infra_failure_fraction_window = window
+        reason = self.infra.exceeded()
+        if reason is None:
+            return
+        log.error("step %d: %s", step, reason)
+        self.pause_detail = reason
+        await self.pause.pause(PauseReason.INFRA)
+        await self._hold_while_paused()
+        self.pause_detail = None
+        self.infra.reset()
+
     async def _train(self, step: int, batch: StepBatch) -> LearnerMetrics:
         """The learner's part of ``step``. A non-finite gradient's error (the backends'
         `NonFiniteGradient`, a FloatingPointError) is raised again naming the step: the run fails
@@ -262,6 +283,7 @@ class ControlPlane:
         t_data = time.perf_counter()
         self.state = TrainerState.TRAINING
         batch = self._batch(sample)
+        await self._within_infra_budget(step, sample, batch)
         t_batch = time.perf_counter()
         learner_metrics = await self._train(step, batch)
         self._check_refit_fidelity(learner_metrics)
@@ -415,6 +437,7 @@ class ControlPlane:
             cancelled_rollouts_total=self.intake.cancelled_total,
             early_stopped=self.early_stopped,
             pause=await self.pause.reasons(),
+            pause_detail=self.pause_detail,
             last=self.last_record.without_ledger() if self.last_record else None,
             last_validation=self.validation.last,
             workers=[

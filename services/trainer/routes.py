@@ -48,13 +48,17 @@ async def resume(request: Request) -> MsgspecJSON:
     control = _control(request)
     body = await request.body()
     req = decode_body(body, ResumeRequest) if body.strip() else ResumeRequest()
-    active = await control.pause.active(PauseReason.USER)
-    if active is None:
+    holding = await control.pause.holding()  # a user pause, a pause for infrastructure failures
+    if not holding:
         return MsgspecJSON(ResumeAnswer(resumed=False, reason="not paused"))
-    epoch = active if req.epoch is None else req.epoch
-    if not await control.pause.resume(PauseReason.USER, epoch):
-        raise HTTPError(409, f"pause epoch {epoch} is not the active pause (active: {active})", param="epoch")
-    return MsgspecJSON(ResumeAnswer(resumed=True, epoch=epoch))
+    if req.epoch is None:
+        ended = [epoch for reason, epoch in holding.items() if await control.pause.resume(reason, epoch)]
+        return MsgspecJSON(ResumeAnswer(resumed=bool(ended), epoch=max(ended, default=None)))
+    reason = next((r for r, e in holding.items() if e == req.epoch), None)
+    if reason is None or not await control.pause.resume(reason, req.epoch):
+        active = ", ".join(f"{r.value} {e}" for r, e in holding.items())
+        raise HTTPError(409, f"pause epoch {req.epoch} is not an active pause (active: {active})", param="epoch")
+    return MsgspecJSON(ResumeAnswer(resumed=True, epoch=req.epoch))
 
 
 @router.post("/validate")

@@ -104,6 +104,16 @@ class GrpoSection(Section):
             "cut at policy.max_total_sequence_length) out of the loss; they still count in the group baseline"
         ),
     ] = False
+    max_infra_failure_fraction: Annotated[
+        float | None,
+        D(
+            "over the last infra_failure_window_steps steps, the share of rollouts failed for an infrastructure "
+            "reason (trained as placeholders under env.failure_policy: backfill) above which the run pauses "
+            "(reason infra_failures, naming the failure classes and counts) before training the step; "
+            "`streamrl resume` continues and starts a new window; null: no bound"
+        ),
+    ] = 0.5
+    infra_failure_window_steps: Annotated[int, D("steps the infrastructure-failure share is taken over")] = 5
     reward_shaping: RewardShapingSection = msgspec.field(default_factory=RewardShapingSection)
     async_grpo: AsyncGrpoSection = msgspec.field(default_factory=AsyncGrpoSection)
 

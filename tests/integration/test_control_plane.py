@@ -25,6 +25,7 @@ import time
 import httpx
 import pytest
 
+from services.gym_gateway.worker import Failure
 from services.trainer.backends.base import NonFiniteGradient
 from services.trainer.batch import StepBatch
 from services.trainer.checkpoint import latest_checkpoint
@@ -183,6 +184,47 @@ async def test_a_pause_before_the_first_task_holds_the_run_and_paused_time_is_no
         assert await control.pause.resume(PauseReason.USER, epoch)
         await run_to_end(run, 120)
         assert control.state == TrainerState.FINISHED and control.step == 1
+    finally:
+        await _stop(control, peers, peer_task, run)
+
+
+async def test_a_run_whose_rollouts_mostly_fail_pauses_naming_the_failures_and_resumes_on_request(
+    tiny_model_dir, redis_url, tmp_path
+):
+    """env.failure_policy: backfill, grpo.max_infra_failure_fraction 0.5: 3 of step 0's 4 rollouts
+    fail for infrastructure reasons. The run pauses before training step 0 (reason
+    infra_failures, gateways launch nothing), /status names the classes and counts, and POST
+    /resume (`streamrl resume`) trains the held step and goes on with a new window."""
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-infra", steps=2, lag=0, data_timeout_s=60.0)
+    cfg.env.failure_policy = "backfill"
+    cfg.grpo.max_infra_failure_fraction, cfg.grpo.infra_failure_window_steps = 0.5, 2
+    control = control_plane(cfg)
+    peers, peer_task, run = await play(control, redis_url)
+
+    def failure(task):
+        if task.target_step != 0 or (task.prompt_index % 2 and task.index_in_group == 0):
+            return None
+        return Failure("sandbox", "container gone") if task.prompt_index % 2 else Failure("transport", "reset")
+
+    peers.gateway.failure = failure
+    app = serving_app(cfg, control)
+    try:
+        await _until(lambda: control.state == TrainerState.PAUSED, "the run paused for its failures")
+        status = await control.status()
+        assert "infra_failures" in status.pause and control.step == 0
+        assert status.pause_detail.startswith(
+            "3 of 4 rollouts of step 0 failed for an infrastructure reason (transport: 2, sandbox: 1): 75.0% is over "
+            "grpo.max_infra_failure_fraction 0.5"
+        )
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer") as client:
+            answer = (await client.post("/resume")).json()
+        assert answer["resumed"] is True
+        await run_to_end(run, 120)
+        assert control.state == TrainerState.FINISHED and control.step == 2
+        records = step_records(read_records(control.metrics.path))
+        assert [r.batch.infra_failure_fraction for r in records] == [0.75, 0.0]
+        assert [r.batch.infra_failure_fraction_window for r in records] == [0.75, 0.0]  # a new window after resume
+        assert records[0].batch.num_placeholders == 3
     finally:
         await _stop(control, peers, peer_task, run)
 

@@ -6,8 +6,9 @@ trainer (control plane, refit) without a model or an engine behind them.
   ``answer`` waits for the latest announcement (of a given version) and acks it once, as the refit
   tests play one generator of many.
 * `FakeGateway`: reads tasks (never while the launch gate is closed) and answers each with a
-  one-turn trajectory once ``finish(task)`` allows; a task it may not finish yet stays in
-  ``running`` (entry id, task, read at) and is offered again.
+  one-turn trajectory once ``finish(task)`` allows (or, where ``failure(task)`` names one, with
+  the placeholder of a rollout failed for an infrastructure reason); a task it may not finish yet
+  stays in ``running`` (entry id, task, read at) and is offered again.
 * `Peers`: the pair on one connection, looping until cancelled (``run``).
 
 Used by the control-plane tests (tests/integration/test_control_plane.py, test_validation_drain.py,
@@ -23,7 +24,7 @@ from collections.abc import Callable
 
 from services.gym_gateway.envs.base import Outcome
 from services.gym_gateway.proxy import Session
-from services.gym_gateway.worker import assemble
+from services.gym_gateway.worker import Failure, assemble
 from shared import keys as K
 from shared.pause import launch_gate_closed
 from shared.protocol import Task, Trajectory, WeightAck, WeightAnnouncement
@@ -91,6 +92,7 @@ class FakeGateway:
         self.streams = streams
         self.finish: Callable[[Task], bool] = lambda task: True
         self.reward: Callable[[Task], float] = lambda task: float(task.index_in_group % 2)
+        self.failure: Callable[[Task], Failure | None] = lambda task: None
         self.running: list[tuple[str, Task, float]] = []  # entry id, task, read at
 
     async def serve(self, version: int) -> None:
@@ -112,7 +114,9 @@ class FakeGateway:
         """The gateway's own record of a one-turn rollout."""
         turns = [one_turn(version)]
         session = Session("s", task.kind, task.sampling, "gen-peer", "http://peer", version, env=task.env, turns=turns)
-        return assemble(task, session, Outcome(reward=self.reward(task)), None, "gw-peer", started_at)
+        failure = self.failure(task)
+        outcome = None if failure else Outcome(reward=self.reward(task))
+        return assemble(task, session, outcome, failure, "gw-peer", started_at)
 
 
 class Peers:
