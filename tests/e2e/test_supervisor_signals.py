@@ -1,6 +1,7 @@
 """A `streamrl up` job lives and dies with its supervisor: killed with SIGKILL, closed terminal
 (SIGHUP), or Ctrl-C twice, it leaves no child running (generator, gateway worker, trainer,
-embedded Valkey), each of which runs in a session of its own.
+embedded Valkey), each of which runs in a session of its own; nor, with a vLLM generator and a
+trainer of two ranks, any grandchild (vLLM's engine core, torchrun's rank processes).
 
 The job is the demo config on the tiny model with the transformers engine and far more steps than
 the test waits for; the supervisor is signalled once every service is up (run.json names them and
@@ -34,13 +35,33 @@ def _job_pids(out: Path) -> list[int]:
     return [c["pid"] for c in run["children"].values()] + [valkey]
 
 
-def _start(tmp: Path, tiny_model_dir: Path) -> tuple[subprocess.Popen[bytes], Path]:
-    overrides = {"grpo.max_num_steps": 1000, "gym_gateway.drain_timeout_s": 5.0}
+def _start(tmp: Path, tiny_model_dir: Path, **extra: object) -> tuple[subprocess.Popen[bytes], Path]:
+    overrides = {"grpo.max_num_steps": 1000, "gym_gateway.drain_timeout_s": 5.0, **extra}
     config = write_run_config(tmp, tiny_model_dir, None, f"sig-{os.getpid()}-{tmp.name}", overrides)
     sup = start_job(config, tmp / "up.log")
     out = output_dir(config)
     wait_job_up(sup, out, tmp / "up.log", "/health")
     return sup, out
+
+
+def _descendants(pids: list[int]) -> dict[int, str]:
+    """Every process below ``pids`` (children, grandchildren, ...), with its command line."""
+    parent_of: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    found: dict[int, str] = {}
+    frontier = set(pids)
+    while frontier:
+        frontier = {pid for pid, ppid in parent_of.items() if ppid in frontier and pid not in found}
+        for pid in frontier:
+            try:
+                found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                found[pid] = ""
+    return found
 
 
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
@@ -59,7 +80,7 @@ def _cleanup(pids: list[int]) -> None:
                 pass
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGHUP"])
+@pytest.mark.parametrize("how", ["SIGHUP"])  # SIGKILL: the engine-core and rank test below
 def test_children_stop_when_the_supervisor_goes(tmp_path, tiny_model_dir, how):
     sup, out = _start(tmp_path, tiny_model_dir)
     pids = _job_pids(out)
@@ -73,6 +94,25 @@ def test_children_stop_when_the_supervisor_goes(tmp_path, tiny_model_dir, how):
         _cleanup(pids)
     if how == "SIGHUP":
         assert sup.returncode == 130 and "stopping the job" in (tmp_path / "up.log").read_text()
+
+
+def test_a_killed_supervisor_leaves_no_engine_core_and_no_trainer_rank(tmp_path, tiny_model_dir):
+    """kill -9 of `streamrl up` with a vLLM generator and a trainer of two ranks under torchrun:
+    the children get SIGTERM from the kernel (`streamrl.child_guard`) and take their own
+    processes down with them, so no engine core and no rank is left."""
+    sup, out = _start(tmp_path, tiny_model_dir, **{"policy.generation.backend": "vllm", "trainer.nproc_per_node": 2})
+    pids = _job_pids(out)
+    below = _descendants(pids)
+    try:
+        engine = [pid for pid, cmd in below.items() if "EngineCore" in cmd]
+        ranks = [pid for pid, cmd in below.items() if "services.trainer" in cmd]
+        assert engine and len(ranks) == 2, below  # the grandchildren the test is about are there
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait(120)
+        left = _wait_gone([*pids, *below], 150)
+        assert left == [], {pid: below.get(pid, "a child") for pid in left}
+    finally:
+        _cleanup([*pids, *below])
 
 
 def test_a_second_ctrl_c_stops_the_job_at_once(tmp_path, tiny_model_dir):
