@@ -7,8 +7,12 @@ the previous checkpoint intact; the newest complete one is restored at start-up:
         learner/        the learner's part: model, optimizer, schedule, RNG (its backend decides the files)
         control.json    the control plane's part: the scheduler's prompt cursor, the consumed-id ledger
         meta.json       step, weight version, time
+    <checkpoint_dir>/latest_checkpoint_status.json
+                    the newest complete checkpoint: step, weight version, when, its folder, and
+                    whether the run's last step is in it (for a scheduler or a script to read)
 
-`Checkpointer` saves at ``checkpointing.save_period`` (and at the last step), and holds back the
+`Checkpointer` saves at ``checkpointing.save_period`` steps, after the first step that ends
+``checkpointing.save_period_s`` seconds after the last save (wall clock), and at the last step. It holds back the
 acknowledgement of the trajectories a step trained until a checkpoint that includes the step is
 on disk: a crash before it re-delivers them, and the restored ledger refuses any already trained.
 With ``checkpointing.async_save`` the learner's shards are written in the background while the
@@ -51,6 +55,26 @@ class CheckpointMeta(msgspec.Struct, kw_only=True):
     step: int  # steps done
     weight_version: int
     saved_at: float
+
+
+class CheckpointStatus(msgspec.Struct, kw_only=True):
+    """``latest_checkpoint_status.json``: the newest complete checkpoint."""
+
+    step: int  # steps done
+    weight_version: int
+    saved_at: float  # unix time
+    path: str  # its folder
+    run_finished: bool  # the run's last step is in it: nothing is left to train
+
+
+STATUS_FILE = "latest_checkpoint_status.json"
+
+
+def write_status(ckpt_dir: Path, status: CheckpointStatus) -> None:
+    """Replace the status file in one rename, so a reader never sees half of it."""
+    tmp = ckpt_dir / f".{STATUS_FILE}.tmp"
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(status), indent=2))
+    tmp.rename(ckpt_dir / STATUS_FILE)
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -118,6 +142,7 @@ class Checkpointer:
         self.stream_retention_s = stream_retention_s
         self.unacked: list[str] = []  # entries of trained trajectories waiting for a durable checkpoint
         self._writing: asyncio.Task[None] | None = None  # a checkpoint completing in the background
+        self._last_save = time.monotonic()  # or the start: save_period_s counts from here
 
     def hold(self, entry_ids: list[str]) -> None:
         """Acknowledge these entries once a checkpoint covers the step that trained them."""
@@ -125,7 +150,8 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         c = self.cfg
-        return c.enabled and (step % c.save_period == 0 or step >= self.max_num_steps)
+        by_time = c.save_period_s is not None and time.monotonic() - self._last_save >= c.save_period_s
+        return c.enabled and (step % c.save_period == 0 or step >= self.max_num_steps or by_time)
 
     async def after_step(self, control: ControlState, meta: CheckpointMeta, *, force: bool = False) -> bool:
         """Checkpoint if due (or forced), then ack what it made durable and trim the streams;
@@ -134,6 +160,7 @@ class Checkpointer:
         if self.cfg.enabled and (force or self.due(meta.step)):
             await self.settle()
             held, self.unacked = self.unacked, []
+            self._last_save = time.monotonic()
             tmp = await stage_checkpoint(self.ckpt_dir, self.learner, control, meta)
             self._writing = asyncio.create_task(self._complete(tmp, meta, held), name=f"checkpoint {meta.step}")
             if force or not self.cfg.async_save or meta.step >= self.max_num_steps:
@@ -153,7 +180,15 @@ class Checkpointer:
             await writing
 
     async def _complete(self, tmp: Path, meta: CheckpointMeta, held: list[str]) -> None:
-        await complete_checkpoint(self.ckpt_dir, self.learner, tmp, meta, self.cfg.keep_last)
+        final = await complete_checkpoint(self.ckpt_dir, self.learner, tmp, meta, self.cfg.keep_last)
+        status = CheckpointStatus(
+            step=meta.step,
+            weight_version=meta.weight_version,
+            saved_at=meta.saved_at,
+            path=str(final),
+            run_finished=meta.step >= self.max_num_steps,
+        )
+        write_status(self.ckpt_dir, status)
         await self.streams.ack(self.streams.keys.trajectories, K.TRAINER_GROUP, held)
 
     async def ack_held(self) -> None:

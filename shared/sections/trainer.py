@@ -77,6 +77,13 @@ class CheckpointSection(Section):
         str | None, D("folder; null: <output_dir>/checkpoints (on many nodes: a filesystem every node shares)")
     ] = None
     save_period: Annotated[int, D("save every N steps (and at the last step)")] = 10
+    save_period_s: Annotated[
+        float | None,
+        D(
+            "also save after the first step that ends this many seconds (wall clock) after the last checkpoint "
+            "or the trainer's start; null: by steps only"
+        ),
+    ] = None
     keep_last: Annotated[int, D("checkpoints kept on disk")] = 2
     async_save: Annotated[
         bool,

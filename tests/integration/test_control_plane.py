@@ -164,6 +164,8 @@ async def test_a_nan_gradient_fails_the_run_naming_step_and_parameter_and_the_la
         latest = latest_checkpoint(ckpt_dir)
         assert latest is not None and [p.name for p in ckpt_dir.glob("step_*")] == [latest.name]
         assert json.loads((latest / "meta.json").read_text())["step"] == 1  # the next step to run: step 0 done
+        status = json.loads((ckpt_dir / "latest_checkpoint_status.json").read_text())
+        assert status["step"] == 1 and status["path"] == str(latest) and status["run_finished"] is False
     finally:
         await _stop(control, peers, peer_task, run)
 
@@ -225,6 +227,8 @@ async def test_a_run_whose_rollouts_mostly_fail_pauses_naming_the_failures_and_r
         assert [r.batch.infra_failure_fraction for r in records] == [0.75, 0.0]
         assert [r.batch.infra_failure_fraction_window for r in records] == [0.75, 0.0]  # a new window after resume
         assert records[0].batch.num_placeholders == 3
+        status = json.loads((control.checkpointer.ckpt_dir / "latest_checkpoint_status.json").read_text())
+        assert status["step"] == 2 and status["run_finished"] is True  # the last step's checkpoint
     finally:
         await _stop(control, peers, peer_task, run)
 
