@@ -1,6 +1,10 @@
 """Training learns: the demo (`streamrl demo`: warm start, the crossing tool-use task, the tiny
 Qwen3, vLLM, asynchronous GRPO at lag 1), shortened to STEPS steps, must raise the mean reward of
-its last three steps over its first three by at least MARGIN.
+its last three steps over its first three by at least MARGIN. It runs with each weight transport:
+as shipped (the filesystem: generators load each published folder), and collective (generators
+start on dummy, random weights and receive every version, the first included, over the transfer
+group), so a transport that delivers wrong or no weights cannot pass. The two runs share one
+prepared model, data and warm-started policy.
 
 The margin's basis (measured on 2 cores, 2026-12-01, the demo config and seed as shipped): see
 MEASURED below. Every run rose by far more than MARGIN; MARGIN is a fraction of the smallest
@@ -12,6 +16,7 @@ around 0 (its spread across the first steps is about +-0.1).
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,16 +31,29 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 WINDOW = 3
-# (first 3 steps, last 3 steps) mean rewards of 12-step runs of this test's command, 2026-12-01,
-# 2 cores, other jobs running (about 2.5 min each); the last one is the first 12 steps of a
-# 40-step demo run with the collective weight transport.
-MEASURED: list[tuple[float, float]] = [(0.401, 0.667), (0.375, 0.708), (0.417, 0.677)]
-# Smallest rise measured: 0.266. MARGIN is a little over half of it.
+# (first 3 steps, last 3 steps) mean rewards of 12-step runs of this test's command, 2 cores, other
+# jobs running (about 2 min each): three on 2026-12-01 (the third is the first 12 steps of a
+# 40-step demo run with the collective weight transport), and the collective variant of this
+# test on 2026-12-03 beside a full test-suite run (generators on dummy weights).
+MEASURED: list[tuple[float, float]] = [(0.401, 0.667), (0.375, 0.708), (0.417, 0.677), (0.432, 0.635)]
+# Smallest rise measured: 0.203. MARGIN is three quarters of it, and above the +-0.1 of noise.
 MARGIN = 0.15
 
 
-def test_the_shortened_demo_raises_the_reward(tmp_path):
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """The demo's model, data and warm-started policy, built once (`streamrl demo --prepare-only`)."""
+    out = tmp_path_factory.mktemp("demo-prepared")
+    cmd = [sys.executable, "-m", "streamrl.cli", "demo", "--out", str(out), "--prepare-only"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("transport", ["filesystem", "collective"])
+def test_the_shortened_demo_raises_the_reward(prepared, tmp_path, transport):
     out = tmp_path / "demo"
+    shutil.copytree(prepared, out)
     cmd = [
         sys.executable,
         "-m",
@@ -49,6 +67,7 @@ def test_the_shortened_demo_raises_the_reward(tmp_path):
         "grpo.val_at_start=false",
         "grpo.val_at_end=false",
         "logger.plot=false",
+        f"refit.transport={transport}",
     ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
