@@ -56,7 +56,7 @@ def test_vllm_engine_passes_the_engine_contract():
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-4000:]
-    assert "10 passed" in out.stdout, out.stdout[-4000:]
+    assert "11 passed" in out.stdout, out.stdout[-4000:]
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:

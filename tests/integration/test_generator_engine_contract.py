@@ -82,6 +82,37 @@ async def test_text_stop_ends_on_the_token_that_completes_it(engine, tiny_tokeni
     assert stopped.logprobs == pytest.approx(free.logprobs[:k], abs=1e-4)
 
 
+# (temperature, top_p) of the nucleus check: narrow and wide nuclei, cold and hot
+NUCLEI = [(1.0, 0.5), (0.8, 0.9), (0.6, 0.7), (1.3, 0.95)]
+
+
+async def test_sampled_logprobs_are_the_trainers_nucleus_scoring(engine, tiny_model_dir):
+    """At several top_p < 1 and temperatures, the logprobs the engine reports for the tokens it
+    sampled (vLLM: its own sampler's processed logprobs) are what the trainer computes for them
+    from a transformers forward pass (`shared_torch.nucleus.sampled_logprobs`, as the loss scores
+    them), within 1e-3; scored without the truncation they are not (the bias the nucleus scoring
+    removes), so a trainer that dropped it would fail here."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared_torch.nucleus import sampled_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    worst, truncation = 0.0, 0.0
+    for k, (temperature, top_p) in enumerate(NUCLEI):
+        params = GenerationParams(temperature=temperature, top_p=top_p, max_tokens=16, n=6, seed=20 + k)
+        for c in await engine.generate(PROMPT, params, f"nucleus-{k}"):
+            with torch.inference_mode():
+                logits = model(input_ids=torch.tensor([PROMPT + c.token_ids])).logits[0, len(PROMPT) - 1 : -1]
+            ours, plain = sampled_logprobs(logits, torch.tensor(c.token_ids), temperature, top_p, untruncated=True)
+            assert plain is not None
+            engine_lp = torch.tensor(c.logprobs, dtype=torch.float32)
+            worst = max(worst, float((ours - engine_lp).abs().max()))
+            truncation = max(truncation, float((plain - engine_lp).abs().max()))
+    assert worst < 1e-3, f"trainer and engine disagree by {worst:.2e} nats on a sampled token"
+    assert truncation > 0.05, "no sampled token's logprob changed under the truncation: the test shows nothing"
+
+
 async def test_pause_load_reset_resume(engine, tiny_model_dir, perturbed_model, logprob_reference, tmp_path_factory):
     new = perturbed_model(tiny_model_dir, tmp_path_factory.mktemp("contract-v1"), scale=0.05, seed=9)
     await engine.pause("drain")

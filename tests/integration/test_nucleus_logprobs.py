@@ -1,7 +1,10 @@
 """With nucleus sampling (top_p < 1) the trainer scores sampled tokens under the distribution the
 engine sampled them from: at equal weights ``token_mult_prob_error`` (mean exp|logp_gen - logp_train|)
-is 1 within 1e-3. The transformers engine samples with vLLM's rule; the real vLLM engine is checked
-by the end-to-end run (tests/e2e/test_run_e2e.py, top_p 0.9, the first step's error). A training
+is 1 within 1e-3. The transformers engine samples with vLLM's rule (the same helper as the
+trainer); the real vLLM engine's sampler is checked against the trainer's scoring at four
+(temperature, top_p) pairs by the engine contract
+(test_generator_engine_contract.py::test_sampled_logprobs_are_the_trainers_nucleus_scoring, run
+against vLLM by tests/e2e/test_generator_vllm.py) and by the end-to-end run (top_p 0.9). A training
 step also reports the error against the untruncated logprobs (``token_mult_prob_error_untruncated``)."""
 
 import numpy as np
