@@ -32,9 +32,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -82,6 +82,8 @@ class RefitReport:
             attempts=self.attempts,
         )
 
+
+T = TypeVar("T")
 
 # Registry states of a generator the refit does not wait for: it catches up on its own (starting)
 # or is leaving (draining).
@@ -183,13 +185,23 @@ class WeightPublisher:
         )
         return report
 
+    async def _timed(self, call: Awaitable[T], asked_s: float = 0.0) -> T:
+        """One of the refit's Redis calls, timed: one that took STALL_S longer than ``asked_s``
+        (a blocking read's block) means Redis was stalled, and registry absences prove nothing
+        for a while (`_note_latency`). Every call of the refit goes through here: a stall can
+        land on any of them, and the heartbeats it held back land after it."""
+        t0 = time.monotonic()
+        try:
+            return await call
+        finally:
+            self._note_latency(time.monotonic() - t0, asked_s)
+
     async def _announce(self, ann: WeightAnnouncement) -> None:
-        await self.streams.publish(
-            self.streams.keys.weights, msgspec.structs.replace(ann, mode=self.mode), maxlen=K.WEIGHTS_MAXLEN
-        )
+        announcement = msgspec.structs.replace(ann, mode=self.mode)
+        await self._timed(self.streams.publish(self.streams.keys.weights, announcement, maxlen=K.WEIGHTS_MAXLEN))
 
     async def _ack_cursor(self) -> str:
-        last = range_entries(await self.streams.redis.xrevrange(self.streams.keys.weight_acks, count=1))
+        last = range_entries(await self._timed(self.streams.redis.xrevrange(self.streams.keys.weight_acks, count=1)))
         return as_text(last[0][0]) if last else "0-0"
 
     async def _move(self, version: int, registration_timeout_s: float) -> tuple[list[str], Sent, int]:
@@ -251,8 +263,8 @@ class WeightPublisher:
 
     async def _read_errors(self, version: int, cursor: str, errors: dict[str, str], *, block_ms: int) -> str:
         """Collect failed acks of ``version`` after ``cursor`` into ``errors``; the new cursor."""
-        acks = await self.streams.read_after(self.streams.keys.weight_acks, cursor, WeightAck, block_ms=block_ms)
-        for d in acks:
+        read = self.streams.read_after(self.streams.keys.weight_acks, cursor, WeightAck, block_ms=block_ms)
+        for d in await self._timed(read, block_ms / 1000):
             cursor = d.entry_id
             if d.msg is not None and d.msg.version == version and not d.msg.ok:
                 errors[d.msg.worker_id] = d.msg.error or "failed"
@@ -289,9 +301,8 @@ class WeightPublisher:
     async def _leaving(self, waiting: set[str]) -> set[str]:
         """Generators of ``waiting`` the refit stops waiting for: those now starting or draining,
         and those missing from the registry (unless Redis was stalled a moment ago)."""
-        t0 = time.monotonic()
-        gens = {g.worker_id: g.state for g in await live_workers(self.streams.redis, self.streams.keys, "generator")}
-        self._note_latency(time.monotonic() - t0, 0.0)
+        registry = await self._timed(live_workers(self.streams.redis, self.streams.keys, "generator"))
+        gens = {g.worker_id: g.state for g in registry}
         absence_counts = time.monotonic() >= self._absence_proves_nothing_until
         return {w for w in waiting if (gens[w] in NOT_WAITED_FOR if w in gens else absence_counts)}
 
@@ -307,9 +318,9 @@ class WeightPublisher:
                     f"weight version {version} not confirmed within {self.timeout_s:.0f}s "
                     f"(trainer.refit_timeout_s) by generator(s): {', '.join(missing)}"
                 )
-            t0 = time.monotonic()
-            acks = await self.streams.read_after(self.streams.keys.weight_acks, cursor, WeightAck, block_ms=500)
-            self._note_latency(time.monotonic() - t0, 0.5)
+            acks = await self._timed(
+                self.streams.read_after(self.streams.keys.weight_acks, cursor, WeightAck, block_ms=500), 0.5
+            )
             for d in acks:
                 cursor = d.entry_id
                 ack = d.msg
