@@ -1,5 +1,6 @@
 """Training learns: the demo (`streamrl demo`: warm start, the crossing tool-use task, the tiny
-Qwen3, vLLM, asynchronous GRPO at lag 1), shortened to STEPS steps, must raise the mean reward of
+Qwen3, vLLM, asynchronous GRPO at lag 1), run as the README's `bash scripts/demo.sh` and shortened
+to STEPS steps, must raise the mean reward of
 its last three steps over its first three by at least MARGIN. It runs with each weight transport:
 as shipped (the filesystem: generators load each published folder), and collective (generators
 start on dummy, random weights and receive every version, the first included, over the transfer
@@ -54,11 +55,9 @@ def prepared(tmp_path_factory) -> Path:
 def test_the_shortened_demo_raises_the_reward(prepared, tmp_path, transport):
     out = tmp_path / "demo"
     shutil.copytree(prepared, out)
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl.cli",
-        "demo",
+    cmd = [  # the README's first command (set-up, then `streamrl demo`), shortened
+        "bash",
+        "scripts/demo.sh",
         "--out",
         str(out),
         "--steps",
