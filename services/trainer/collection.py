@@ -47,15 +47,18 @@ WAIT_S = 1.0  # longest sleep of a waiting loop between checks
 
 
 class DataDeadline:
-    """``trainer.data_timeout_s`` for one wait, not counting time the run spends user-paused."""
+    """``trainer.data_timeout_s`` for one wait, not counting time the run is held by a pause (user,
+    infrastructure failures); ``held`` says whether it was at the last check."""
 
     def __init__(self, timeout_s: float, pause: PauseControl) -> None:
         self.timeout_s = timeout_s
         self.pause = pause
         self.at = time.monotonic() + timeout_s
+        self.held = False
 
     async def passed(self) -> bool:
-        if await self.pause.holding():
+        self.held = bool(await self.pause.holding())
+        if self.held:
             self.at = time.monotonic() + self.timeout_s
             return False
         return time.monotonic() > self.at
@@ -117,7 +120,10 @@ class Collector:
             sorted({t.target_step for t in tasks}),
         )
 
-    async def wait_for_batch(self, step: int) -> SampleResult:
+    async def wait_for_batch(self, step: int, on_hold: Callable[[bool], None] | None = None) -> SampleResult:
+        """The step's batch once its groups are in. A pause that lands while it waits closes the
+        launch gate, so the step may wait for rollouts that start only after the resume:
+        ``on_hold`` is told whenever the wait becomes (True) or stops being (False) a hold."""
         n = self.cfg.grpo.num_prompts_per_step
         deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause)
         self.evicted_ids = []
@@ -136,8 +142,11 @@ class Collector:
             # Never after a successful sample: the groups just taken no longer count for this
             # step, and re-issuing them would produce a full batch that arrives too late for any step.
             await self.issue(step)
+            was_held = deadline.held
             if await deadline.passed():
                 raise RunFailed(f"step {step}: no {n} usable groups within {self._timeout_hint()}")
+            if on_hold is not None and deadline.held != was_held:
+                on_hold(deadline.held)
             await self.intake.wait(WAIT_S)
 
     async def _evicted(self, groups: list[Group]) -> None:
@@ -191,9 +200,10 @@ class Collector:
                 "raise grpo.batch_multiplier or grpo.num_generations_per_prompt, or revisit the data"
             )
 
-    async def lookahead_barrier(self, s0: int) -> None:
+    async def lookahead_barrier(self, s0: int, on_hold: Callable[[bool], None] | None = None) -> None:
         """Wait for complete batches of targets s0 and s0+1 (when the lag allows s0+1), so the
-        first steps are not served by a buffer that was filled only for s0."""
+        first steps are not served by a buffer that was filled only for s0; ``on_hold`` as for
+        `wait_for_batch`."""
         g = self.cfg.grpo
         n, lag = g.num_prompts_per_step, g.async_grpo.max_trajectory_age_steps
         targets = [s0] + ([s0 + 1] if lag > 0 and s0 + 1 < g.max_num_steps else [])
@@ -203,8 +213,11 @@ class Collector:
             self._take_filtered()
             self._check_refill_cap(f"start-up (targets {targets})", targets=len(targets))
             await self.issue(s0)  # what a pause held back goes out once it ends (a no-op otherwise)
+            was_held = deadline.held
             if await deadline.passed():
                 raise RunFailed(f"start-up: no complete batches for targets {targets} within {self._timeout_hint()}")
+            if on_hold is not None and deadline.held != was_held:
+                on_hold(deadline.held)
             await self.intake.wait(WAIT_S)
         log.info("lookahead barrier passed: complete batches staged for targets %s", targets)
 

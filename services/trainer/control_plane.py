@@ -244,7 +244,7 @@ class ControlPlane:
         if self.step < g.max_num_steps:  # resumed from the final checkpoint: nothing to collect
             await self.collector.issue(self.step)
             self.state = TrainerState.COLLECTING
-            await self.collector.lookahead_barrier(self.step)
+            await self.collector.lookahead_barrier(self.step, on_hold=self._collecting_held)
 
     async def _within_infra_budget(self, step: int, sample: SampleResult, batch: StepBatch) -> None:
         """Count the step's rollouts failed for an infrastructure reason (`infra_budget`); over
@@ -279,7 +279,7 @@ class ControlPlane:
         await self.collector.issue(step)  # top up the window (a pause may have held back the last top-up)
         t0 = time.perf_counter()
         self.state = TrainerState.COLLECTING
-        sample = await self.collector.wait_for_batch(step)
+        sample = await self.collector.wait_for_batch(step, on_hold=self._collecting_held)
         t_data = time.perf_counter()
         self.state = TrainerState.TRAINING
         batch = self._batch(sample)
@@ -385,6 +385,10 @@ class ControlPlane:
             await asyncio.to_thread(
                 lambda: plot_reward_curve(read_records(path), self.log_dir / "reward_curve.png", title)
             )
+
+    def _collecting_held(self, held: bool) -> None:
+        """A pause landed (or ended) while the step waits for its batch: the state says so."""
+        self.state = TrainerState.PAUSED if held else TrainerState.COLLECTING
 
     async def _hold_while_paused(self) -> None:
         """A user pause holds the run here; the state says "paused" meanwhile."""

@@ -81,6 +81,11 @@ class PausingLearner:
         await self.inner.close()
 
 
+# trainer.data_timeout_s of the tests that wait it out: the played peers, on this test's event loop,
+# deliver a step's data well within it even when a loaded machine stalls the loop for seconds.
+DATA_TIMEOUT_S = 5.0
+
+
 async def _until(check, what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -173,14 +178,14 @@ async def test_a_nan_gradient_fails_the_run_naming_step_and_parameter_and_the_la
 async def test_a_pause_before_the_first_task_holds_the_run_and_paused_time_is_not_a_data_timeout(
     tiny_model_dir, redis_url, tmp_path
 ):
-    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-start", steps=1, lag=1, data_timeout_s=2.0)
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-start", steps=1, lag=1, data_timeout_s=DATA_TIMEOUT_S)
     control = control_plane(cfg)
     epoch = await control.pause.pause(PauseReason.USER)  # paused before the trainer even started
     peers, peer_task, run = await play(control, redis_url)
     try:
         await _until(lambda: control.state == TrainerState.PAUSED, "the run held after its initial refit")
         assert control.weight_version == 0  # v0 was published and confirmed first
-        await asyncio.sleep(2 * cfg.trainer.data_timeout_s)  # paused far longer than the data deadline
+        await asyncio.sleep(1.5 * cfg.trainer.data_timeout_s)  # paused well past the data deadline
         assert not run.done() and control.state == TrainerState.PAUSED
         assert await control.redis.xlen(control.keys.tasks) == 0  # nothing issued while paused
         assert await control.pause.resume(PauseReason.USER, epoch)
@@ -233,6 +238,27 @@ async def test_a_run_whose_rollouts_mostly_fail_pauses_naming_the_failures_and_r
         await _stop(control, peers, peer_task, run)
 
 
+async def test_a_pause_that_lands_while_a_step_waits_for_its_batch_says_paused_until_the_resume(
+    tiny_model_dir, redis_url, tmp_path
+):
+    """The step's rollouts cannot finish yet when a user pause lands: the launch gate is closed, so
+    the wait is a hold, and the state says "paused" (not "collecting") until the resume."""
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-midwait", steps=1, lag=0, data_timeout_s=60.0)
+    control = control_plane(cfg)
+    peers, peer_task, run = await play(control, redis_url)
+    peers.gateway.finish = lambda task: False  # rollouts in flight, none done
+    try:
+        await _until(lambda: control.state == TrainerState.COLLECTING, "the step waiting for its batch")
+        epoch = await control.pause.pause(PauseReason.USER)
+        await _until(lambda: control.state == TrainerState.PAUSED, "the waiting step to say it is held")
+        peers.gateway.finish = lambda task: True
+        assert await control.pause.resume(PauseReason.USER, epoch)
+        await run_to_end(run, 120)
+        assert control.state == TrainerState.FINISHED and control.step == 1
+    finally:
+        await _stop(control, peers, peer_task, run)
+
+
 async def test_a_pause_that_lands_after_the_hold_holds_back_the_issue_until_the_resume(
     tiny_model_dir, redis_url, tmp_path
 ):
@@ -263,12 +289,12 @@ async def test_a_pause_that_lands_after_the_hold_holds_back_the_issue_until_the_
 async def test_a_pause_at_a_boundary_holds_the_next_issue_and_a_lag_0_run_continues_after_resume(
     tiny_model_dir, redis_url, tmp_path
 ):
-    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-lag0", steps=2, lag=0, data_timeout_s=2.0)
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-lag0", steps=2, lag=0, data_timeout_s=DATA_TIMEOUT_S)
     control, peers, peer_task, run = await _start(cfg, redis_url, pause_after=0)
     try:
         await _until(lambda: control.state == TrainerState.PAUSED, "the run held at the boundary after step 0")
         assert control.step == 1
-        await asyncio.sleep(2 * cfg.trainer.data_timeout_s)
+        await asyncio.sleep(1.5 * cfg.trainer.data_timeout_s)  # paused well past the data deadline
         tasks = await control.redis.xrange(control.keys.tasks)
         assert len(tasks) == 4 and not run.done()  # step 1's tasks wait for the resume; the run waits too
         peers.gateway.finish = lambda task: task.target_step != 1  # step 1's rollouts take their time
@@ -276,7 +302,7 @@ async def test_a_pause_at_a_boundary_holds_the_next_issue_and_a_lag_0_run_contin
         await control.pause.resume(PauseReason.USER, (await control.pause.reasons())["user"])
         await _until(lambda: control.state == TrainerState.COLLECTING, "step 1 waiting for its data")
         epoch = await control.pause.pause(PauseReason.USER)  # paused while the step collects
-        await asyncio.sleep(2 * cfg.trainer.data_timeout_s)
+        await asyncio.sleep(1.5 * cfg.trainer.data_timeout_s)
         assert not run.done(), "time spent paused counted against trainer.data_timeout_s"
         peers.gateway.finish = lambda task: True
         await control.pause.resume(PauseReason.USER, epoch)
@@ -329,7 +355,7 @@ async def test_the_last_boundary_holds_and_a_validation_requested_there_runs_bef
 
 
 async def test_a_run_without_data_fails_loudly_and_drops_queued_validations(tiny_model_dir, redis_url, tmp_path):
-    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-fail", steps=2, lag=0, data_timeout_s=1.0)
+    cfg = _config(tmp_path, redis_url, tiny_model_dir, "cp-fail", steps=2, lag=0, data_timeout_s=DATA_TIMEOUT_S)
     control, peers, peer_task, run = await _start(cfg, redis_url)
     peers.gateway.finish = lambda task: task.target_step == 0  # step 1's data never comes
     try:
@@ -337,7 +363,7 @@ async def test_a_run_without_data_fails_loudly_and_drops_queued_validations(tiny
         # request now waits for a boundary that never comes.
         await _until(lambda: control.step == 1 and control.state == TrainerState.COLLECTING, "step 1 waiting for data")
         queued = control.validation.request(control.step)
-        with pytest.raises(RunFailed, match=r"step 1: no 2 usable groups within 1s \(trainer.data_timeout_s\)"):
+        with pytest.raises(RunFailed, match=r"step 1: no 2 usable groups within 5s \(trainer.data_timeout_s\)"):
             await run_to_end(run, 60)
         assert control.state == TrainerState.FAILED and "trainer.data_timeout_s" in (control.error or "")
         assert await control.redis.get(control.keys.stop) == b"failed"
