@@ -120,8 +120,12 @@ def test_a_second_ctrl_c_stops_the_job_at_once(tmp_path, tiny_model_dir):
     pids = _job_pids(out)
     try:
         os.kill(sup.pid, signal.SIGINT)
-        time.sleep(0.5)  # the first one is being handled: the trainer drains first
-        os.kill(sup.pid, signal.SIGINT)
+        log = tmp_path / "up.log"
+        deadline = time.monotonic() + 60
+        while "interrupted: stopping the job" not in log.read_text():  # the first one is being handled
+            assert time.monotonic() < deadline, "the supervisor did not take the first Ctrl-C"
+            time.sleep(0.05)
+        os.kill(sup.pid, signal.SIGINT)  # while the trainer drains
         sup.wait(60)
         assert _wait_gone(pids, 30) == []
     finally:

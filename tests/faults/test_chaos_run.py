@@ -26,6 +26,7 @@ from collections import Counter
 import pytest
 
 from shared import keys as K
+from shared.streams import REDIS_RECONNECT_BUDGET_S
 from tests.support.injectors import (
     kill_gateway_mid_rollout,
     kill_generator_mid_request,
@@ -133,7 +134,9 @@ def test_after_a_redis_restart_every_service_reconnects_and_no_entry_is_lost(cha
     before, after = fault.details["before"], fault.details["after_restart"]
     for stream in ("tasks", "trajectories"):
         assert before[stream] and after[stream][: len(before[stream])] == before[stream]
-    assert fault.details["reconnect_s"] < 15.0
+    # Within the services' reconnect budget: a client still retrying past it would have failed its
+    # service (and a crash fails the run's other checks).
+    assert fault.details["reconnect_s"] < REDIS_RECONNECT_BUDGET_S
     assert len(trajectories) >= len(before["trajectories"])
 
 
@@ -141,7 +144,7 @@ def test_a_frozen_redis_stalls_the_run_without_loss_or_hang(chaos):
     run, faults, _, _, _, _ = chaos
     fault = faults["redis_pause"]
     assert fault.ended_at - fault.began_at > K.HEARTBEAT_TTL_S  # longer than a heartbeat lives
-    assert fault.details["recover_s"] < 15.0
+    assert fault.details["recover_s"] < REDIS_RECONNECT_BUDGET_S  # as after a restart
     records = [r for r in run.records() if r.get("kind") == "train"]
     # The live generator was silent only because Redis was: no refit dropped it.
     assert all("generator-0" not in r["refit"]["dropped_generators"] for r in records)

@@ -82,7 +82,9 @@ def test_the_trainer_fails_loudly_naming_the_generator_and_the_key(stuck_refit):
 def test_it_fails_within_the_deadline(stuck_refit):
     s = stuck_refit
     waited = s["exited_at"] - s["announced_at"]
-    assert REFIT_TIMEOUT_S <= waited < REFIT_TIMEOUT_S + 15, waited
+    # The requirement: trainer.refit_timeout_s after the announcement, not sooner; the margin
+    # above it is for the trainer's shutdown on a loaded machine.
+    assert REFIT_TIMEOUT_S <= waited < REFIT_TIMEOUT_S + 60, waited
 
 
 def test_the_gateway_stops_with_the_run(stuck_refit):

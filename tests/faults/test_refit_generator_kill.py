@@ -85,8 +85,9 @@ async def test_a_generator_killed_mid_transfer_is_dropped_and_the_rest_confirm(t
         took = time.monotonic() - t0
         assert report.generators == ["generator-0"], run.logs()
         assert report.dropped == ["generator-1"] and report.attempts == 2
-        # Far within the group's 120 s timeout: the survivor was not left waiting in the old group.
-        assert took < 60, f"the refit took {took:.0f}s\n{run.logs()}"
+        # The requirement: within the group's 120 s timeout (trainer.refit_timeout_s), which a survivor
+        # left waiting in the old group would have run into; the rest is room for a loaded machine.
+        assert took < 100, f"the refit took {took:.0f}s\n{run.logs()}"
         state = gens[0].get_json("/admin/state")
         assert state["weight_version"] == 2 and state["state"] == "ready", state
     finally:

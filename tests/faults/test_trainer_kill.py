@@ -43,7 +43,7 @@ def resumed_run(tmp_path_factory, tiny_model_dir, redis_url):
         after = run.records()
         # Once more, after the run finished: it resumes at the final checkpoint and stops.
         t0 = time.monotonic()
-        again = run.restart("trainer").proc.wait(300)
+        again = run.restart("trainer").proc.wait(600)
         rerun = {"rc": again, "s": time.monotonic() - t0, "records": run.records()}
     finally:
         run.stop_all()
@@ -68,6 +68,8 @@ def test_checkpointed_steps_are_kept_and_later_ones_are_retrained_or_evicted_by_
 def test_a_restart_after_the_final_checkpoint_exits_without_training_again(resumed_run):
     run, _, after, _, rerun = resumed_run
     assert rerun["rc"] == 0, run.logs()
-    assert rerun["s"] < 120  # not the hour of trainer.data_timeout_s
+    # The requirement: it stops instead of waiting for data; trainer.data_timeout_s (an hour) would
+    # end that wait, and ten minutes covers the trainer's start on a loaded machine.
+    assert rerun["s"] < 600
     assert [r for r in rerun["records"] if r.get("kind") == "train"] == [r for r in after if r.get("kind") == "train"]
     assert f"at step {STEPS}" in (run.folder / "trainer.log").read_text()

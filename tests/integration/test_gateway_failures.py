@@ -148,9 +148,9 @@ async def test_drain_releases_unfinished_tasks_to_the_group_at_once(gateway_stac
                 streams.keys.tasks,
                 [gateway_task(i, env="flaky", instance={"key": str(i), "sleep_s": 30}) for i in range(3)],
             )
-            for _ in range(100):
-                if len(worker.active) == 2:
-                    break
+            deadline = asyncio.get_running_loop().time() + 60
+            while len(worker.active) != 2:
+                assert asyncio.get_running_loop().time() < deadline, "the worker did not start two rollouts"
                 await asyncio.sleep(0.05)
             await worker.drain(timeout_s=0.5)
             pending = await streams.redis.xpending(streams.keys.tasks, K.GATEWAYS_GROUP)

@@ -74,7 +74,7 @@ async def test_a_worker_loop_that_dies_fails_the_gateway_loudly(redis, redis_url
     await redis.set(RunKeys(cfg.run.run_id).tasks, "not a stream")  # the loop's first read fails
     app = build_app(cfg, worker_id="gw-dies", port=0)
     async with _served(app) as client:
-        hb = await _until(lambda: _heartbeat(redis, cfg.run.run_id, "failed"), "a failed heartbeat", 10.0)
+        hb = await _until(lambda: _heartbeat(redis, cfg.run.run_id, "failed"), "a failed heartbeat")
         lifecycle = app.state.lifecycle
         assert lifecycle.exit_code == EXIT_FAILED and "gateway-worker died" in lifecycle.error
         assert "WRONGTYPE" in hb.error and hb.error == lifecycle.error

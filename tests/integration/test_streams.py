@@ -8,6 +8,7 @@ import pytest
 
 from shared import keys as K
 from shared.protocol import DeadLetter, Heartbeat, Task, decode, encode
+from shared.redis_replies import as_text
 from shared.registry import live_workers, publish_heartbeat, remove_worker
 from shared.streams import StreamClient, connect
 from tests.support.messages import make_task
@@ -81,16 +82,20 @@ async def test_a_result_is_published_once_even_when_its_task_was_taken_over(clie
 
 async def test_touch_keeps_only_the_holders_entries_fresh(clients):
     a, b, keys = clients
-    await a.publish_many(keys.tasks, [_task(i) for i in range(2)])
-    held = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=2, block_ms=100)
-    ids = [d.entry_id for d in held]
+    await a.publish_many(keys.tasks, [_task(i) for i in range(3)])
+    held = await a.read_group(keys.tasks, K.GATEWAYS_GROUP, Task, count=3, block_ms=100)
+    ids = [d.entry_id for d in held[:2]]  # the third is never touched: as old as an untouched entry gets
     await asyncio.sleep(0.3)
     assert await b.touch(keys.tasks, K.GATEWAYS_GROUP, ids) == 0  # not b's: left as they are
     assert await b.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task, min_idle_ms=250, count=1) != []  # b takes one
     assert await a.touch(keys.tasks, K.GATEWAYS_GROUP, ids) == 1  # a still holds the other: fresh again
-    assert await b.reclaim(keys.tasks, K.GATEWAYS_GROUP, Task, min_idle_ms=250) == []
     info = await a.redis.xpending_range(keys.tasks, K.GATEWAYS_GROUP, "-", "+", 10)
-    assert sorted(i["consumer"] for i in info) == [b"worker-a", b"worker-b"]
+    # The idle times a reclaim goes by, read at one instant of the server's clock (however long
+    # this loop stalls): touched after the 0.3 s wait, a's entry is younger than the untouched one
+    # by at least that wait.
+    idle = {as_text(i["message_id"]): i["time_since_delivered"] for i in info}
+    assert idle[held[1].entry_id] + 250 <= idle[held[2].entry_id]
+    assert sorted(i["consumer"] for i in info) == [b"worker-a", b"worker-a", b"worker-b"]
     assert {i["times_delivered"] for i in info if i["consumer"] == b"worker-a"} == {1}  # a touch is no delivery
 
 

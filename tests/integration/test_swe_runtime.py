@@ -217,12 +217,15 @@ async def test_deadline_kills_the_whole_process_group(runtime):
     async with runtime.workspace(CALC) as ws:
         res = await ws.run("sleep 300 & echo $! > bg.pid; sleep 300", timeout_s=1.0)
         bg = int((ws.path / "bg.pid").read_text())
-        assert res.timed_out and res.exit_code is None and res.duration_s < 10
-        assert "ran past its 1s limit" in res.output
+        assert res.timed_out and res.exit_code is None and "ran past its 1s limit" in res.output
+        # Returned at its deadline, not once the sleeps holding its output open end (300 s): the
+        # bound is the requirement, with room for a loaded machine.
+        assert res.duration_s < 60
         assert _dies(bg)
         # a command that returns at once may not leave anything running either
         quick = await ws.run("sleep 300 & echo $! > bg2.pid; echo started", timeout_s=20.0)
-        assert quick.exit_code == 0 and quick.output.strip() == "started" and quick.duration_s < 10
+        # Ended with its shell, not held open by the background sleep until its 20 s limit.
+        assert not quick.timed_out and quick.exit_code == 0 and quick.output.strip() == "started"
         assert _dies(int((ws.path / "bg2.pid").read_text()))
 
 

@@ -160,11 +160,27 @@ async def test_a_validation_waits_for_running_training_rollouts_and_none_overlap
     control, peers = run.control, run.peers
     released = False
     peers.gateway.finish = lambda task: released or not _straggler(task)
+    looks = 0  # how often the drain looked at what is in flight: during a validation only it waits on the intake
+    intake_wait = control.intake.wait
+
+    async def counted_wait(timeout_s: float) -> None:
+        nonlocal looks
+        looks += 1
+        await intake_wait(timeout_s)
+
+    control.intake.wait = counted_wait  # type: ignore[method-assign]
     try:
         await run.start()
         await _until(lambda: control.state == TrainerState.VALIDATING, "the validation after step 1")
         issued = await control.redis.xlen(control.keys.tasks)
-        await asyncio.sleep(2.0)  # the drain waits for the two rows still running
+        held = sorted(t.task_id for _, t in await run.tasks() if _straggler(t))
+        # The drain waits for the two rows still running: the gateway holds both, and the drain
+        # has looked at them three times more (at least once a second) without moving on.
+        looked = looks
+        await _until(
+            lambda: sorted(t.task_id for _, t, _ in peers.gateway.running) == held and looks >= looked + 3,
+            "the gateway holding both stragglers and three more looks of the drain",
+        )
         assert control.validation.statuses["val-2"].status == "running"
         assert (await control.pause.reasons()).keys() == {"validation"}
         assert await control.pause.stops_task_issue() and not await launch_gate_closed(control.redis, control.keys)

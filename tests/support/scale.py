@@ -72,6 +72,7 @@ class Rig:
         )
         write_run_file(tmp, RunFile(run_id=self.run_id, redis_url=redis_url, trainer_url="http://127.0.0.1:1"))
         self.stopped = threading.Event()
+        self.turns = 0  # supervisor turns (`ScaleChannel.tick`) taken so far
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20  # `streamrl up` answers scale requests once its workers are up
@@ -88,7 +89,16 @@ class Rig:
     def _loop(self) -> None:
         while not self.stopped.is_set():
             self.channel.tick()
+            self.turns += 1
             time.sleep(0.1)
+
+    def wait_turns(self, n: int, timeout_s: float = 60.0) -> None:
+        """Return once the supervisor has taken ``n`` more turns."""
+        until = self.turns + n
+        deadline = time.monotonic() + timeout_s
+        while self.turns < until:
+            assert time.monotonic() < deadline, f"the supervisor did not take {n} turns in {timeout_s:.0f}s"
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.stopped.set()
