@@ -25,25 +25,24 @@ from shared.run_config import RunConfig  # noqa: E402
 pytestmark = pytest.mark.unit
 
 
-def _megatron_cfg(*overrides: str):
+def _policy(*overrides: str):
     base = ["policy.model_name=m", "data.train_path=t.jsonl", "trainer.backend=megatron"]
-    return load(RunConfig, None, base + list(overrides), env={}).policy.megatron_cfg
+    return load(RunConfig, None, base + list(overrides), env={}).policy
 
 
-def test_nan_check_stays_on_unless_disabled_and_fields_pass_through():
-    assert ddp_config(_megatron_cfg()).check_for_nan_in_grad is True
+def test_nan_check_follows_on_nonfinite_grad_unless_set_and_fields_pass_through():
+    assert ddp_config(_policy()).check_for_nan_in_grad is True  # policy.on_nonfinite_grad: fail
+    assert ddp_config(_policy("policy.on_nonfinite_grad=skip")).check_for_nan_in_grad is False
     key = "policy.megatron_cfg.distributed_data_parallel_config"
     off = ddp_config(
-        _megatron_cfg(
-            f"{key}.check_for_nan_in_grad=false", f"{key}.grad_reduce_in_fp32=true", f"{key}.bucket_size=1000000"
-        )
+        _policy(f"{key}.check_for_nan_in_grad=false", f"{key}.grad_reduce_in_fp32=true", f"{key}.bucket_size=1000000")
     )
     assert off.check_for_nan_in_grad is False and off.grad_reduce_in_fp32 is True and off.bucket_size == 1_000_000
 
 
 def test_unknown_ddp_field_is_named():
     with pytest.raises(ConfigError, match="distributed_data_parallel_config.overlap_everything"):
-        ddp_config(_megatron_cfg("policy.megatron_cfg.distributed_data_parallel_config.overlap_everything=true"))
+        ddp_config(_policy("policy.megatron_cfg.distributed_data_parallel_config.overlap_everything=true"))
 
 
 @pytest.fixture(scope="module")
