@@ -48,17 +48,22 @@ WAIT_S = 1.0  # longest sleep of a waiting loop between checks
 
 class DataDeadline:
     """``trainer.data_timeout_s`` for one wait, not counting time the run is held by a pause (user,
-    infrastructure failures); ``held`` says whether it was at the last check."""
+    infrastructure failures); ``on_hold`` is told whenever the wait becomes (True) or stops being
+    (False) a hold."""
 
-    def __init__(self, timeout_s: float, pause: PauseControl) -> None:
+    def __init__(self, timeout_s: float, pause: PauseControl, on_hold: Callable[[bool], None] | None = None) -> None:
         self.timeout_s = timeout_s
         self.pause = pause
+        self.on_hold = on_hold
         self.at = time.monotonic() + timeout_s
         self.held = False
 
     async def passed(self) -> bool:
-        self.held = bool(await self.pause.holding())
-        if self.held:
+        held = bool(await self.pause.holding())
+        if held != self.held and self.on_hold is not None:
+            self.on_hold(held)
+        self.held = held
+        if held:
             self.at = time.monotonic() + self.timeout_s
             return False
         return time.monotonic() > self.at
@@ -125,7 +130,7 @@ class Collector:
         launch gate, so the step may wait for rollouts that start only after the resume:
         ``on_hold`` is told whenever the wait becomes (True) or stops being (False) a hold."""
         n = self.cfg.grpo.num_prompts_per_step
-        deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause)
+        deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause, on_hold)
         self.evicted_ids = []
         while True:
             self.intake.raise_if_failed()
@@ -142,11 +147,8 @@ class Collector:
             # Never after a successful sample: the groups just taken no longer count for this
             # step, and re-issuing them would produce a full batch that arrives too late for any step.
             await self.issue(step)
-            was_held = deadline.held
             if await deadline.passed():
                 raise RunFailed(f"step {step}: no {n} usable groups within {self._timeout_hint()}")
-            if on_hold is not None and deadline.held != was_held:
-                on_hold(deadline.held)
             await self.intake.wait(WAIT_S)
 
     async def _evicted(self, groups: list[Group]) -> None:
@@ -207,17 +209,14 @@ class Collector:
         g = self.cfg.grpo
         n, lag = g.num_prompts_per_step, g.async_grpo.max_trajectory_age_steps
         targets = [s0] + ([s0 + 1] if lag > 0 and s0 + 1 < g.max_num_steps else [])
-        deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause)
+        deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause, on_hold)
         while not all(self.buffer.count_usable(t) >= n for t in targets):
             self.intake.raise_if_failed()
             self._take_filtered()
             self._check_refill_cap(f"start-up (targets {targets})", targets=len(targets))
             await self.issue(s0)  # what a pause held back goes out once it ends (a no-op otherwise)
-            was_held = deadline.held
             if await deadline.passed():
                 raise RunFailed(f"start-up: no complete batches for targets {targets} within {self._timeout_hint()}")
-            if on_hold is not None and deadline.held != was_held:
-                on_hold(deadline.held)
             await self.intake.wait(WAIT_S)
         log.info("lookahead barrier passed: complete batches staged for targets %s", targets)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.trainer.batch import StepBatch, build_step_batch
-from services.trainer.buffer import ReplayBuffer, SampleResult, is_placeholder
+from services.trainer.buffer import ReplayBuffer, SampleResult
 from services.trainer.checkpoint import Checkpointer, ControlState, checkpoint_meta
 from services.trainer.collection import Collector
 from services.trainer.infra_budget import InfraFailureBudget
@@ -45,12 +45,13 @@ from services.trainer.ranks import launched_world_size
 from services.trainer.refit import RefitReport, WeightPublisher, check_refit_fidelity
 from services.trainer.reward_shaping import OverlongPenalty
 from services.trainer.scheduler import Scheduler
+from services.trainer.status_view import trainer_status
 from services.trainer.step_record import StepClock, build_step_record
 from services.trainer.validation import ValidationRunner
 from services.trainer.validation_control import ValidationController
 from services.trainer.weight_transport import build_transport
 from shared import keys as K
-from shared.pause import PauseControl, PauseReason
+from shared.pause import PauseControl
 from shared.protocol import Heartbeat, Task, Trajectory
 from shared.records import (
     LearnerMetrics,
@@ -58,10 +59,9 @@ from shared.records import (
     TrainerState,
     TrainerStatus,
     ValidationRecord,
-    WorkerSummary,
     read_records,
 )
-from shared.registry import HeartbeatTask, live_workers
+from shared.registry import HeartbeatTask
 from shared.run_config import RunConfig
 from shared.streams import StreamClient, connect
 
@@ -156,7 +156,6 @@ class ControlPlane:
         self.incarnation = 0
         self.early_stopped = False
         self.infra = InfraFailureBudget(cfg.grpo.max_infra_failure_fraction, cfg.grpo.infra_failure_window_steps)
-        self.pause_detail: str | None = None  # why the trainer paused the run itself
         self.last_record: StepRecord | None = None
         self.started_at = time.time()
 
@@ -247,22 +246,11 @@ class ControlPlane:
             await self.collector.lookahead_barrier(self.step, on_hold=self._collecting_held)
 
     async def _within_infra_budget(self, step: int, sample: SampleResult, batch: StepBatch) -> None:
-        """Count the step's rollouts failed for an infrastructure reason (`infra_budget`); over
-        the bound, pause the run (reason infra_failures, named in /status and the log) and hold
-        here until `streamrl resume`, then train the step and start a new window."""
+        """Over the budget of infrastructure failures the run holds here (`infra_budget`)."""
         trajs = [t for g in sample.groups for t in g.ordered()]
-        window = self.infra.observe(step, trajs, [t for t in trajs if is_placeholder(t)])
+        window = await self.infra.enforce(step, trajs, self.pause, self._hold_while_paused)
         if batch.stats is not None:
             batch.stats.infra_failure_fraction_window = window
-        reason = self.infra.exceeded()
-        if reason is None:
-            return
-        log.error("step %d: %s", step, reason)
-        self.pause_detail = reason
-        await self.pause.pause(PauseReason.INFRA)
-        await self._hold_while_paused()
-        self.pause_detail = None
-        self.infra.reset()
 
     async def _train(self, step: int, batch: StepBatch) -> LearnerMetrics:
         """The learner's part of ``step``. A non-finite gradient's error (the backends'
@@ -426,32 +414,7 @@ class ControlPlane:
     # ---- status -------------------------------------------------------------------------------
 
     async def status(self) -> TrainerStatus:
-        gens = await live_workers(self.redis, self.keys)
-        return TrainerStatus(
-            run_id=self.cfg.run.run_id,
-            state=self.state,
-            error=self.error,
-            step=self.step,
-            max_num_steps=self.cfg.grpo.max_num_steps,
-            weight_version=self.weight_version,
-            buffer_depth={str(k): v for k, v in self.buffer.depth_by_target().items()},
-            pending_groups=self.buffer.pending_groups(),
-            in_flight_groups={str(k): v for k, v in self.scheduler.in_flight_by_target().items()},
-            evicted_total=self.buffer.evicted_total,
-            cancelled_rollouts_total=self.intake.cancelled_total,
-            early_stopped=self.early_stopped,
-            pause=await self.pause.reasons(),
-            pause_detail=self.pause_detail,
-            last=self.last_record.without_ledger() if self.last_record else None,
-            last_validation=self.validation.last,
-            workers=[
-                WorkerSummary(
-                    id=w.worker_id, kind=w.kind, state=w.state, weight_version=w.weight_version, in_flight=w.in_flight
-                )
-                for w in gens
-            ],
-            uptime_s=time.time() - self.started_at,
-        )
+        return await trainer_status(self)
 
 
 def _no_validation(traj: Trajectory) -> None:

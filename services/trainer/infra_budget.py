@@ -14,10 +14,16 @@ the trainer starts.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from services.trainer.buffer import is_placeholder
+from shared.pause import PauseControl, PauseReason
 from shared.protocol import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +44,24 @@ class InfraFailureBudget:
     def __init__(self, max_fraction: float | None, window_steps: int) -> None:
         self.max_fraction = max_fraction
         self.window: deque[_Step] = deque(maxlen=window_steps)
+        self.detail: str | None = None  # why the run is paused, while it is (for /status)
+
+    async def enforce(
+        self, step: int, trajs: list[Trajectory], pause: PauseControl, hold: Callable[[], Awaitable[None]]
+    ) -> float:
+        """Count ``step``'s rollouts; over the bound, pause the run (reason infra_failures, named in
+        ``detail`` and the log), ``hold`` it until the resume, then start a new window. The failed
+        share over the window, as it stood for this step."""
+        share = self.observe(step, trajs, [t for t in trajs if is_placeholder(t)])
+        reason = self.exceeded()
+        if reason is not None:
+            log.error("step %d: %s", step, reason)
+            self.detail = reason
+            await pause.pause(PauseReason.INFRA)
+            await hold()
+            self.detail = None
+            self.reset()
+        return share
 
     def observe(self, step: int, trajs: list[Trajectory], failed: list[Trajectory]) -> float:
         """Add ``step``'s rollouts (``failed``: those of them that failed for an infrastructure
