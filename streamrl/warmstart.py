@@ -1,5 +1,7 @@
-"""Warm start for the demo: a short supervised fine-tune of the tiny model on ``crossing``
-episodes, so async GRPO starts from a policy that speaks the tool-call format.
+"""Warm start: a short supervised fine-tune of a model on demonstrated conversations (each with the
+tools it offers), so that async GRPO starts from a policy that speaks the tool-call format.
+
+`fine_tune` trains on any conversations; `warm_start` is the demo's, on ``crossing`` episodes.
 
 In the demonstrations the robot looks at the light only half of the time and then picks its action
 at random, so the warm-started policy calls the ``look`` tool reliably *when* it calls it, but has
@@ -57,11 +59,21 @@ def demonstration(instance: dict[str, Any], rng: random.Random, p_look: float, p
     return msgs
 
 
-def encode_with_mask(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+@dataclass(frozen=True)
+class Conversation:
+    """A demonstrated episode: chat messages (assistant turns are what the model learns) and the
+    tools the environment offers, in chat-completions form."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+
+
+def encode_with_mask(tok: PreTrainedTokenizerBase, conversation: Conversation) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a 0/1 mask of assistant-generated tokens."""
+    messages, tools = conversation.messages, conversation.tools or None
 
     def render(ms: list[dict[str, Any]], gen: bool) -> str:
-        text: str = tok.apply_chat_template(ms, tools=[LOOK_TOOL], tokenize=False, add_generation_prompt=gen)
+        text: str = tok.apply_chat_template(ms, tools=tools, tokenize=False, add_generation_prompt=gen)
         return text
 
     full = tok(render(messages, False), add_special_tokens=False)["input_ids"]
@@ -80,26 +92,41 @@ def encode_with_mask(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]
 
 
 def warm_start(model_dir: str | Path, out_dir: str | Path, spec: WarmStartSpec | None = None) -> dict[str, float]:
-    """Fine-tune ``model_dir`` into ``out_dir``; returns a summary (loss, time)."""
+    """The demo's warm start: `fine_tune` on ``crossing`` demonstrations (`demonstration`)."""
+    spec = spec or WarmStartSpec()
+    rng = random.Random(spec.seed)
+    instances = CrossingEnv().make_instances(spec.num_examples, seed=spec.seed + 1)
+    episodes = [Conversation(demonstration(inst, rng, spec.p_look, spec.p_right), [LOOK_TOOL]) for inst in instances]
+    return fine_tune(model_dir, out_dir, episodes, spec, rng)
+
+
+def fine_tune(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    conversations: list[Conversation],
+    spec: WarmStartSpec,
+    rng: random.Random | None = None,
+) -> dict[str, float]:
+    """Fine-tune ``model_dir`` into ``out_dir`` on ``conversations`` (loss on the assistant's
+    tokens; ``spec``: steps, batch size, learning rate, seed; ``rng`` draws the batches, seeded
+    from ``spec.seed`` unless given); returns a summary (loss, time)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = spec or WarmStartSpec()
     t0 = time.perf_counter()
     torch.manual_seed(spec.seed)
-    rng = random.Random(spec.seed)
+    rng = rng or random.Random(spec.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    instances = CrossingEnv().make_instances(spec.num_examples, seed=spec.seed + 1)
-    examples = [encode_with_mask(tok, demonstration(inst, rng, spec.p_look, spec.p_right)) for inst in instances]
+    examples = [encode_with_mask(tok, c) for c in conversations]
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     pad = tok.pad_token_id
     losses = []
     for step in range(spec.steps):
-        batch = rng.sample(examples, spec.batch_size)
+        batch = rng.sample(examples, min(spec.batch_size, len(examples)))
         width = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width))

@@ -83,18 +83,21 @@ def _ranked(cfg: RunConfig, port: int | None, worker_id: str | None) -> int:
 
     timeout_s = cfg.trainer.collective_timeout_s
     ranks = join(timeout_s)
+    code = 1
     try:
         if ranks.is_root:
             learner = RankedLearner(lambda: build_backend(cfg, ranks), ranks, collective_timeout_s=timeout_s)
-            return _serve(cfg, port, worker_id, learner)
+            code = _serve(cfg, port, worker_id, learner)
+            return code
         try:
             follow(build_backend(cfg, ranks))
         except Exception:
             log.exception("trainer rank %d of %d failed", ranks.rank, ranks.world_size)
             return 1
-        return 0
+        code = 0
+        return code
     finally:
-        leave()
+        leave(ranks if code == 0 else None)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ objects). `SINGLE` is the one-process trainer, whose reductions return their inp
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +124,34 @@ def join(collective_timeout_s: float) -> Ranks:
     return ranks
 
 
-def leave() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+LEAVE_BARRIER_S = 60.0
+
+
+def leave(ranks: Ranks | None = None) -> None:
+    """Leave the process group. Given ``ranks`` (a clean exit: every rank is leaving), the ranks
+    first meet at a barrier on the gloo group, so that none tears its connections down while a peer
+    is still reading the last message on them (a rank whose peer vanishes mid-message is aborted
+    by gloo, "terminate called without an active exception"). A rank that does not come within
+    ``LEAVE_BARRIER_S`` is named in a warning and the group is destroyed anyway; after a failure
+    (no ``ranks``) there is no barrier."""
+    if not dist.is_initialized():
+        return
+    if ranks is not None and ranks.world_size > 1 and ranks.checkpoint_group is not None:
+        try:
+            dist.monitored_barrier(
+                group=ranks.checkpoint_group, timeout=datetime.timedelta(seconds=LEAVE_BARRIER_S), wait_all_ranks=True
+            )
+        except RuntimeError as exc:
+            log.warning("rank %d: leaving without every rank at the barrier: %s", ranks.rank, exc)
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def leaving(ranks: Ranks) -> Iterator[None]:
+    """Run the body, then `leave`: with the barrier when it returned, without it when it raised."""
+    try:
+        yield
+    except BaseException:
+        leave()
+        raise
+    leave(ranks)

@@ -47,7 +47,7 @@ from services.trainer.backends.hf_adapter import HFAdapter
 from services.trainer.batch import Row, StepBatch
 from services.trainer.learner import Learner, LocalLearner
 from services.trainer.rank_learner import RankedLearner, follow
-from services.trainer.ranks import SINGLE, Ranks, join, launched_world_size, leave
+from services.trainer.ranks import SINGLE, Ranks, join, launched_world_size, leaving
 from services.trainer.step_plan import plan_step
 from shared.config import load
 from shared.run_config import RunConfig
@@ -370,7 +370,7 @@ def main() -> int:
     vocab = int(msgspec.json.decode((Path(args.model) / "config.json").read_bytes())["vocab_size"])
     batch = bench_batch(args.rows, args.min_len, args.max_len, vocab)
     ranks = join(cfg.trainer.collective_timeout_s) if launched_world_size() > 1 else SINGLE
-    try:
+    with leaving(ranks):
         if args.mode == "compare":
             result: WorkerOut | None = compare(cfg, batch, args.rounds)
         elif args.mode == "scale":
@@ -381,8 +381,6 @@ def main() -> int:
             result = state(cfg, ranks, batch, args.saves, out.parent / f"{out.stem}-ckpt")
         else:
             result = building(cfg, ranks, args.whole)
-    finally:
-        leave()
     if result is not None:
         tokens = sum(len(r.input_ids) for r in batch.rows)
         result = msgspec.structs.replace(result, world_size=ranks.world_size, tokens=tokens)

@@ -27,7 +27,8 @@ import shlex
 import signal
 import subprocess
 import textwrap
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,15 +39,19 @@ import yaml
 
 from shared.openai_api import ChatMessage, ResponseMessage
 from shared.protocol import SamplingParams, Task
+from shared.records import read_records, step_records
 from tests.support.fakes.generator import call, say
-from tests.support.gateway import collect, single_task
+from tests.support.gateway import Stack, collect, single_task
+from tests.support.nemo_gym_policy import counter_policy
 from tests.support.ports import HeldPorts
+from tests.support.services import start_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY_FILE = "streamrl_policy.yaml"  # the NeMo-Gym config the guide's first step writes
 STARTUP_TIMEOUT_S = 300.0  # a slow 2-core machine importing NeMo-Gym in three processes
+MAX_TOKENS = 48  # a tool call of the counter rows is about 30 tokens
 
 
 @dataclass(frozen=True)
@@ -143,16 +148,17 @@ async def nemo_gym_servers(command: list[str], workdir: Path) -> AsyncIterator[d
 
 
 @contextlib.asynccontextmanager
-async def deployment(scripted_gateway, readme: Readme, workdir: Path):
-    """The scripted gateway configured with the guide's env section and, pointing at it, NeMo-Gym's
-    servers started as the guide says; only hosts and ports differ."""
+async def deployment(open_gateway: Callable[[dict], AbstractAsyncContextManager[Stack]], readme: Readme, workdir: Path):
+    """A gateway configured with the guide's env section (``open_gateway(env)``: scripted or on a
+    real model) and, pointing at it, NeMo-Gym's servers started as the guide says; only hosts and
+    ports differ."""
     held = HeldPorts(("head",))
     try:
         policy_config = json.loads(json.dumps(readme.policy_config))
         head = policy_config["head_server"]
         env = json.loads(json.dumps(readme.env))
         env["nemo_gym"]["head_server_url"] = f"http://{head['host']}:{held.ports['head']}"
-        async with scripted_gateway(POLICIES, env=env) as gw:
+        async with open_gateway(env) as gw:
             host, port = gw.url.removeprefix("http://").rsplit(":", 1)
             [gateway] = policy_config["policy_model"]["responses_api_models"].values()
             gateway.update(host=host, port=int(port))
@@ -175,7 +181,7 @@ async def test_the_package_s_agent_and_verifier_drive_rollouts_token_exact(
     numbers = [_numbers(r["responses_create_params"]["input"][0]["content"]) for r in (row, other)]
     for r, n in zip((row, other), numbers, strict=True):  # the counter policy's increments earn the reward
         assert r["initial_count"] + sum(n) == r["expected_count"]
-    async with deployment(scripted_gateway, readme, tmp_path) as (gw, urls):
+    async with deployment(lambda env: scripted_gateway(POLICIES, env=env), readme, tmp_path) as (gw, urls):
         tasks = [_task("counter", 0, row), _task("idle", 1, row), _task("counter", 2, other)]
         await gw.streams.publish_many(gw.streams.keys.tasks, tasks)
         trajs = {t.prompt_index: t for t in await collect(gw.streams, len(tasks), timeout_s=180)}
@@ -200,3 +206,123 @@ async def test_the_package_s_agent_and_verifier_drive_rollouts_token_exact(
         assert item["generation_token_ids"] == list(turn.generated())
         assert item["generation_log_probs"] == pytest.approx(list(turn.logprobs()))
         assert item["prompt_token_ids"][turn.context_len :] == list(turn.prompt())
+
+
+@pytest.fixture(scope="module")
+def counter_model(tiny_model_dir, example_rows, tmp_path_factory) -> Path:
+    """The tiny model fine-tuned to play the package's counter rows (`tests.support.nemo_gym_policy`)."""
+    return counter_policy(tiny_model_dir, tmp_path_factory.mktemp("counter-policy"), example_rows)
+
+
+TEMPERATURE = 0.8
+GENERATION = {"backend": "transformers", "temperature": TEMPERATURE, "top_p": 1.0, "max_new_tokens": MAX_TOKENS}
+
+
+async def test_the_package_s_agent_drives_a_real_model_token_exact_and_a_broken_prefix_is_counted(
+    gateway_stack, readme, example_rows, counter_model, tmp_path
+):
+    """The same deployment with a real generator (transformers engine, the fine-tuned tiny model,
+    its tokenizer and chat template): the agent's tool calls are the model's parsed output, its
+    replayed turns are spliced back into the model's own tokens (no break over multi-turn
+    episodes), and the output items carry exactly the tokens the session recorded. A call that does
+    not continue the session's context is counted as a break."""
+
+    def real_model(env: dict) -> AbstractAsyncContextManager[Stack]:
+        return gateway_stack(model_dir=counter_model, env=env, policy={"generation": GENERATION})
+
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=TEMPERATURE)
+    async with deployment(real_model, readme, tmp_path) as (gw, urls):
+        tasks = [
+            single_task(f"row{i}-{k}", "nemo_gym", row, sampling=sampling, prompt_index=i, deadline_s=240.0)
+            for i, row in enumerate(example_rows)
+            for k in range(2)
+        ]
+        await gw.streams.publish_many(gw.streams.keys.tasks, tasks)
+        trajs = await collect(gw.streams, len(tasks), timeout_s=300)
+
+        session = await gw.gateway.state.proxy.open("direct.0", "train", sampling)
+        row = example_rows[0]
+        body = {**row, "_ng_task_index": 0, "_ng_rollout_index": 0, "_ng_rollout_id": session.session_id}
+        agent = urls[readme.env["nemo_gym"]["default_agent"]]
+        async with httpx.AsyncClient(timeout=240) as http:
+            verified = (await http.post(f"{agent}/run", json=body)).json()
+            turns_of_the_run, breaks_of_the_run = list(session.turns), session.prefix_breaks
+            restart = {**row["responses_create_params"], "input": [{"role": "user", "content": "get the count"}]}
+            broken = await http.post(f"{gw.url}/ng-rollout/{session.session_id}/v1/responses", json=restart)
+
+    assert len(trajs) == len(tasks)
+    assert all(t.status == "ok" for t in trajs), [(t.task_id, t.fallback_reason) for t in trajs]
+    assert all(t.metrics["prefix_breaks"] == 0.0 for t in trajs)
+    assert {t.reward for t in trajs} <= {0.0, 1.0}  # the package's verifier
+    assert max(len(t.turns) for t in trajs) >= 3  # tool calls answered and replayed: multi-turn splices
+
+    items = [o for o in verified["response"]["output"] if "generation_token_ids" in o]
+    assert len(items) == len(turns_of_the_run) >= 2 and breaks_of_the_run == 0
+    assert any(o["type"] == "function_call" for o in items)  # the model's own output, parsed as a call
+    for item, turn in zip(items, turns_of_the_run, strict=True):
+        assert item["generation_token_ids"] == list(turn.generated())
+        assert item["generation_log_probs"] == pytest.approx(list(turn.logprobs()))
+        assert item["prompt_token_ids"][turn.context_len :] == list(turn.prompt())
+    assert broken.status_code == 200, broken.text
+    last = turns_of_the_run[-1]
+    context = last.context_len + len(last.prompt()) + len(last.generated())  # the session's tokens so far
+    assert session.prefix_breaks == 1 and session.turns[-1].context_len < context
+
+
+STEPS, PROMPTS, GENS = 3, 2, 4
+
+
+async def test_a_short_run_trains_on_the_package_s_rollouts(readme, example_rows, counter_model, tmp_path, redis_url):
+    """``streamrl up`` with the guide's env section, the package's rows as training data, and
+    NeMo-Gym's servers started by the guide's command pointing at the run's gateway: every step
+    trains PROMPTS x GENS rollouts that the package's agent played and its verifier scored, none
+    failed or broke its prefix, and groups whose rewards differ give the loss a signal."""
+    held = HeldPorts(("head", "gateway"))
+    policy_config = json.loads(json.dumps(readme.policy_config))
+    policy_config["head_server"]["port"] = held.ports["head"]
+    [gateway] = policy_config["policy_model"]["responses_api_models"].values()
+    gateway.update(host="127.0.0.1", port=held.ports["gateway"])
+    (tmp_path / POLICY_FILE).write_text(yaml.safe_dump(policy_config))
+    env = json.loads(json.dumps(readme.env))
+    env["nemo_gym"]["head_server_url"] = f"http://127.0.0.1:{held.ports['head']}"
+    out = tmp_path / "run"
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in example_rows))
+    tree = {
+        "run": {"run_id": f"nemo-gym-{os.getpid()}", "output_dir": str(out), "seed": 3},
+        "data": {"train_path": str(train)},
+        "policy": {
+            "model_name": str(counter_model),
+            "max_total_sequence_length": 1024,
+            "optimizer": {"lr": 1e-4},
+            "generation": GENERATION,
+        },
+        "grpo": {"num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENS, "max_num_steps": STEPS},
+        "env": env,
+        "generator": {"port": 0},
+        "gym_gateway": {"port": held.ports["gateway"], "max_concurrent_rollouts": PROMPTS * GENS},
+    }
+    config = tmp_path / "nemo_gym_run.yaml"
+    config.write_text(yaml.safe_dump(tree))
+
+    try:
+        held.release("head")
+        async with nemo_gym_servers(readme.command, tmp_path):
+            held.release("gateway")
+            job = start_job(config, tmp_path / "up.log", env={**os.environ, "REDIS_URL": redis_url})
+            try:
+                await asyncio.to_thread(job.wait, 900)
+            finally:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait()
+    finally:
+        held.close()
+    assert job.returncode == 0, (tmp_path / "up.log").read_text()[-4000:]
+    steps = step_records(read_records(out / "metrics.jsonl"))
+    assert [s.step for s in steps] == list(range(STEPS))
+    for s in steps:
+        assert len(s.consumed_ids) == PROMPTS * GENS and s.batch.num_placeholders == 0
+        assert s.batch.rollout_failures == {} and s.batch.num_prefix_breaks == 0 and s.batch.num_masked_samples == 0
+        assert 0.0 <= s.batch.reward_mean <= 1.0 and s.learner.train_tokens > 0
+    assert any(s.batch.advantages_abs_mean > 0 and s.learner.grad_norm > 0 for s in steps)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from services.trainer.backends import build_backend  # noqa: E402
-from services.trainer.ranks import SINGLE, join, launched_world_size, leave  # noqa: E402
+from services.trainer.ranks import SINGLE, join, launched_world_size, leaving  # noqa: E402
 from tests.support.ranks.ranked_step import config  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg = config(args.model, ["trainer.backend=megatron", *args.set])
     ranks = join(cfg.trainer.collective_timeout_s) if launched_world_size() > 1 else SINGLE
-    try:
+    with leaving(ranks):
         backend = build_backend(cfg, ranks, max_weight_file_bytes=512 * 1024)  # many files, written by every rank
         backend.save_weights(out / "weights")
         metadata = backend.weight_metadata()
@@ -63,8 +63,6 @@ def main() -> int:
             (out / "stream.json").write_text(json.dumps(report))
         else:
             assert not streamed, "only rank 0 receives the stream"
-    finally:
-        leave()
     return 0
 
 

@@ -37,7 +37,7 @@ from services.trainer.backends.backend import Backend  # noqa: E402
 from services.trainer.batch import Row, StepBatch  # noqa: E402
 from services.trainer.learner import Learner, LocalLearner  # noqa: E402
 from services.trainer.rank_learner import RankedLearner, follow  # noqa: E402
-from services.trainer.ranks import SINGLE, join, launched_world_size, leave  # noqa: E402
+from services.trainer.ranks import SINGLE, join, launched_world_size, leaving  # noqa: E402
 from shared.config import load  # noqa: E402
 from shared.run_config import RunConfig  # noqa: E402
 from tests.support.gradients import mlp_weight, poison_gradient  # noqa: E402
@@ -125,7 +125,7 @@ def main() -> int:
         (out / f"load-rank{ranks.rank}.json").write_text(json.dumps({"bytes_read": backend.checkpoint_bytes_read}))
         return backend
 
-    try:
+    with leaving(ranks):
         if not ranks.sharded:
             asyncio.run(drive(LocalLearner(build), args, out))
         elif ranks.is_root:
@@ -133,8 +133,6 @@ def main() -> int:
             asyncio.run(drive(learner, args, out))
         else:
             follow(build())
-    finally:
-        leave()
     return 0
 
 
