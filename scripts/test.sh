@@ -1,14 +1,36 @@
 #!/usr/bin/env bash
 # The README's second command: set up, run the gates (ruff lint and format check, mypy), then the
-# three test tiers (unit, integration, e2e). A failing gate stops it before pytest starts.
+# test tiers (unit, integration, e2e, faults, soak, compose). A failing gate or set-up stops it
+# before pytest starts.
+#
+# The agent harnesses' virtualenvs and kubectl are set up in the background while the gates run
+# (they download; the gates compute). pytest runs the test files on STREAMRL_TEST_WORKERS
+# processes (pytest-xdist, default 2; 0 runs them in this process), each file whole on one worker
+# (its module fixtures start once), in collection order, so the long e2e and compose files start
+# first. Arguments pass through to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/k8s_tools.sh  # kubectl (with kustomize) for the offline checks of deploy/k8s
-bash scripts/setup_openhands.sh  # the OpenHands driver's tests run a real agent in its own virtualenv
-bash scripts/setup_nemo_gym.sh  # the NeMo-Gym driver's tests run the nemo-gym package's servers in its own virtualenv
+
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+bash scripts/k8s_tools.sh &  # kubectl (with kustomize) for the offline checks of deploy/k8s
+pids+=($!)
+bash scripts/setup_openhands.sh &  # the OpenHands driver's tests run a real agent in its own virtualenv
+pids+=($!)
+bash scripts/setup_nemo_gym.sh &  # the NeMo-Gym driver's tests run the nemo-gym package's servers in its own virtualenv
+pids+=($!)
 
 .venv/bin/ruff check services shared shared_torch streamrl tests scripts
 .venv/bin/ruff format --check services shared shared_torch streamrl tests scripts
 .venv/bin/mypy  # files and strictness from [tool.mypy] in pyproject.toml
-exec .venv/bin/python -m pytest "$@"
+for pid in "${pids[@]}"; do
+  wait "$pid"
+done
+trap - EXIT
+
+workers=${STREAMRL_TEST_WORKERS:-2}
+if [ "$workers" = 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -1,9 +1,11 @@
-"""scripts/test.sh (the README's test command): set-up, then the ruff and mypy gates, then pytest;
-a failing gate stops it before pytest. Run against stand-ins for the set-up scripts and tools, which
+"""scripts/test.sh (the README's test command): set-up (the harnesses' virtualenvs and kubectl in the
+background while the gates run), the ruff and mypy gates, then pytest on two workers; a failing gate
+or set-up stops it before pytest. Run against stand-ins for the set-up scripts and tools, which
 record their calls."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,27 +39,36 @@ def _tree(tmp_path: Path, failing: str | None = None) -> Path:
     return tmp_path
 
 
-def _run(tree: Path, *args: str) -> tuple[int, list[str]]:
-    proc = subprocess.run(["bash", str(tree / "scripts" / "test.sh"), *args], capture_output=True, text=True)
+def _run(tree: Path, *args: str, **env: str) -> tuple[int, list[str]]:
+    proc = subprocess.run(
+        ["bash", str(tree / "scripts" / "test.sh"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
     log = tree / "calls.log"
     return proc.returncode, [line.rstrip() for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def test_set_up_then_the_gates_then_pytest_with_the_arguments(tmp_path):
-    code, calls = _run(_tree(tmp_path), "-m", "unit")
+BACKGROUND = {"k8s_tools", "setup_openhands", "setup_nemo_gym"}  # set up while the gates run
+XDIST = "-n 2 --dist loadfile --no-loadscope-reorder"
+
+
+def test_set_up_then_the_gates_then_pytest_on_two_workers_with_the_arguments(tmp_path):
+    code, calls = _run(_tree(tmp_path), "-m", "unit", STREAMRL_TEST_WORKERS="")
     assert code == 0
-    assert calls == [
-        "setup",
-        "k8s_tools",
-        "setup_openhands",
-        "setup_nemo_gym",
-        *GATES,
-        "python -m pytest -m unit",
-    ]
+    assert calls[0] == "setup" and set(calls[1:-1]) == BACKGROUND | set(GATES)
+    assert [c for c in calls if c in GATES] == GATES  # in this order
+    assert calls[-1] == f"python -m pytest {XDIST} -m unit"
 
 
-@pytest.mark.parametrize("failing", ["ruff", "mypy"])
-def test_a_failing_gate_fails_the_command_before_pytest(tmp_path, failing):
+def test_no_workers_runs_pytest_in_its_own_process(tmp_path):
+    code, calls = _run(_tree(tmp_path), "-x", STREAMRL_TEST_WORKERS="0")
+    assert code == 0 and calls[-1] == "python -m pytest -x"
+
+
+@pytest.mark.parametrize("failing", ["ruff", "mypy", "setup_nemo_gym"])
+def test_a_failing_gate_or_set_up_fails_the_command_before_pytest(tmp_path, failing):
     code, calls = _run(_tree(tmp_path, failing=failing))
     assert code != 0
     assert not any(c.startswith("python") for c in calls)
