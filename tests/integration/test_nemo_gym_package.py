@@ -62,6 +62,21 @@ class Readme:
     command: list[str]  # step 2: the command starting NeMo-Gym's servers
     env: dict[str, Any]  # step 3: the streamrl run config's env section
 
+    def run_env(self, head_port: int) -> dict[str, Any]:
+        """Step 3's env section with the head server on ``head_port``."""
+        env = json.loads(json.dumps(self.env))
+        env["nemo_gym"]["head_server_url"] = f"http://{self.policy_config['head_server']['host']}:{head_port}"
+        return env
+
+    def write_policy_config(self, workdir: Path, head_port: int, gateway_host: str, gateway_port: int) -> None:
+        """Step 1's config, written to ``workdir``: the head server on ``head_port``, the gateway at
+        ``gateway_host:gateway_port``."""
+        config = json.loads(json.dumps(self.policy_config))
+        config["head_server"]["port"] = head_port
+        [gateway] = config["policy_model"]["responses_api_models"].values()
+        gateway.update(host=gateway_host, port=gateway_port)
+        (workdir / POLICY_FILE).write_text(yaml.safe_dump(config))
+
     @property
     def package_config(self) -> str:
         [path] = [a for a in self.command if a.endswith(".yaml") and a != POLICY_FILE]
@@ -154,16 +169,9 @@ async def deployment(open_gateway: Callable[[dict], AbstractAsyncContextManager[
     ports differ."""
     held = HeldPorts(("head",))
     try:
-        policy_config = json.loads(json.dumps(readme.policy_config))
-        head = policy_config["head_server"]
-        env = json.loads(json.dumps(readme.env))
-        env["nemo_gym"]["head_server_url"] = f"http://{head['host']}:{held.ports['head']}"
-        async with open_gateway(env) as gw:
+        async with open_gateway(readme.run_env(held.ports["head"])) as gw:
             host, port = gw.url.removeprefix("http://").rsplit(":", 1)
-            [gateway] = policy_config["policy_model"]["responses_api_models"].values()
-            gateway.update(host=host, port=int(port))
-            head["port"] = held.release("head")
-            (workdir / POLICY_FILE).write_text(yaml.safe_dump(policy_config))
+            readme.write_policy_config(workdir, held.release("head"), host, int(port))
             async with nemo_gym_servers(readme.command, workdir) as urls:
                 yield gw, urls
     finally:
@@ -278,13 +286,8 @@ async def test_a_short_run_trains_on_the_package_s_rollouts(readme, example_rows
     trains PROMPTS x GENS rollouts that the package's agent played and its verifier scored, none
     failed or broke its prefix, and groups whose rewards differ give the loss a signal."""
     held = HeldPorts(("head", "gateway"))
-    policy_config = json.loads(json.dumps(readme.policy_config))
-    policy_config["head_server"]["port"] = held.ports["head"]
-    [gateway] = policy_config["policy_model"]["responses_api_models"].values()
-    gateway.update(host="127.0.0.1", port=held.ports["gateway"])
-    (tmp_path / POLICY_FILE).write_text(yaml.safe_dump(policy_config))
-    env = json.loads(json.dumps(readme.env))
-    env["nemo_gym"]["head_server_url"] = f"http://127.0.0.1:{held.ports['head']}"
+    readme.write_policy_config(tmp_path, held.ports["head"], "127.0.0.1", held.ports["gateway"])
+    env = readme.run_env(held.ports["head"])
     out = tmp_path / "run"
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in example_rows))
