@@ -16,6 +16,7 @@ from shared.streams import connect
 pytestmark = pytest.mark.integration
 
 USER = {"role": "user", "content": "What is 2 + 3?"}
+LONG_SAMPLE_SEED = 7  # the tiny model's answer to USER under this seed runs to 300 tokens
 
 
 @pytest.fixture
@@ -187,7 +188,9 @@ async def test_pause_holds_new_requests_until_resume(gen):
 async def test_keep_pause_freezes_a_running_request(hf_generator, until_generating):
     async with hf_generator(max_new_tokens=300) as g:
         engine = g.runtime.engine
-        running = asyncio.create_task(_chat(g, max_tokens=300))
+        # Seed 7's sample on the tiny model runs the whole 300 tokens: an unseeded one can stop
+        # at an end-of-sequence token before the pause lands.
+        running = asyncio.create_task(_chat(g, max_tokens=300, seed=LONG_SAMPLE_SEED))
         await until_generating(engine, running)
         await g.client.post("/admin/pause", json={"mode": "keep"})
         frozen_at = engine.stats().generated_tokens_total

@@ -185,7 +185,8 @@ async def test_keep_mode_refit_continues_a_running_request_on_the_new_version(
         sc = streams(gen.cfg.run.run_id)
         engine = gen.runtime.engine
         temperature = gen.cfg.policy.generation.temperature
-        running = asyncio.create_task(chat(gen, max_tokens=300))
+        # Seeded so the old weights' sample cannot stop at an end-of-sequence token before the refit.
+        running = asyncio.create_task(chat(gen, max_tokens=300, seed=7))
         await until_generating(engine, running)
         await sc.publish(sc.keys.weights, announcement(new_weights, 1, mode="keep"))
         assert (await wait_ack(sc, 1)).ok
@@ -209,7 +210,7 @@ async def test_drain_mode_refit_waits_for_the_running_request(hf_generator, stre
     async with hf_generator(max_new_tokens=200) as gen:
         sc = streams(gen.cfg.run.run_id)
         engine = gen.runtime.engine
-        running = asyncio.create_task(chat(gen, max_tokens=200))
+        running = asyncio.create_task(chat(gen, max_tokens=200, seed=7))
         await until_generating(engine, running)
         await sc.publish(sc.keys.weights, announcement(new_weights, 1, mode="drain"))
         ack = await wait_ack(sc, 1)
