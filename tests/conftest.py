@@ -54,7 +54,8 @@ def redis_url(redis_server) -> str:
 def _build_tiny(out: Path, arch: str) -> Path:
     # Built in a child process: building imports torch/transformers, which tests that only need
     # the folder should not pay for in the pytest process.
-    code = f"from streamrl.model_builder import build_tiny_model, tiny_spec; build_tiny_model({str(out)!r}, tiny_spec({arch!r}))"
+    code = "from streamrl.model_builder import build_tiny_model as b, tiny_spec as s; "
+    code += f"b({str(out)!r}, s({arch!r}))"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     return out
 
