@@ -11,7 +11,10 @@ bf16 per rank before anything is sharded. Here::
                 --> each parameter's own rows read from the safetensors files (``get_slice``
                     reads only that range), cast to float32 into the shard
 
-so a rank reads and holds 1/world of the parameters. The range of each shard is torch's own
+so a rank reads and holds 1/world of the parameters. Routed experts that transformers fuses in
+memory (``mlp.experts.gate_up_proj`` [E, 2F, H], ``mlp.experts.down_proj`` [E, H, F]) while the
+checkpoint stores them one by one (``mlp.experts.{e}.gate_proj.weight``, ...) are put together
+from the experts of this rank's shard only (`FusedExperts`). The range of each shard is torch's own
 (``compute_local_shape_and_global_offset`` of the parameter's mesh and placements), so whatever
 the mesh, the rows are the ones FSDP2 assigned. Used by the torch backend for a sharded policy
 whose ``policy.model_name`` is a local folder of safetensors files (one file or an index) and
@@ -23,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,34 +118,83 @@ def load_sharded(
     return model, read
 
 
+_FUSED_EXPERTS = re.compile(r"^(?P<experts>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """A fused expert parameter stored expert by expert: for each expert, the tensors whose
+    concatenation along their first dimension is its slice of the fused parameter."""
+
+    parts: list[list[str]]
+
+    @classmethod
+    def of(cls, name: str, files: dict[str, Path]) -> FusedExperts | None:
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            return None
+        kinds = ("gate_proj", "up_proj") if match["kind"] == "gate_up_proj" else ("down_proj",)
+        parts: list[list[str]] = []
+        while all(f"{match['experts']}.{len(parts)}.{k}.weight" in files for k in kinds):
+            parts.append([f"{match['experts']}.{len(parts)}.{k}.weight" for k in kinds])
+        return cls(parts) if parts else None
+
+
+class _Reader:
+    """Slices of the checkpoint's tensors, each file opened once; counts the bytes read."""
+
+    def __init__(self, files: dict[str, Path], stack: contextlib.ExitStack) -> None:
+        self.files, self._stack, self.read = files, stack, 0
+        self._handles: dict[Path, Any] = {}
+
+    def _slice(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt"))
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str, fused: FusedExperts | None) -> tuple[int, ...]:
+        if fused is None:
+            return tuple(self._slice(name).get_shape())
+        first = [tuple(self._slice(p).get_shape()) for p in fused.parts[0]]
+        return (len(fused.parts), sum(s[0] for s in first), *first[0][1:])
+
+    def rows(self, name: str, fused: FusedExperts | None, box: tuple[slice, ...]) -> torch.Tensor:
+        if fused is None:
+            rows: torch.Tensor = self._slice(name)[box]
+        else:  # whole experts of this shard, then the box's other dimensions
+            experts = [torch.cat([self._slice(p)[:] for p in parts]) for parts in fused.parts[box[0]]]
+            rows = torch.stack(experts)[(slice(None), *box[1:])]
+        self.read += rows.numel() * rows.element_size()
+        return rows
+
+
 def _read_shards(model: torch.nn.Module, files: dict[str, Path]) -> int:
     """Fill every parameter's local shard from ``files``; the bytes read."""
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    missing = [name for name, _ in model.named_parameters() if name not in files]
+    fused = {name: FusedExperts.of(name, files) for name, _ in model.named_parameters() if name not in files}
+    missing = [name for name, f in fused.items() if f is None]
     if missing:
         raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameters, e.g. {missing[:3]}")
-    read = 0
-    handles: dict[Path, Any] = {}
     with contextlib.ExitStack() as stack:
+        reader = _Reader(files, stack)
         for name, param in model.named_parameters():
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            stored = handles[file].get_slice(name)
+            layout = fused.get(name)
             if isinstance(param, DTensor):
                 local = param.to_local()
                 shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             else:
                 local, shape, offset = param, tuple(param.shape), (0,) * param.dim()
-            if tuple(stored.get_shape()) != tuple(param.shape):
-                raise ValueError(f"{name}: the checkpoint holds {stored.get_shape()}, the model {tuple(param.shape)}")
+            stored = reader.shape(name, layout)
+            if stored != tuple(param.shape):
+                raise ValueError(f"{name}: the checkpoint holds {list(stored)}, the model {tuple(param.shape)}")
             if local.numel() == 0:
                 continue  # a rank past the end of a small tensor holds nothing of it
-            rows = stored[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+            rows = reader.rows(name, layout, tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True)))
             with torch.no_grad():
                 local.copy_(rows.reshape(local.shape))
-            read += rows.numel() * rows.element_size()
-    return read
+    return reader.read

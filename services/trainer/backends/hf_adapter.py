@@ -29,10 +29,12 @@ import torch
 
 from services.trainer.backends import step
 from services.trainer.backends.adapter import LoadedModel, OnLogits
+from services.trainer.backends.hf_format import as_stored, read_tensors, stored_names, untrained
 from services.trainer.backends.layout import Layout, data_parallel
+from services.trainer.backends.linear_attention import rows_apart, separate_rows
 from services.trainer.backends.micro_batch import MicroBatch, sampled_logprobs_of
 from services.trainer.ranks import Ranks
-from services.trainer.sharded_load import load_sharded, shard_readable
+from services.trainer.sharded_load import checkpoint_files, load_sharded, shard_readable
 from services.trainer.sharding import shard_model
 from services.trainer.weight_export import ShardWriter, gathered, rank_tensors, refit_threads
 from shared.run_config import RunConfig
@@ -79,7 +81,12 @@ class HFAdapter:
 
     def build(self) -> LoadedModel:
         """The policy on this rank's device (float32 master weights), sharded over the ranks when
-        there are several."""
+        there are several; its linear-attention layers keep a pack's rows apart."""
+        loaded = self._load()
+        separate_rows(loaded.module)
+        return loaded
+
+    def _load(self) -> LoadedModel:
         path, dtensor, ranks = self.policy.model_name, self.policy.dtensor_cfg, self._ranks
         files = shard_readable(path) if ranks.sharded and self.read_own_shards else None
         if files is not None:
@@ -117,10 +124,13 @@ class HFAdapter:
 
     def logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """[B, T, V] logits. A pack runs as one sequence with its position ids and no attention
-        mask (transformers then keeps each row to itself)."""
+        mask (transformers then keeps each row to itself in attention layers; linear-attention
+        layers run row by row: `services.trainer.backends.linear_attention`)."""
         with self._autocast():
             if mb.pack is not None:
-                return model(input_ids=mb.pack.input_ids, position_ids=mb.pack.position_ids, use_cache=False).logits
+                pack = mb.pack
+                with rows_apart(pack.starts, pack.input_ids.shape[1]):
+                    return model(input_ids=pack.input_ids, position_ids=pack.position_ids, use_cache=False).logits
             return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
 
     def logprobs(
@@ -174,8 +184,11 @@ class HFAdapter:
         writes its share of the files. The files' digests: this rank's, and on rank 0 every rank's."""
         writer = ShardWriter(out_dir, max_file_bytes, ranks=self._ranks)
         with refit_threads():
-            for name, tensor in rank_tensors(model, self.dtype, self._ranks, skip=_tied_keys(model)):
+            for name, tensor in as_stored(model, rank_tensors(model, self.dtype, self._ranks, skip=_tied_keys(model))):
                 writer.add(name, tensor)
+            if self._ranks.is_root:
+                for name, tensor in self._untrained(model):
+                    writer.add(name, tensor)
             writer.close()
         if self._ranks.is_root:
             model.config.save_pretrained(out_dir)
@@ -184,15 +197,21 @@ class HFAdapter:
                 gen_config.save_pretrained(out_dir)
         return writer.manifest
 
+    def _untrained(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The starting checkpoint's tensors the model does not hold (MTP weights), as stored there."""
+        files = checkpoint_files(self.policy.model_name)
+        if files is None:
+            return iter(())
+        return read_tensors(files, untrained(model, files))
+
     def weight_metadata(self, model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-        """From the state dict's shapes alone (no gather)."""
-        skip = _tied_keys(model)
-        return [(n, tuple(t.shape)) for n, t in model.state_dict().items() if n not in skip]
+        """Under the checkpoint's names, from the state dict's shapes alone (no gather)."""
+        return stored_names(model, _tied_keys(model))
 
     def weight_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Where and as they are (float32: the sender casts them as it packs them); every rank gets
-        each tensor."""
-        return gathered(model, _tied_keys(model))
+        """Where and as they are (float32: the sender casts them as it packs them), under the
+        checkpoint's names; every rank gets each tensor. The untrained ones stay where they are."""
+        return as_stored(model, gathered(model, _tied_keys(model)))
 
 
 def _tied_keys(model: torch.nn.Module) -> frozenset[str]:
