@@ -71,18 +71,23 @@ def demo(
     overrides: list[str] = typer.Argument(
         None, help="config overrides key=value for the run, e.g. trainer.nproc_per_node=2"
     ),
-    out: Path = typer.Option(Path("runs/demo"), help="output folder"),
+    out: Path = typer.Option(None, help="output folder (runs/demo; runs/demo-ARCH for another --arch)"),
     steps: int = typer.Option(None, help="override grpo.max_num_steps"),
     no_progress: bool = typer.Option(False, help="no live display"),
     prepare_only: bool = typer.Option(False, help="only build model, data and warm-started policy in OUT"),
+    arch: str = typer.Option("qwen3", help="the tiny model's family: qwen3 (dense) or qwen3_5_moe (hybrid MoE)"),
 ) -> None:
     """Build the tiny model if missing, warm-start it, and run a short async GRPO job that learns."""
-    from streamrl.demo import prepare, run_demo
+    from streamrl.demo import default_out, prepare, run_demo
+    from streamrl.model_builder import ARCHS
 
+    if arch not in ARCHS:
+        _fail(f"--arch {arch!r} is not one of {', '.join(ARCHS)}", 2)
+    out = out or default_out(arch)
     if prepare_only:
-        prepare(out)
+        prepare(out, arch)
         raise typer.Exit(0)
-    raise typer.Exit(run_demo(out, steps=steps, progress=not no_progress, overrides=overrides or []))
+    raise typer.Exit(run_demo(out, steps=steps, progress=not no_progress, overrides=overrides or [], arch=arch))
 
 
 def _trainer_url(url: str | None, run_dir: Path | None) -> str:

@@ -1,6 +1,7 @@
 """``streamrl demo``: the README's first command.
 
-1. build the tiny Qwen3 model + tokenizer if missing (runs/models/tiny-qwen3);
+1. build the tiny model + tokenizer if missing (runs/models/tiny-qwen3; ``--arch qwen3_5_moe``:
+   runs/models/tiny-qwen3_5_moe, the reference run's family in miniature);
 2. write the crossing train/validation datasets;
 3. warm-start the model briefly (streamrl.warmstart) so its first reward is in (0.1, 0.6);
 4. run `streamrl up deploy/configs/demo.yaml` (embedded Valkey, vLLM generator, gateway, trainer);
@@ -15,32 +16,52 @@ import logging
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from shared.jsonl import write_jsonl
-from streamrl.model_builder import build_tiny_model, is_model_dir
+from streamrl.model_builder import ARCHS, build_tiny_model, is_model_dir, tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "deploy" / "configs" / "demo.yaml"
 MODEL_DIR = Path("runs/models/tiny-qwen3")
 NUM_TRAIN, NUM_VAL = 4000, 64
+# What the demo changes for the hybrid model: vLLM's CPU kernels for Gated DeltaNet layers run
+# in bfloat16 only (the trainer keeps float32 master weights and computes in float32).
+ARCH_OVERRIDES: dict[str, list[str]] = {
+    "qwen3": [],
+    "qwen3_5_moe": ["policy.generation.vllm_cfg.dtype=bfloat16"],
+}
 
 
-def prepare(out: Path) -> Path:
+def model_dir(arch: str) -> Path:
+    """Where the demo keeps the tiny model of ``arch``."""
+    return MODEL_DIR if arch == "qwen3" else Path(f"runs/models/tiny-{arch}")
+
+
+def default_out(arch: str) -> Path:
+    return Path("runs/demo") if arch == "qwen3" else Path(f"runs/demo-{arch}")
+
+
+def prepare(out: Path, arch: str = "qwen3") -> Path:
     """Model, data and warm-started policy for a run in ``out``; returns the policy folder."""
     import transformers
 
     from services.gym_gateway.envs.crossing import CrossingEnv
     from streamrl.warmstart import warm_start
 
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}: one of {', '.join(ARCHS)}")
     transformers.logging.disable_progress_bar()
-
-    if not is_model_dir(MODEL_DIR):
-        print(f"[1/4] building the tiny Qwen3 model and tokenizer in {MODEL_DIR}", flush=True)
-        build_tiny_model(MODEL_DIR)
+    base, spec = model_dir(arch), tiny_spec(arch)
+    rebuilt = not is_model_dir(base) or _built_spec(base) != asdict(spec)
+    if rebuilt:
+        print(f"[1/4] building the tiny {arch} model and tokenizer in {base}", flush=True)
+        shutil.rmtree(base, ignore_errors=True)
+        build_tiny_model(base, spec)
     else:
-        print(f"[1/4] tiny model found in {MODEL_DIR}", flush=True)
+        print(f"[1/4] tiny {arch} model found in {base}", flush=True)
     env = CrossingEnv()
     data = out / "data"
     write_jsonl(
@@ -49,9 +70,9 @@ def prepare(out: Path) -> Path:
     write_jsonl(data / "val.jsonl", [{"env": "crossing", "instance": i} for i in env.make_instances(NUM_VAL, seed=2)])
     print(f"[2/4] datasets: {NUM_TRAIN} train / {NUM_VAL} validation crossing tasks in {data}", flush=True)
     policy = out / "policy-init"
-    if not (policy / "warmstart.json").is_file():
+    if rebuilt or not (policy / "warmstart.json").is_file() or _model_type(policy) != _model_type(base):
         print("[3/4] warm-starting the policy (short supervised fine-tune)", flush=True)
-        summary = warm_start(MODEL_DIR, policy)
+        summary = warm_start(base, policy)
         print(f"      done in {summary['time_s']:.0f}s (loss {summary['final_loss']:.3f})", flush=True)
     else:
         print(f"[3/4] warm-started policy found in {policy}", flush=True)
@@ -63,6 +84,23 @@ def prepare(out: Path) -> Path:
         p = out / stale
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return policy
+
+
+def _built_spec(folder: Path) -> dict[str, Any] | None:
+    """The spec the tiny model in ``folder`` was built from (None when unknown)."""
+    try:
+        spec: dict[str, Any] = json.loads((folder / "streamrl_tiny_spec.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return spec
+
+
+def _model_type(folder: Path) -> str | None:
+    try:
+        model_type: str = json.loads((folder / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return model_type
 
 
 def summarize(out: Path) -> dict[str, Any]:
@@ -88,14 +126,22 @@ def summarize(out: Path) -> dict[str, Any]:
     }
 
 
-def run_demo(out: Path, *, steps: int | None = None, progress: bool = True, overrides: Sequence[str] = ()) -> int:
+def run_demo(
+    out: Path,
+    *,
+    steps: int | None = None,
+    progress: bool = True,
+    overrides: Sequence[str] = (),
+    arch: str = "qwen3",
+) -> int:
     from streamrl.supervisor import Supervisor
 
     logging.basicConfig(level=logging.WARNING)
     t0 = time.perf_counter()
     out = Path(out)
-    policy = prepare(out)
+    policy = prepare(out, arch)
     run_overrides = [
+        *ARCH_OVERRIDES[arch],
         f"run.output_dir={out}",
         f"data.train_path={out / 'data' / 'train.jsonl'}",
         f"data.val_path={out / 'data' / 'val.jsonl'}",

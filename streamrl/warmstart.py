@@ -114,6 +114,8 @@ def fine_tune(
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from services.trainer.backends.hf_format import carry_untrained
+
     t0 = time.perf_counter()
     torch.manual_seed(spec.seed)
     rng = rng or random.Random(spec.seed)
@@ -150,6 +152,7 @@ def fine_tune(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    carry_untrained(model, Path(model_dir), out)  # e.g. MTP weights, which transformers does not load
     tok.save_pretrained(out)
     summary = {
         "steps": spec.steps,

@@ -44,6 +44,7 @@ class HfEngine:
         self._model: Any = None
         self._tokenizer: Any = None
         self._eos_ids: set[int] = set()
+        self._layout: Any = None  # StoredLayout of the model, built on the first weight load
         self._info = EngineInfo(name="transformers", model=cfg.policy.model_name, max_model_len=0)
         self._lock = asyncio.Lock()
         self._open = asyncio.Event()
@@ -159,20 +160,34 @@ class HfEngine:
             raise RuntimeError("load_weights called while a generation is running; pause the engine first")
         await asyncio.get_running_loop().run_in_executor(self._executor, self._load_state, path)
 
+    def _stored_layout(self) -> Any:
+        """Where each tensor of a checkpoint of this model goes (fused experts are stored one by
+        one: `shared_torch.stored_names`); built once."""
+        from shared_torch.stored_names import StoredLayout
+
+        if self._layout is None:
+            self._layout = StoredLayout(self._model)
+        return self._layout
+
     def _load_state(self, path: str) -> None:
         import torch
         from safetensors.torch import load_file
 
+        from shared_torch.stored_names import foreign
+
         state: dict[str, Any] = {}
         for f in safetensors_files(Path(path)):
             state.update(load_file(str(f)))
-        expected = set(self._model.state_dict())
-        unknown = sorted(set(state) - expected)
-        missing = sorted(expected - set(state))
+        for name in foreign(self._model, state):  # modules the model does not have (MTP weights)
+            del state[name]
+        layout = self._stored_layout()
+        unknown = sorted(set(state) - layout.names)
+        missing = sorted(layout.names - set(state))
         if unknown or missing:
             raise ValueError(f"weights in {path} do not fit the model: unknown {unknown[:5]}, missing {missing[:5]}")
         with torch.no_grad():
-            self._model.load_state_dict(state, strict=True)
+            for name, tensor in state.items():
+                layout.copy_(name, tensor)
 
     async def join_weight_group(self, init_info: dict[str, Any]) -> None:
         from shared_torch.weight_wire import open_group
@@ -211,8 +226,8 @@ class HfEngine:
         if self._group is None:
             raise TransferError("no weight-transfer group joined")
         metas = metas_from_update(update_info["names"], update_info["dtype_names"], update_info["shapes"])
-        state = self._model.state_dict()
-        unknown = [m.name for m in metas if m.name not in state]
+        layout = self._stored_layout()
+        unknown = [m.name for m in metas if m.name not in layout.names]
         if unknown:
             raise ValueError(f"the transfer names parameters the model does not have: {unknown[:5]}")
         digests: list[bytes] = []
@@ -220,7 +235,7 @@ class HfEngine:
             with torch.no_grad():
                 for pairs, got in receive_buckets(self._group, metas, self._bucket_bytes, self._receive_buffers):
                     for name, tensor in pairs:
-                        state[name].copy_(tensor)
+                        layout.copy_(name, tensor)
                     digests.append(got)
         except Exception:
             self._group.close()

@@ -104,7 +104,7 @@ def assert_transformers_loads(run: Path, start: Path | None = None) -> None:
     does not hold (MTP weights) are the starting checkpoint's, unchanged."""
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.backends.hf_format import as_stored
+    from shared_torch.stored_names import as_stored
 
     exported = weights(run)
     dtype = next(iter(exported.values())).dtype  # the precision the run published in

@@ -29,7 +29,7 @@ import torch
 
 from services.trainer.backends import step
 from services.trainer.backends.adapter import LoadedModel, OnLogits
-from services.trainer.backends.hf_format import as_stored, read_tensors, stored_names, untrained
+from services.trainer.backends.hf_format import read_tensors, untrained
 from services.trainer.backends.layout import Layout, data_parallel
 from services.trainer.backends.linear_attention import rows_apart, separate_rows
 from services.trainer.backends.micro_batch import MicroBatch, sampled_logprobs_of
@@ -39,6 +39,7 @@ from services.trainer.sharding import shard_model
 from services.trainer.weight_export import ShardWriter, gathered, rank_tensors, refit_threads
 from shared.run_config import RunConfig
 from shared.sections.policy import PolicySection
+from shared_torch.stored_names import as_stored, stored_names
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,12 +1,9 @@
 """The transformers model's tensors under the checkpoint's names, and the checkpoint's tensors the
 model does not hold.
 
-transformers 5 loads some checkpoints into other shapes than it stores them: routed experts
-stored one by one (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``) become fused
-parameters (``mlp.experts.gate_up_proj`` [E, 2F, H], ``mlp.experts.down_proj`` [E, H, F]).
 Published weights must be what a generator loads from a checkpoint of that model (vLLM's loaders
-and ``from_pretrained`` read the stored names), so `as_stored` turns each state-dict tensor back
-with transformers' own reverse conversion, one tensor at a time, as the weights stream out.
+and ``from_pretrained`` read the stored names, fused experts one by one): `as_stored` and
+`stored_names` (`shared_torch.stored_names`) turn each state-dict tensor back as it streams out.
 
 Some stored tensors are never loaded at all: the multi-token-prediction (MTP) module of Qwen3-Next
 and Qwen3.5 (``mtp.*``) is dropped by transformers' model and trained by nobody here, yet a
@@ -22,28 +19,13 @@ from pathlib import Path
 
 import torch
 
-
-def as_stored(
-    model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each (state-dict name, tensor) as the checkpoint stores it (one or several tensors)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    for name, tensor in tensors:
-        yield from revert_weight_conversion(model, {name: tensor}).items()
-
-
-def stored_names(model: torch.nn.Module, skip: frozenset[str]) -> list[tuple[str, tuple[int, ...]]]:
-    """(stored name, shape) of every state-dict tensor but ``skip``, from shapes alone (meta tensors)."""
-    meta = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in model.state_dict().items())
-    return [(n, tuple(t.shape)) for n, t in as_stored(model, ((n, t) for n, t in meta if n not in skip))]
+from shared_torch.stored_names import foreign
 
 
 def untrained(model: torch.nn.Module, files: dict[str, Path]) -> list[str]:
     """The names in the checkpoint ``files`` (name -> file) under a top-level module the model
     does not have (``mtp.*`` beside ``model.*`` and ``lm_head.*``)."""
-    held = {n.split(".", 1)[0] for n, _ in stored_names(model, frozenset())}
-    return sorted(n for n in files if n.split(".", 1)[0] not in held)
+    return foreign(model, files)
 
 
 def read_tensors(files: dict[str, Path], names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -57,3 +39,30 @@ def read_tensors(files: dict[str, Path], names: Iterable[str]) -> Iterator[tuple
         with safe_open(str(file), framework="pt") as f:
             for name in in_file:
                 yield name, f.get_tensor(name)
+
+
+def carry_untrained(model: torch.nn.Module, source: Path, saved: Path) -> list[str]:
+    """Add to the checkpoint ``model`` was just saved to (``saved``) the tensors of ``source``
+    that the model does not hold, unchanged; their names. One file is rewritten with them; an
+    indexed checkpoint gets one more file, named in its index."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from services.trainer.sharded_load import INDEX, SINGLE_FILE, checkpoint_files
+
+    files = checkpoint_files(str(source))
+    names = untrained(model, files) if files is not None else []
+    if not names or files is None:
+        return []
+    extra = dict(read_tensors(files, names))
+    if (saved / INDEX).is_file():
+        save_file(extra, saved / "model-untrained.safetensors", metadata={"format": "pt"})
+        index = json.loads((saved / INDEX).read_text())
+        index["weight_map"].update(dict.fromkeys(names, "model-untrained.safetensors"))
+        if "total_size" in index.get("metadata", {}):
+            index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in extra.values())
+        (saved / INDEX).write_text(json.dumps(index, indent=2))
+    else:
+        save_file({**load_file(saved / SINGLE_FILE), **extra}, saved / SINGLE_FILE, metadata={"format": "pt"})
+    return names

@@ -24,13 +24,23 @@ from shared.config_error import ConfigError
 from shared.weights_format import safetensors_files
 
 
+def _torch_backend_hint(model_type: Any) -> str:
+    """Whether the torch backend (any causal LM transformers builds) can train ``model_type``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "the torch backend (trainer.backend: torch) builds it"
+    return "no training backend here builds it"
+
+
 def transformer_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """TransformerConfig arguments for a Qwen2/Qwen3/Qwen3-MoE HF config (``config.json`` as a
     dict); an MoE checkpoint's expert settings come from `megatron_moe.moe_config_kwargs`."""
     if hf.get("model_type") not in ("qwen3", "qwen2", *megatron_moe.MOE_MODEL_TYPES):
         raise ConfigError(
-            "the megatron backend supports Qwen2, Qwen3 and Qwen3-MoE checkpoints, "
-            f"not model_type {hf.get('model_type')!r}"
+            "the megatron backend builds Qwen2, Qwen3 and Qwen3-MoE checkpoints, not model_type "
+            f"{hf.get('model_type')!r} (architectures {hf.get('architectures')}); "
+            + _torch_backend_hint(hf.get("model_type"))
         )
     heads = hf["num_attention_heads"]
     return {
