@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from shared.routes import RouteShape
+
 
 class _Lenient(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Unknown fields are accepted and dropped (clients send many)."""
@@ -76,6 +78,9 @@ class ChatCompletionRequest(_Lenient, kw_only=True, omit_defaults=True):
     top_logprobs: int | None = None
     required_prefix_token_ids: list[int] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # With policy.moe_routing_replay: the first prompt position whose MoE routes to return (those
+    # before it came with earlier turns); 0 when unset.
+    routes_from: int | None = None
     streamrl: RequestTag | None = None
     stream: bool = False
 
@@ -91,6 +96,7 @@ class CompletionRequest(_Lenient, kw_only=True, omit_defaults=True):
     stop: str | list[str] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    routes_from: int | None = None  # as ChatCompletionRequest's
     streamrl: RequestTag | None = None
     stream: bool = False
 
@@ -161,6 +167,11 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     token_ids: list[int] | None = None
     # [first generated token index, weight version] per segment when a refit split this choice.
     weight_version_spans: list[list[int]] | None = None
+    # With policy.moe_routing_replay: the MoE routes of positions routes_start .. (prompt +
+    # generated - 2), packed (`shared.routes`, base64; the response's route_shape); None when the
+    # engine has none for this choice (vLLM: a preempted request).
+    routes: str | None = None
+    routes_start: int | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -178,6 +189,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
     weight_version: int
     weight_version_end: int
+    route_shape: RouteShape | None = None  # with policy.moe_routing_replay
     object: str = "chat.completion"
 
 
@@ -196,6 +208,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     generation_token_ids: list[int] = msgspec.field(default_factory=list)
     generation_log_probs: list[float] = msgspec.field(default_factory=list)
     weight_version_spans: list[list[int]] | None = None  # as ChatChoice's
+    routes: str | None = None  # as ChatChoice's
+    routes_start: int | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -207,6 +221,7 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
     weight_version: int
     weight_version_end: int
+    route_shape: RouteShape | None = None  # with policy.moe_routing_replay
     object: str = "text_completion"
 
 

@@ -32,6 +32,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import numpy as np
 
+from shared.routes import RouteShape
 from shared.tokens import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
 
 SCHEMA_VERSION = 1
@@ -97,6 +98,11 @@ class Turn(msgspec.Struct, kw_only=True):
     # (first generated token index, weight version) per segment when a refit split this call
     # (the generator continued it on the new weights); empty: every token came from weight_version.
     version_spans: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # With policy.moe_routing_replay: the MoE routes the generator returned for the positions
+    # routes_start .. of the sequence it ran (context[:context_len] + prompt + generated, the last
+    # token excepted), packed (`shared.routes`, the trajectory's route_shape); empty when none came.
+    routes: bytes = b""
+    routes_start: int = 0
 
     def versions(self) -> list[int]:
         """The weight versions that generated this call's tokens, oldest first."""
@@ -138,6 +144,7 @@ class Trajectory(_Message, tag="trajectory"):
     mask_sample: bool | msgspec.UnsetType = msgspec.UNSET
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     gateway_id: str = ""
+    route_shape: RouteShape | None = None  # the turns' routes (policy.moe_routing_replay)
     started_at: float = 0.0
     finished_at: float = 0.0
 

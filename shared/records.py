@@ -65,6 +65,9 @@ class BatchStats(msgspec.Struct, kw_only=True):
     num_overlong_filtered: int = 0  # out of its token budget, masked (grpo.overlong_filtering)
     num_overlong_penalized: int = 0  # given a penalty by grpo.reward_shaping
     overlong_penalty_mean: float = 0.0  # mean penalty per rollout: the shaped reward mean is reward_mean + this
+    # policy.moe_routing_replay: rollouts trained on the trainer's own routing because the generator
+    # returned no route for some position (vLLM: a preempted request)
+    num_rows_without_routes: int = 0
 
 
 class LearnerMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):

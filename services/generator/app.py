@@ -84,7 +84,12 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, engine: Engine | Non
     )
     metrics = GeneratorMetrics(runtime)  # 4. metrics
     service = GenerationService(  # 5. request handling
-        cfg.policy.generation, runtime, renderer, metrics, model_name=cfg.policy.model_name
+        cfg.policy.generation,
+        runtime,
+        renderer,
+        metrics,
+        model_name=cfg.policy.model_name,
+        replay_routes=cfg.policy.moe_routing_replay,
     )
     weights = WeightSync(runtime, metrics, None, load_timeout_s=gen_cfg.weight_load_timeout_s)  # 6. refits
 
@@ -173,7 +178,12 @@ async def _bring_up(app: FastAPI) -> None:
     s = app.state
     t0 = time.monotonic()
     await s.runtime.engine.start()
-    log.info("engine %s started in %.1fs", s.runtime.engine.info.name, time.monotonic() - t0)
+    info = s.runtime.engine.info
+    log.info("engine %s started in %.1fs", info.name, time.monotonic() - t0)
+    if s.cfg.policy.moe_routing_replay and info.route_shape is None:
+        raise RuntimeError(
+            f"policy.moe_routing_replay is on, but the {info.name} engine cannot return the MoE routes of {info.model}"
+        )
     s.runtime.awaiting_weights = s.runtime.engine.info.random_weights
     cursor = await s.weights.load_initial() if s.weights.streams is not None else None
     freeze_startup_heap()

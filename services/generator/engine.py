@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from shared.routes import RouteShape
 from shared.run_config import RunConfig
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -41,6 +42,9 @@ class GenerationParams:
     stop_strings: tuple[str, ...] = ()
     # Alternatives reported per position besides the sampled token; 0: only the sampled token.
     top_logprobs: int = 0
+    # MoE routes (``policy.moe_routing_replay``): return the experts of every position from this
+    # one on that the engine ran through the model; None: no routes.
+    routes_from: int | None = None
 
 
 @dataclass
@@ -56,6 +60,11 @@ class ChoiceOutput:
     # (first token index, weight version) per segment when a refit split the choice
     # (`services.generator.partial`); empty: every token came from one version.
     version_spans: tuple[tuple[int, int], ...] = ()
+    # [positions, MoE layers, top_k] expert ids of positions routes_from .. prompt + generated - 2
+    # (the last sampled token never ran through the model); None when routes were asked and the
+    # engine has none for this choice (vLLM: a preempted request), or were not asked.
+    routes: Any = None
+    routes_start: int = 0  # the position of routes[0]: the request's routes_from
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class EngineInfo:
     max_model_len: int
     extra: dict[str, str] = field(default_factory=dict)
     random_weights: bool = False  # started without real weights (vLLM load_format dummy): serves after a load
+    route_shape: RouteShape | None = None  # the model's MoE routes when the engine returns them
 
 
 @runtime_checkable

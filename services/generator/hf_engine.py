@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from services.generator.engine import ChoiceOutput, EngineInfo, EngineStats, FinishReason, GenerationParams, PauseMode
+from shared.routes import RouteShape, moe_layers, route_shape
 from shared.run_config import RunConfig
 from shared.weights_format import safetensors_files
 
@@ -62,6 +63,8 @@ class HfEngine:
         self._group: Any = None  # the weight-transfer group joined (collective refits)
         self._bucket_bytes = 256 << 20
         self._receive_buffers: list[Any] = []  # kept across transfers (`shared_torch.weight_wire`)
+        self._route_shape: RouteShape | None = None
+        self._routed: list[Any] = []  # each MoE router's expert ids of the forward pass that just ran
 
     @property
     def info(self) -> EngineInfo:
@@ -79,7 +82,12 @@ class HfEngine:
         self._model = await asyncio.get_running_loop().run_in_executor(self._executor, self._load_model)
         config = self._model.config
         max_len = self._cfg.policy.generation.vllm_cfg.max_model_len or int(config.max_position_embeddings)
-        self._info = EngineInfo(name="transformers", model=self._cfg.policy.model_name, max_model_len=max_len)
+        self._info = EngineInfo(
+            name="transformers",
+            model=self._cfg.policy.model_name,
+            max_model_len=max_len,
+            route_shape=self._route_shape,
+        )
         log.info("transformers engine up: max_model_len=%d eos=%s", max_len, sorted(self._eos_ids))
 
     def _load_model(self) -> Any:
@@ -96,7 +104,23 @@ class HfEngine:
         model.eval()
         eos = model.generation_config.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self._cfg.policy.moe_routing_replay:
+            self._record_routes(model)
         return model
+
+    def _record_routes(self, model: Any) -> None:
+        """Hook every MoE layer's router to keep the expert ids it chose in the last forward pass
+        (a router returns (logits, weights, expert ids))."""
+        config = model.config.to_dict()
+        self._route_shape = route_shape(config)
+        if self._route_shape is None:
+            raise ValueError(
+                f"policy.moe_routing_replay is on, but {self._cfg.policy.model_name} has no routed experts "
+                f"(model_type {config.get('model_type')!r})"
+            )
+        layers = model.model.layers
+        for i in moe_layers(config):
+            layers[i].mlp.gate.register_forward_hook(lambda _m, _a, out: self._routed.append(out[-1]))
 
     async def generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> list[ChoiceOutput]:
         self._waiting += 1
@@ -126,6 +150,7 @@ class HfEngine:
         rows = [_Row(i, params.stop_strings, self._tokenizer) for i in range(params.n)]
         state: Any = None
         next_input = torch.tensor([prompt_ids] * params.n, dtype=torch.long)
+        steps: list[Any] = []  # per forward pass: [n, positions, layers, top_k] expert ids
         for _ in range(params.max_tokens):
             await self._running.wait()
             if self._interrupted:
@@ -137,6 +162,8 @@ class HfEngine:
                 logits, state = await loop.run_in_executor(self._executor, self._forward, next_input, state)
             finally:
                 self._quiet.set()
+            if params.routes_from is not None:
+                steps.append(self._take_routes(params.n, next_input.shape[1]))
             tokens, logprobs = _sample(logits, params.temperature, params.top_p, gen)
             top = torch.topk(logprobs, params.top_logprobs, dim=-1) if params.top_logprobs > 0 else None
             for row in rows:
@@ -146,11 +173,26 @@ class HfEngine:
             if all(r.finish_reason is not None for r in rows):
                 break
             next_input = tokens.unsqueeze(1)
-        return [r.to_choice(params.top_logprobs > 0) for r in rows]
+        choices = [r.to_choice(params.top_logprobs > 0) for r in rows]
+        if params.routes_from is not None and steps:
+            routes = torch.cat(steps, dim=1).numpy()
+            for c in choices:  # positions the model ran: the prompt and every sampled token but the last
+                c.routes = routes[c.index, params.routes_from : len(prompt_ids) + len(c.token_ids) - 1]
+                c.routes_start = params.routes_from
+        return choices
+
+    def _take_routes(self, n: int, positions: int) -> Any:
+        """The last forward pass's routes as [n, positions, layers, top_k]."""
+        import torch
+
+        taken = [ids.reshape(n, positions, -1) for ids in self._routed]
+        self._routed.clear()
+        return torch.stack(taken, dim=2).to(torch.int16)
 
     def _forward(self, input_ids: Any, past: Any) -> tuple[Any, Any]:
         import torch
 
+        self._routed.clear()  # the routers' hooks record this pass only
         with torch.inference_mode():
             out = self._model(input_ids=input_ids, past_key_values=past, use_cache=True)
         return out.logits[:, -1, :].float(), out.past_key_values

@@ -93,4 +93,7 @@ def _joined(head: ChoiceOutput, tail: ChoiceOutput) -> ChoiceOutput:
         logprobs=head.logprobs + tail.logprobs,
         finish_reason=tail.finish_reason,
         top_logprobs=top,
+        # The continuation ran the whole sequence again from the same position: its routes cover
+        # the joined choice (on the weights that finished it).
+        routes=tail.routes,
     )

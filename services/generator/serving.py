@@ -25,6 +25,7 @@ from services.generator.metrics import GeneratorMetrics
 from services.generator.partial import continue_interrupted, was_interrupted
 from services.generator.runtime import Runtime, Ticket
 from services.generator.tool_calls import parse_turn
+from shared import routes as routes_wire
 from shared.http import HTTPError, bad_request
 from shared.openai_api import (
     ChatChoice,
@@ -43,6 +44,7 @@ from shared.openai_api import (
     TopLogprob,
     Usage,
 )
+from shared.routes import RouteShape
 from shared.sections.generator import GenerationSection
 
 
@@ -82,12 +84,14 @@ class GenerationService:
         renderer: ChatRenderer,
         metrics: GeneratorMetrics,
         model_name: str,
+        replay_routes: bool = False,
     ) -> None:
         self.generation = generation
         self.runtime = runtime
         self.renderer = renderer
         self.metrics = metrics
         self.model_name = model_name
+        self.replay_routes = replay_routes  # policy.moe_routing_replay: every response carries routes
 
     @property
     def max_model_len(self) -> int:
@@ -120,7 +124,8 @@ class GenerationService:
         if prompt.model_prefix_len:
             self.metrics.splices.inc()
         budget = gate.output_budget(cap, len(prompt.prompt_ids), self.max_model_len)
-        params = _params(resolved, budget, req, stop_ids, stop_texts, top_n)
+        routes_from = self._routes_from(req.routes_from, len(prompt.prompt_ids))
+        params = _params(resolved, budget, req, stop_ids, stop_texts, top_n, routes_from)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         out = await self._generate(prompt.prompt_ids, params, request_id, session_id)
         choices = [
@@ -136,6 +141,7 @@ class GenerationService:
             prompt_token_ids=prompt.prompt_ids,
             weight_version=out.ticket.weight_version,
             weight_version_end=out.weight_version_end,
+            route_shape=self.route_shape,
         )
 
     def _chat_choice(
@@ -169,6 +175,7 @@ class GenerationService:
             logprobs=_chat_logprobs(c) if logprobs else None,
             token_ids=c.token_ids,
             weight_version_spans=_spans(c),
+            **self._routes(c),
         )
 
     # -- completions ---------------------------------------------------------------------------
@@ -193,7 +200,8 @@ class GenerationService:
         if not prompt_ids:
             raise bad_request("prompt must not be empty", param="prompt")
         budget = gate.output_budget(cap, len(prompt_ids), self.max_model_len)
-        params = _params(resolved, budget, req, stop_ids, stop_texts, top_n)
+        routes_from = self._routes_from(req.routes_from, len(prompt_ids))
+        params = _params(resolved, budget, req, stop_ids, stop_texts, top_n, routes_from)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         out = await self._generate(prompt_ids, params, request_id, session_id)
         choices = [
@@ -205,6 +213,7 @@ class GenerationService:
                 generation_token_ids=c.token_ids,
                 generation_log_probs=c.logprobs,
                 weight_version_spans=_spans(c),
+                **self._routes(c),
             )
             for c in out.choices
         ]
@@ -217,7 +226,32 @@ class GenerationService:
             prompt_token_ids=prompt_ids,
             weight_version=out.ticket.weight_version,
             weight_version_end=out.weight_version_end,
+            route_shape=self.route_shape,
         )
+
+    # -- MoE routes ----------------------------------------------------------------------------
+
+    @property
+    def route_shape(self) -> RouteShape | None:
+        """The engine's routes when ``policy.moe_routing_replay`` is on (checked at start)."""
+        return self.runtime.engine.info.route_shape if self.replay_routes else None
+
+    def _routes_from(self, requested: int | None, prompt_len: int) -> int | None:
+        """The first position whose routes to return: the request's (positions before it came with
+        earlier calls), at most the prompt's last one (a caller whose history shrank gets what it
+        has not had)."""
+        if not self.replay_routes:
+            return None
+        if requested is not None and requested < 0:
+            raise bad_request(f"routes_from must be >= 0 (got {requested})", param="routes_from")
+        return min(requested or 0, prompt_len - 1)
+
+    def _routes(self, c: ChoiceOutput) -> dict[str, Any]:
+        """A choice's routes for its response (packed, base64); none when there are none."""
+        shape = self.route_shape
+        if shape is None or c.routes is None:
+            return {}
+        return {"routes": routes_wire.to_text(routes_wire.pack(c.routes, shape)), "routes_start": c.routes_start}
 
     # -- tokenize ------------------------------------------------------------------------------
 
@@ -328,6 +362,7 @@ def _params(
     stop_ids: set[int],
     stop_texts: tuple[str, ...],
     top_n: int,
+    routes_from: int | None,
 ) -> GenerationParams:
     """Engine parameters of a chat or completion request once gate and budget are resolved."""
     return GenerationParams(
@@ -339,4 +374,5 @@ def _params(
         stop_token_ids=tuple(sorted(stop_ids)),
         stop_strings=stop_texts,
         top_logprobs=top_n,
+        routes_from=routes_from,
     )

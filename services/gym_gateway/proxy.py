@@ -46,10 +46,12 @@ from services.gym_gateway.nonfinite_logprobs import NAN_GENERATION_LOGPROBS, fin
 from services.gym_gateway.token_history import RecordedChat, RecordedCompletion, TokenHistory, common_prefix_len
 from services.gym_gateway.tool_call_errors import find_tool_call_errors
 from shared import keys as K
+from shared import routes as routes_wire
 from shared.http import HTTPError
 from shared.openai_api import ChatCompletionRequest, CompletionRequest, RequestTag
 from shared.protocol import Heartbeat, SamplingParams, TaskKind, Turn, make_turn
 from shared.registry import live_workers
+from shared.routes import RouteShape
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class Session:
     failovers: int = 0
     tool_call_errors: dict[str, int] = field(default_factory=dict)  # reason -> tool calls the model got wrong
     nan_logprob_calls: int = 0  # calls answered with a generation logprob that is not a number: refused
+    route_shape: RouteShape | None = None  # the MoE routes' geometry, once a call returned routes
 
 
 class NoGenerator(RuntimeError):
@@ -197,6 +200,8 @@ class SessionProxy:
             updates["top_p"] = prof.top_p
         cap = getattr(req, "max_completion_tokens", None) or req.max_tokens
         updates["max_tokens"] = min(cap, prof.max_tokens) if cap else prof.max_tokens
+        if s.history.length:  # routes up to the last call's final token came with earlier calls
+            updates["routes_from"] = s.history.length - 1
         return updates
 
     def _prepare(self, s: Session, req: ChatCompletionRequest) -> ChatCompletionRequest:
@@ -223,6 +228,7 @@ class SessionProxy:
             c.finish_reason,
             time.perf_counter() - t0,
             c.weight_version_spans,
+            _Routes.of(out.route_shape, c.routes, c.routes_start),
         )
         for e in find_tool_call_errors(c.message, req.tools):
             s.tool_call_errors[e.reason] = s.tool_call_errors.get(e.reason, 0) + 1
@@ -247,6 +253,7 @@ class SessionProxy:
             c.finish_reason,
             time.perf_counter() - t0,
             c.weight_version_spans,
+            _Routes.of(out.route_shape, c.routes, c.routes_start),
         )
         return body
 
@@ -334,6 +341,7 @@ class SessionProxy:
         finish_reason: str,
         latency_s: float,
         spans: list[list[int]] | None = None,
+        routes: _Routes | None = None,
     ) -> None:
         keep, new = s.history.split(prompt)
         if s.history.length and keep < s.history.length:
@@ -360,11 +368,32 @@ class SessionProxy:
                 generator_id=s.generator_id,
                 latency_s=latency_s,
                 version_spans=[(int(start), int(v)) for start, v in spans or ()],
+                **(routes.turn_fields() if routes else {}),
             )
         )
+        if routes is not None:
+            s.route_shape = routes.shape
         s.history.advance(keep, new + gen)
         s.calls += 1
         self.calls_total += 1
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """One call's MoE routes as the generator returned them."""
+
+    shape: RouteShape
+    packed: bytes
+    start: int
+
+    @classmethod
+    def of(cls, shape: RouteShape | None, text: str | None, start: int | None) -> _Routes | None:
+        if shape is None or text is None or start is None:
+            return None
+        return cls(shape, routes_wire.from_text(text), start)
+
+    def turn_fields(self) -> dict[str, Any]:
+        return {"routes": self.packed, "routes_start": self.start}
 
 
 def _generation_logprobs(out: RecordedChat | RecordedCompletion) -> list[float]:

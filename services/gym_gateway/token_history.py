@@ -21,6 +21,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.openai_api import ToolCall, ToolCallError, Usage
+from shared.routes import RouteShape
 
 _ids = msgspec.json.Decoder(list[int])
 
@@ -97,6 +98,8 @@ class RecordedChatChoice(msgspec.Struct, kw_only=True):
     message: RecordedMessage
     finish_reason: str
     weight_version_spans: list[list[int]] | None = None
+    routes: str | None = None
+    routes_start: int | None = None
 
 
 class RecordedChat(msgspec.Struct, kw_only=True):
@@ -108,6 +111,7 @@ class RecordedChat(msgspec.Struct, kw_only=True):
     prompt_token_ids: msgspec.Raw
     weight_version: int
     weight_version_end: int
+    route_shape: RouteShape | None = None
 
 
 class RecordedCompletionChoice(msgspec.Struct, kw_only=True):
@@ -117,6 +121,8 @@ class RecordedCompletionChoice(msgspec.Struct, kw_only=True):
     generation_token_ids: list[int] = msgspec.field(default_factory=list)
     generation_log_probs: list[float] = msgspec.field(default_factory=list)
     weight_version_spans: list[list[int]] | None = None
+    routes: str | None = None
+    routes_start: int | None = None
 
 
 class RecordedCompletion(msgspec.Struct, kw_only=True):
@@ -128,3 +134,4 @@ class RecordedCompletion(msgspec.Struct, kw_only=True):
     prompt_token_ids: msgspec.Raw
     weight_version: int
     weight_version_end: int
+    route_shape: RouteShape | None = None

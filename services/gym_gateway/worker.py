@@ -158,6 +158,7 @@ def assemble(
             **{f"tool_call_errors.{reason}": float(n) for reason, n in sorted(session.tool_call_errors.items())},
         },
         gateway_id=gateway_id,
+        route_shape=None if infra else session.route_shape,
         started_at=started_at,
         finished_at=time.time(),
     )

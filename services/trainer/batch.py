@@ -32,8 +32,10 @@ import numpy as np
 from services.trainer.advantages import batch_advantages
 from services.trainer.buffer import Group, is_placeholder
 from services.trainer.reward_shaping import OverlongPenalty, hit_token_budget
+from shared import routes as routes_wire
 from shared.protocol import Trajectory
 from shared.records import BatchStats
+from shared.routes import RouteShape
 
 
 @dataclass
@@ -57,6 +59,9 @@ class Row:
     # Every token came from the weights the trainer holds for this step (the refit fidelity check).
     fresh: bool = False
     segment: int = 0  # which sample of its rollout this row is (0: the head; segments 1, 2, ...)
+    # The generator's MoE routes of every position but the last ([T, layers, top_k] expert ids;
+    # policy.moe_routing_replay); None when the rollout came without a route for each of them.
+    routes: np.ndarray | None = None
 
     @property
     def key(self) -> str:
@@ -96,6 +101,7 @@ def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_pref
             placeholder=True,
         )
     pieces: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[]]
+    routed: list[list[tuple[int, np.ndarray]]] = [[]]  # per sample: (first position, routes) per call
     context = np.zeros(0, np.int64)  # the current sample's tokens so far
     prefix_break = False
     for turn in traj.turns:
@@ -106,6 +112,9 @@ def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_pref
             # A new sample: what the agent kept of the context is prompt here (trained already).
             context = context[: turn.context_len]
             pieces.append([(context, np.zeros(len(context), np.float32), np.zeros(len(context), np.float32))])
+            routed.append([(0, r[: turn.context_len]) for r in _route_cover(routed[-1])])
+        if traj.route_shape is not None and turn.routes:
+            routed[-1].append((turn.routes_start, routes_wire.unpack(turn.routes, traj.route_shape)))
         prompt, gen, lp = turn.prompt().astype(np.int64), turn.generated().astype(np.int64), turn.logprobs()
         pieces[-1] += [
             (prompt, np.zeros(len(prompt), np.float32), np.zeros(len(prompt), np.float32)),
@@ -115,12 +124,39 @@ def build_row(traj: Trajectory, max_len: int, mask_flagged: bool = True, on_pref
     rows = [_row(traj, parts, max_len, mask_flagged) for parts in pieces]
     for k, r in enumerate(rows):
         r.segment = k
+        if traj.route_shape is not None:
+            r.routes = _routes_of(routed[k], len(r.input_ids), traj.route_shape)
     head = rows[0]
     head.prefix_break = prefix_break
     if prefix_break and on_prefix_break != "new_sample":
         head.sample_mask = 0.0
     head.segments = rows[1:]
     return head
+
+
+def _route_cover(calls: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+    """The routes of positions 0.. that a sample's calls cover without a gap, as one array (or none)."""
+    if not calls:
+        return []
+    ends = 0
+    parts = []
+    for start, routes in calls:
+        if start > ends:
+            break
+        parts.append(routes[ends - start :])
+        ends = max(ends, start + len(routes))
+    return [np.concatenate(parts)] if parts else []
+
+
+def _routes_of(calls: list[tuple[int, np.ndarray]], length: int, shape: RouteShape) -> np.ndarray | None:
+    """[length, layers, top_k] routes when the calls cover every position but the last, else None."""
+    [covered] = _route_cover(calls) or [np.zeros((0, shape.layers, shape.top_k), np.int64)]
+    if len(covered) < length - 1:
+        return None
+    out = np.zeros((length, shape.layers, shape.top_k), np.int64)
+    n = min(length, len(covered))
+    out[:n] = covered[:n]
+    return out
 
 
 def _row(
@@ -237,4 +273,5 @@ def batch_stats(
         num_overlong_filtered=sum(r.overlong_filtered for r in real),
         num_overlong_penalized=sum(r.reward_penalty < 0 for r in real),
         overlong_penalty_mean=float(np.mean([r.reward_penalty for r in rows])) if rows else 0.0,
+        num_rows_without_routes=sum(r.routes is None for r in real) if any(t.route_shape for t in trajs) else 0,
     )

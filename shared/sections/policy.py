@@ -104,6 +104,14 @@ class PolicySection(Section):
             "are published to generators in this precision"
         ),
     ] = "float32"
+    moe_routing_replay: Annotated[
+        bool,
+        D(
+            "MoE routing replay (R3): generators return the experts every token was routed to, the routes "
+            "travel with the trajectory, and the trainer's forward passes route those tokens the same way; "
+            "a model without routed experts, or an engine that cannot return routes, fails the run at start"
+        ),
+    ] = False
     dtensor_cfg: DTensorSection = msgspec.field(default_factory=DTensorSection)
     optimizer: OptimizerSection = msgspec.field(default_factory=OptimizerSection)
     sequence_packing: SequencePackingSection = msgspec.field(default_factory=SequencePackingSection)

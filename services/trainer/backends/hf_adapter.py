@@ -33,6 +33,7 @@ from services.trainer.backends.hf_format import read_tensors, untrained
 from services.trainer.backends.layout import Layout, data_parallel
 from services.trainer.backends.linear_attention import rows_apart, separate_rows
 from services.trainer.backends.micro_batch import MicroBatch, sampled_logprobs_of
+from services.trainer.backends.routing_replay import RouterReplay
 from services.trainer.ranks import Ranks
 from services.trainer.sharded_load import checkpoint_files, load_sharded, shard_readable
 from services.trainer.sharding import shard_model
@@ -71,6 +72,7 @@ class HFAdapter:
         self.layout = layout
         self.dtype = compute_dtype(policy)
         self.read_own_shards = read_own_shards
+        self.replay: RouterReplay | None = None  # policy.moe_routing_replay, once the model is built
 
     @classmethod
     def from_config(cls, cfg: RunConfig, ranks: Ranks, *, read_own_shards: bool = True) -> HFAdapter:
@@ -85,6 +87,8 @@ class HFAdapter:
         there are several; its linear-attention layers keep a pack's rows apart."""
         loaded = self._load()
         separate_rows(loaded.module)
+        if self.policy.moe_routing_replay:
+            self.replay = RouterReplay(loaded.module)
         return loaded
 
     def _load(self) -> LoadedModel:
@@ -127,6 +131,8 @@ class HFAdapter:
         """[B, T, V] logits. A pack runs as one sequence with its position ids and no attention
         mask (transformers then keeps each row to itself in attention layers; linear-attention
         layers run row by row: `services.trainer.backends.linear_attention`)."""
+        if self.replay is not None:
+            self.replay.set(mb.routes, mb.routes_known)
         with self._autocast():
             if mb.pack is not None:
                 pack = mb.pack

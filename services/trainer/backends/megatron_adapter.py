@@ -115,6 +115,11 @@ class MegatronAdapter:
 
     @classmethod
     def from_config(cls, cfg: RunConfig, ranks: Ranks) -> MegatronAdapter:
+        if cfg.policy.moe_routing_replay:
+            raise ConfigError(
+                "policy.moe_routing_replay: the megatron backend does not replay routes; the torch backend "
+                "(trainer.backend: torch) does"
+            )
         return cls(cfg.policy, ranks, seed=cfg.run.seed)
 
     @property

@@ -51,6 +51,11 @@ class MicroBatch:
     rewards: list[float]
     lengths: list[int]  # each row's tokens
     pack: Pack | None = None  # the same rows packed (``policy.sequence_packing.enabled``)
+    # The generator's MoE routes in the forward pass's token order (rows' padded positions, or the
+    # pack's): [tokens, layers, top_k] expert ids and [tokens] whether each is known
+    # (policy.moe_routing_replay; None when no row carries routes).
+    routes: torch.Tensor | None = None
+    routes_known: torch.Tensor | None = None
 
     @property
     def ids(self) -> torch.Tensor:
@@ -89,6 +94,7 @@ def micro_batch(rows: list[Row], pad_id: int, device: torch.device, *, packed: b
     pack = None
     if packed:
         pack = Pack(*packing.packed_inputs([torch.from_numpy(r.input_ids).to(device) for r in rows]))
+    routes, known = _routes(rows, width, packed, device)
     return MicroBatch(
         input_ids=t(ids),
         attention_mask=t(attn),
@@ -99,7 +105,29 @@ def micro_batch(rows: list[Row], pad_id: int, device: torch.device, *, packed: b
         rewards=[r.reward for r in rows],
         lengths=[len(r.input_ids) for r in rows],
         pack=pack,
+        routes=routes,
+        routes_known=known,
     )
+
+
+def _routes(
+    rows: list[Row], width: int, packed: bool, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows' routes flattened as the forward pass orders its tokens (see `MicroBatch.routes`)."""
+    shapes = [r.routes.shape[1:] for r in rows if r.routes is not None]
+    if not shapes:
+        return None, None
+    per_row = []
+    for r in rows:
+        n = len(r.input_ids) if packed else width
+        ids = np.zeros((n, *shapes[0]), dtype=np.int64)
+        known = np.zeros(n, dtype=bool)
+        if r.routes is not None:
+            ids[: len(r.routes)], known[: len(r.routes)] = r.routes, True
+        per_row.append((ids, known))
+    ids = np.concatenate([i for i, _ in per_row])
+    known = np.concatenate([k for _, k in per_row])
+    return torch.from_numpy(ids).to(device), torch.from_numpy(known).to(device)
 
 
 def unpacked(lp: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
