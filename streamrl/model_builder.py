@@ -68,14 +68,16 @@ class TinyModelSpec:
 @dataclass(frozen=True)
 class TinyHybridMoeSpec(TinyModelSpec):
     """Shape of the tiny Qwen3.5-MoE: the dense fields plus the hybrid layers' and the experts'.
-    Head sizes are 32, the smallest vLLM's CPU attention and Gated DeltaNet kernels take."""
+    Full attention heads are 32 wide, the smallest vLLM's CPU attention takes; Gated DeltaNet heads
+    64, the smallest vLLM's CPU Gated DeltaNet prefill kernel takes (64 or 128, keys as wide as
+    values)."""
 
     arch: str = "qwen3_5_moe"
     full_attention_interval: int = 4  # layers 3, 7, ... are full attention, the rest linear
     linear_num_key_heads: int = 2
     linear_num_value_heads: int = 4
-    linear_key_head_dim: int = 32
-    linear_value_head_dim: int = 32
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
     linear_conv_kernel_dim: int = 4
     num_experts: int = 8
     num_experts_per_tok: int = 2

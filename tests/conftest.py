@@ -5,7 +5,8 @@ tests/e2e, tests/faults), the code behind them in tests/support.
   the test session and stopped by its pid. Set STREAMRL_TEST_REDIS_BIN to use another
   redis-server binary.
 * ``tiny_model_dir``: the tiny Qwen3 model + tokenizer built once per session; ``tiny_tokenizer``
-  its tokenizer.
+  its tokenizer. ``tiny_hybrid_moe_dir``: the tiny Qwen3.5-MoE. A child pytest session started by
+  a test reuses its parent's builds when given their folders (`tests.support.generator.build_tiny`).
 * ``write_config``: ``write_config(model_dir, *, redis_url=None, backend="transformers",
   **generation)`` writes a generator's run config for a model and returns (path, RunConfig).
 * ``perturbed_model``, ``logprob_reference``: `tests.support.generator.perturbed_copy` and
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -51,26 +51,17 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
-def _build_tiny(out: Path, arch: str) -> Path:
-    # Built in a child process: building imports torch/transformers, which tests that only need
-    # the folder should not pay for in the pytest process.
-    code = "from streamrl.model_builder import build_tiny_model as b, tiny_spec as s; "
-    code += f"b({str(out)!r}, s({arch!r}))"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-    return out
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The demo's tiny dense Qwen3 and its tokenizer."""
-    return _build_tiny(tmp_path_factory.mktemp("tiny-model"), "qwen3")
+    return generator.build_tiny(tmp_path_factory, "qwen3")
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid_moe_dir(tmp_path_factory) -> Path:
     """The tiny Qwen3.5-MoE (Gated DeltaNet and full attention layers, routed experts with a shared
     expert, MTP weights) with the demo's tokenizer."""
-    return _build_tiny(tmp_path_factory.mktemp("tiny-qwen3_5_moe"), "qwen3_5_moe")
+    return generator.build_tiny(tmp_path_factory, "qwen3_5_moe")
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ RESERVED: dict[str, str] = {
     "seed": "set run.seed",
     "logprobs_mode": "fixed to processed_logprobs: the logprobs of the distribution tokens are sampled from",
     "weight_transfer_config": "set refit.transport and refit.collective",
-    "worker_extension_cls": "set by the generator (weight-transfer checksums)",
+    "worker_extension_cls": "set by the generator (weight-transfer checksums, CPU experts packed after updates)",
     "disable_log_stats": "set by the generator",
 }
 

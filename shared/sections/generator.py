@@ -49,18 +49,32 @@ class GeneratorSection(Section):
 
 
 class VllmSection(Section):
-    dtype: Annotated[str, D("engine dtype (float32 on CPU for exact logprobs)")] = "auto"
+    dtype: Annotated[
+        str,
+        D(
+            "engine dtype (float32 on CPU for exact logprobs); auto: vLLM's choice, and bfloat16 for a model with "
+            "Gated DeltaNet layers on CPU (Qwen3.5, Qwen3-Next: vLLM's CPU kernels run nothing else; another dtype is "
+            "refused)"
+        ),
+    ] = "auto"
     enforce_eager: Annotated[bool, D("skip torch.compile/graph capture (fast start on CPU)")] = False
     max_model_len: Annotated[int | None, D("engine context length; null: the model's")] = None
     kv_cache_memory_bytes: Annotated[int | None, D("KV cache size in bytes (required on CPU)")] = None
     gpu_memory_utilization: Annotated[float, D("GPU memory fraction for weights+KV (GPU only)")] = 0.9
     max_num_seqs: Annotated[int, D("max sequences batched together by the engine")] = 256
-    enable_prefix_caching: Annotated[bool | None, D("prefix caching; null: the engine's default")] = None
+    enable_prefix_caching: Annotated[
+        bool | None,
+        D(
+            "prefix caching; null: the engine's default, except off on CPU for a model with recurrent-state layers "
+            "(Gated DeltaNet, Mamba), which vLLM caches only with chunked prefill (on CPU: no per-request seeds)"
+        ),
+    ] = None
     enable_chunked_prefill: Annotated[
         bool | None,
         D(
             "split long prompts across engine steps; null: the engine's default on GPUs, off on CPUs (vLLM's CPU "
-            "sampler cannot rewind a seeded request's generator after a partial prefill)"
+            "sampler cannot rewind a seeded request's generator after a partial prefill) unless prefix caching of a "
+            "model with recurrent-state layers needs it; on, on CPU, per-request seeds are ignored"
         ),
     ] = None
     max_num_batched_tokens: Annotated[int | None, D("token budget of one engine step; null: the engine's default")] = (

@@ -7,6 +7,7 @@ tests/integration/conftest.py.
 * `InProcessGenerator` / `in_process_generator`: the generator app with its lifespan running,
   behind an httpx client (ASGI transport), on a fresh run id.
 * `wait_generating`: until an engine generated a few tokens of a request.
+* `build_tiny`: a tiny model folder of an architecture (the session fixtures' builds).
 * `perturbed_copy`, `fine_tune_to_answer`, `reference_logprobs`: copies of a model folder with
   noise added, or trained to answer one prompt; per-token logprobs of a plain forward pass.
 * `one_torch_thread`: torch on one thread for a block.
@@ -16,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +32,24 @@ from shared.config import load
 from shared.run_config import RunConfig
 
 KV_CACHE_BYTES = 64 * 2**20
+ROOT = Path(__file__).resolve().parents[2]
+# The variable that hands a session's build of each tiny model (by architecture) to a child pytest
+# session, which then builds nothing (~5 s a model).
+TINY_MODEL_ENV = {"qwen3": "STREAMRL_TEST_TINY_MODEL_DIR", "qwen3_5_moe": "STREAMRL_TEST_TINY_HYBRID_MOE_DIR"}
+
+
+def build_tiny(tmp_path_factory: Any, arch: str) -> Path:
+    """The tiny model of ``arch`` built in a new folder of the session, or the folder a parent
+    session handed over (`TINY_MODEL_ENV`)."""
+    if given := os.environ.get(TINY_MODEL_ENV[arch]):
+        return Path(given)
+    out = Path(tmp_path_factory.mktemp(f"tiny-{arch}"))
+    # Built in a child process: building imports torch/transformers, which tests that only need
+    # the folder should not pay for in the pytest process.
+    code = "from streamrl.model_builder import build_tiny_model as b, tiny_spec as s; "
+    code += f"b({str(out)!r}, s({arch!r}))"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    return out
 
 
 def config_tree(model_dir: Path | str, *, run_id: str, redis_url: str | None, backend: str, **generation: Any) -> dict:

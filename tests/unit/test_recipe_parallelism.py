@@ -95,9 +95,9 @@ def test_vllm_engine_args_carry_expert_parallel():
     pytest.importorskip("vllm")
     from services.generator.vllm_engine import VllmEngine
 
-    args = VllmEngine(load(RunConfig, RECIPE, env={}))._engine_args()
+    args = VllmEngine(load(RunConfig, RECIPE, env={}))._configured_engine_args()  # no model at hand
     assert args.enable_expert_parallel is True and args.tensor_parallel_size == 8
-    plain = VllmEngine(load(RunConfig, None, BASE, env={}))._engine_args()
+    plain = VllmEngine(load(RunConfig, None, BASE, env={}))._configured_engine_args()
     assert plain.enable_expert_parallel is False
 
 
