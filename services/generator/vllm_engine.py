@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from services.generator.engine import (
@@ -45,6 +46,7 @@ from services.generator.engine import (
     GenerationParams,
     PauseMode,
 )
+from shared.routes import RouteShape, route_shape
 from shared.run_config import RunConfig
 
 if TYPE_CHECKING:
@@ -71,6 +73,7 @@ class VllmEngine:
         self._llm: Any = None
         self._info = EngineInfo(name="vllm", model=cfg.policy.model_name, max_model_len=0)
         self._prefix_caching = False
+        self._route_shape: RouteShape | None = None  # policy.moe_routing_replay, once settled
         self._drop_seeds = False
         self._generated_tokens_total = 0
 
@@ -95,12 +98,23 @@ class VllmEngine:
 
         args = self._configured_engine_args()
         facts = model_facts(args.create_model_config())
-        settings = settle(self._cfg.policy.generation.vllm_cfg, facts, on_cpu=current_platform.is_cpu())
+        settings = settle(
+            self._cfg.policy.generation.vllm_cfg,
+            facts,
+            on_cpu=current_platform.is_cpu(),
+            replay_routes=self._cfg.policy.moe_routing_replay,
+        )
         for note in settings.notes:
             log.info("%s", note)
         args.dtype = settings.dtype
         args.enable_prefix_caching = settings.enable_prefix_caching
         args.enable_chunked_prefill = settings.enable_chunked_prefill
+        if settings.return_routes:
+            # vLLM's routed-experts output runs on its Model Runner V2 only (read when the engine's
+            # config is built, here and in the engine's processes, which inherit the variable).
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            args.enable_return_routed_experts = True
+            self._route_shape = route_shape(args.create_model_config().hf_text_config.to_dict())
         return args
 
     def _configured_engine_args(self) -> AsyncEngineArgs:
@@ -185,6 +199,7 @@ class VllmEngine:
                 "seeds": str(not self._drop_seeds),
             },
             random_weights=random_weights,
+            route_shape=self._route_shape,
         )
         log.info(
             "vLLM engine up: max_model_len=%d dtype=%s prefix_caching=%s chunked_prefill=%s block_size=%d seeds=%s "
@@ -213,6 +228,7 @@ class VllmEngine:
             detokenize=bool(params.stop_strings),
             skip_special_tokens=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            **({} if params.routes_from is None else {"routed_experts_prompt_start": params.routes_from}),
         )
 
     async def generate(self, prompt_ids: list[int], params: GenerationParams, request_id: str) -> list[ChoiceOutput]:
@@ -223,7 +239,9 @@ class VllmEngine:
         async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sp, request_id=request_id):
             for completion in out.outputs:
                 finals[completion.index] = completion
-        choices = [_choice(finals[i], params.top_logprobs) for i in sorted(finals)]
+        choices = [
+            _choice(finals[i], params.top_logprobs, params.routes_from, self._route_shape) for i in sorted(finals)
+        ]
         self._generated_tokens_total += sum(len(c.token_ids) for c in choices)
         return choices
 
@@ -284,8 +302,12 @@ class VllmEngine:
             log.info("vLLM engine stopped")
 
 
-def _choice(completion: Any, top_logprobs: int) -> ChoiceOutput:
-    """A vLLM CompletionOutput as a ChoiceOutput (sampled logprob + top alternatives by rank)."""
+def _choice(
+    completion: Any, top_logprobs: int, routes_from: int | None = None, shape: RouteShape | None = None
+) -> ChoiceOutput:
+    """A vLLM CompletionOutput as a ChoiceOutput (sampled logprob + top alternatives by rank, and
+    with routes asked, its ``routed_experts``: [positions from routes_from, layers, top_k]; None
+    when vLLM has none, as for a preempted request, or they are not of the model's shape)."""
     token_ids = list(completion.token_ids)
     steps = completion.logprobs or []
     if len(steps) != len(token_ids):
@@ -302,6 +324,24 @@ def _choice(completion: Any, top_logprobs: int) -> ChoiceOutput:
             for step in steps
         ]
     reason: FinishReason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
-    return ChoiceOutput(
+    choice = ChoiceOutput(
         index=int(completion.index), token_ids=token_ids, logprobs=logprobs, finish_reason=reason, top_logprobs=top
     )
+    if routes_from is not None and shape is not None:
+        choice.routes, choice.routes_start = _routes(completion, shape), routes_from
+    return choice
+
+
+def _routes(completion: Any, shape: RouteShape) -> Any:
+    routed = getattr(completion, "routed_experts", None)
+    if routed is None:
+        return None
+    import numpy as np
+
+    routes = np.asarray(routed)
+    if routes.ndim != 3 or routes.shape[1:] != (shape.layers, shape.top_k):
+        log.warning(
+            "vLLM returned routes of shape %s, not [tokens, %d, %d]: dropped", routes.shape, shape.layers, shape.top_k
+        )
+        return None
+    return routes.astype(np.int16)

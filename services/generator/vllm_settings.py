@@ -26,12 +26,21 @@ models in two ways that matter here:
 
 Attention-only models are unchanged: chunked prefill off by default on CPU, everything else as
 configured or vLLM's default.
+
+**MoE routing replay** (``policy.moe_routing_replay``): vLLM returns the experts every token was
+routed to (``enable_return_routed_experts``) only for an MoE model, only with prefix caching on
+(it keeps a cached prefix's routes with its blocks) and only with its Model Runner V2, which needs
+Triton: not on CPU, where the transformers engine returns routes instead. So with replay on,
+prefix caching is on (turned on when unset, refused when configured off) and a CPU platform or a
+model without experts is refused at start.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from shared.config_error import ConfigError
 from shared.sections.generator import VllmSection
@@ -50,6 +59,7 @@ class ModelFacts:
     gated_deltanet: bool  # some layers are Gated DeltaNet (``layer_types`` lists linear_attention)
     dtype: str  # the configured dtype as vLLM resolves it for this model ("bfloat16", "float32", ...)
     prefix_caching_default: bool  # vLLM's default for this model
+    moe: bool = False  # routed experts (vLLM: is_moe)
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class EngineSettings:
     enable_prefix_caching: bool | None  # None: vLLM's default
     enable_chunked_prefill: bool | None
     notes: tuple[str, ...] = ()  # one log line per setting chosen for the model
+    return_routes: bool = False  # enable_return_routed_experts (policy.moe_routing_replay)
 
 
 def model_facts(model_config: Any) -> ModelFacts:
@@ -69,13 +80,16 @@ def model_facts(model_config: Any) -> ModelFacts:
         gated_deltanet="linear_attention" in layer_types,
         dtype=str(model_config.dtype).removeprefix("torch."),
         prefix_caching_default=bool(model_config.is_prefix_caching_supported),
+        moe=bool(getattr(model_config, "is_moe", False)),
     )
 
 
-def settle(v: VllmSection, facts: ModelFacts, *, on_cpu: bool) -> EngineSettings:
-    """The engine's dtype, prefix caching and chunked prefill for ``facts``' model; ConfigError
-    for a configured combination the model cannot run, naming the key."""
+def settle(v: VllmSection, facts: ModelFacts, *, on_cpu: bool, replay_routes: bool = False) -> EngineSettings:
+    """The engine's dtype, prefix caching and chunked prefill for ``facts``' model (and whether it
+    returns routes); ConfigError for a configured combination the model cannot run, naming the key."""
     notes: list[str] = []
+    if replay_routes:
+        v = _for_routes(v, facts, on_cpu, notes)
     dtype = v.dtype
     if on_cpu and facts.gated_deltanet:
         if v.dtype == "auto":
@@ -115,5 +129,28 @@ def settle(v: VllmSection, facts: ModelFacts, *, on_cpu: bool) -> EngineSettings
         # On CPU a seeded request whose prompt is prefilled in chunks kills the engine.
         chunked_prefill = False
     return EngineSettings(
-        dtype=dtype, enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked_prefill, notes=tuple(notes)
+        dtype=dtype,
+        enable_prefix_caching=prefix_caching,
+        enable_chunked_prefill=chunked_prefill,
+        notes=tuple(notes),
+        return_routes=replay_routes,
     )
+
+
+def _for_routes(v: VllmSection, facts: ModelFacts, on_cpu: bool, notes: list[str]) -> VllmSection:
+    """``v`` as routing replay needs it: prefix caching on; the refusals of the module's docstring."""
+    if on_cpu:
+        raise ConfigError(
+            "policy.moe_routing_replay: vLLM returns routed experts only with its Model Runner V2, which needs "
+            "Triton (GPUs); on CPU the transformers engine (policy.generation.backend: transformers) returns them"
+        )
+    if not facts.moe:
+        raise ConfigError(f"policy.moe_routing_replay: {facts.name} has no routed experts")
+    if v.enable_prefix_caching is False:
+        raise ConfigError(
+            f"{_WHERE}.enable_prefix_caching: false, but vLLM returns routed experts (policy.moe_routing_replay) "
+            "only with prefix caching on"
+        )
+    if v.enable_prefix_caching is None:
+        notes.append(f"prefix caching on for {facts.name}: vLLM returns routed experts only with it")
+    return msgspec.structs.replace(v, enable_prefix_caching=True)

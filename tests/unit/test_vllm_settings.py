@@ -53,3 +53,40 @@ def test_an_attention_only_model_is_as_configured():
     assert (s.dtype, s.enable_prefix_caching, s.enable_chunked_prefill, s.notes) == ("float32", True, False, ())
     gpu = settled(DENSE, on_cpu=False, enable_prefix_caching=True, enable_chunked_prefill=False)
     assert (gpu.enable_prefix_caching, gpu.enable_chunked_prefill) == (True, False)
+
+
+MOE = ModelFacts(
+    name="moe", recurrent=True, gated_deltanet=True, dtype="bfloat16", prefix_caching_default=True, moe=True
+)
+
+
+def test_routing_replay_turns_prefix_caching_on_and_is_refused_where_vllm_cannot_return_routes():
+    s = settle(VllmSection(), MOE, on_cpu=False, replay_routes=True)
+    assert s.return_routes and (s.enable_prefix_caching, s.enable_chunked_prefill) == (True, True)
+    assert any("routed experts" in note for note in s.notes)
+    with pytest.raises(ConfigError, match="Model Runner V2.*backend: transformers"):
+        settle(VllmSection(), MOE, on_cpu=True, replay_routes=True)
+    with pytest.raises(ConfigError, match="no routed experts"):
+        settle(VllmSection(), DENSE, on_cpu=False, replay_routes=True)
+    with pytest.raises(ConfigError, match=r"enable_prefix_caching: false.*moe_routing_replay"):
+        settle(VllmSection(enable_prefix_caching=False), MOE, on_cpu=False, replay_routes=True)
+    assert not settle(VllmSection(), MOE, on_cpu=False).return_routes
+
+
+def test_a_vllm_completion_s_routed_experts_become_the_choice_s_routes():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from services.generator.vllm_engine import _choice
+    from shared.routes import RouteShape
+
+    shape = RouteShape(layers=4, top_k=2, num_experts=8)
+    lp = {5: SimpleNamespace(logprob=-0.5, rank=1)}
+    done = SimpleNamespace(index=0, token_ids=[5], logprobs=[lp], finish_reason="stop", stop_reason=None)
+    routed = np.arange(3 * 4 * 2).reshape(3, 4, 2) % 8
+    c = _choice(SimpleNamespace(**done.__dict__, routed_experts=routed), 0, 7, shape)
+    assert c.routes_start == 7 and np.array_equal(c.routes, routed)
+    assert _choice(SimpleNamespace(**done.__dict__, routed_experts=None), 0, 7, shape).routes is None  # preempted
+    assert _choice(SimpleNamespace(**done.__dict__, routed_experts=routed[:, :3]), 0, 7, shape).routes is None
+    assert _choice(SimpleNamespace(**done.__dict__, routed_experts=routed), 0).routes is None  # not asked
