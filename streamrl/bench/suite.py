@@ -20,6 +20,8 @@
    against raw baselines of the same bytes, and those costs scaled to a 397B-parameter run.
 9. Pipeline efficiency (`streamrl.bench.pipeline`): the real trainer, buffer, streams and gateways
    with simulated rollout and training times against an ideal zero-overhead schedule; packing.
+10. MoE routing replay (`streamrl.bench.routing_replay`): the trainer-vs-engine logprob mismatch
+    at equal weights on the MoE demo's policy with replay off and on.
 
 Every figure is reported against a baseline measured in the same run on the same machine, as a
 ratio, or with its baseline named in its table. Each section's results are stored as
@@ -38,7 +40,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamrl.bench import demo, demo_variants, gateway, gateway_scale, generator, openhands, refit, streams, trainer
+from streamrl.bench import (
+    demo,
+    demo_variants,
+    gateway,
+    gateway_scale,
+    generator,
+    openhands,
+    refit,
+    routing_replay,
+    streams,
+    trainer,
+)
 from streamrl.bench.pipeline_report import PipelineResults, render_pipeline
 from streamrl.bench.refit_results import RefitResults
 from streamrl.bench.report import Results, load, render, save
@@ -76,10 +89,21 @@ REPORT = (
     Section("trainer", TrainerResults, trainer.render_section),
     Section("refit", RefitResults, refit.render_section, redis=True),
     Section("pipeline", PipelineResults, render_pipeline),
+    Section("routing_replay", routing_replay.RoutingReplayResults, routing_replay.render_section),
 )
 BY_NAME = {s.name: s for s in REPORT}
 # Measurable alone (``--only``); the demo and the streams only in a whole run.
-SECTIONS = ("generator", "gateway", "gateway_scale", "trainer", "pipeline", "refit", "demo_variants", "openhands")
+SECTIONS = (
+    "generator",
+    "gateway",
+    "gateway_scale",
+    "trainer",
+    "pipeline",
+    "refit",
+    "demo_variants",
+    "openhands",
+    "routing_replay",
+)
 # The order a whole run measures them in (the demo first, on a quiet machine).
 MEASURED = (
     "demo",
@@ -92,6 +116,7 @@ MEASURED = (
     "gateway_scale",
     "openhands",
     "pipeline",
+    "routing_replay",
 )
 
 
@@ -156,6 +181,7 @@ def measure(name: str, valkey: _Valkey, machine: str) -> tuple[Results, list[int
         "gateway_scale": lambda: gateway_scale.gateway_scale_benchmark(work, machine),
         "openhands": lambda: openhands.openhands_benchmark(work, machine),
         "trainer": lambda: trainer.trainer_benchmark(work, machine),
+        "routing_replay": lambda: routing_replay.routing_replay_benchmark(work, machine),
     }
     return measures[name](), []
 
