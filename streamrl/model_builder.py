@@ -227,25 +227,33 @@ def is_model_dir(path: str | Path) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors")) and (p / "tokenizer.json").is_file()
 
 
+def _shared_config(spec: TinyModelSpec, vocab_size: int, *, pad_id: int, bos_id: int, eos_id: int) -> dict[str, Any]:
+    """The config fields every tiny family shares: attention shape, special tokens, untied
+    embeddings, float32."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "pad_token_id": pad_id,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": "float32",
+    }
+
+
 def qwen3_config(spec: TinyModelSpec, vocab_size: int, *, pad_id: int, bos_id: int, eos_id: int) -> Qwen3Config:
     """The Qwen3 config of ``spec``'s shape: untied embeddings, float32."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
+        **_shared_config(spec, vocab_size, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id),
         intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        tie_word_embeddings=False,
-        pad_token_id=pad_id,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        dtype="float32",
     )
 
 
@@ -254,12 +262,7 @@ def qwen3_5_moe_config(spec: TinyHybridMoeSpec, vocab_size: int, *, pad_id: int,
     from transformers import Qwen3_5MoeTextConfig
 
     return Qwen3_5MoeTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
+        **_shared_config(spec, vocab_size, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id),
         full_attention_interval=spec.full_attention_interval,
         linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
         linear_key_head_dim=spec.linear_key_head_dim,
@@ -270,18 +273,12 @@ def qwen3_5_moe_config(spec: TinyHybridMoeSpec, vocab_size: int, *, pad_id: int,
         num_experts_per_tok=spec.num_experts_per_tok,
         moe_intermediate_size=spec.moe_intermediate_size,
         shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-        max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": spec.rope_theta,
             "partial_rotary_factor": spec.partial_rotary_factor,
         },
         mtp_num_hidden_layers=spec.mtp_num_hidden_layers,
-        tie_word_embeddings=False,
-        pad_token_id=pad_id,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        dtype="float32",
     )
 
 
