@@ -60,10 +60,10 @@ class RoutingReplayResults(Results):
 def _prompts(tokenizer: Any) -> list[list[int]]:
     from services.gym_gateway.envs.crossing import LOOK_TOOL, PROMPT
 
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], tools=[LOOK_TOOL], add_generation_prompt=True, tokenize=True
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], tools=[LOOK_TOOL], add_generation_prompt=True, tokenize=False
     )
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return [ids] * SAMPLES
 
 
@@ -99,11 +99,11 @@ async def _sample(policy: Path, dtype: str, prompts: list[list[int]]) -> list[An
 
 
 def _mismatch(gen: np.ndarray, train: np.ndarray) -> Mismatch:
-    log_w = train - gen
+    log_w = train.astype(np.float64) - gen  # float64: w - log w - 1 is ~log_w**2 / 2, below float32's reach
     return Mismatch(
-        token_mult_prob_error=float(np.exp(np.abs(gen - train)).mean()),
+        token_mult_prob_error=float(np.exp(np.abs(log_w)).mean()),
         gen_kl_error=float((np.exp(log_w) - log_w - 1.0).mean()),
-        max_abs_logprob_diff=float(np.abs(gen - train).max()),
+        max_abs_logprob_diff=float(np.abs(log_w).max()),
     )
 
 
@@ -116,7 +116,12 @@ def _score(policy: Path, samples: list[Any], dtype: str) -> EngineRun:
     from shared.config import load
     from shared.run_config import RunConfig
 
-    overrides = [f"policy.model_name={policy}", "data.train_path=t.jsonl", "policy.moe_routing_replay=true"]
+    overrides = [
+        f"policy.model_name={policy}",
+        "data.train_path=t.jsonl",
+        "policy.moe_routing_replay=true",
+        f"policy.generation.temperature={TEMPERATURE}",  # the trainer scores the distribution sampled from
+    ]
     backend = build_backend(load(RunConfig, None, overrides, env={}))
     recorder = RouteRecorder(backend.model)
     gen_lp, off, on, agree = [], [], [], []
@@ -169,7 +174,7 @@ def routing_replay_benchmark(work: Path, machine: str) -> RoutingReplayResults:
         print(f"routing replay, {dtype} engine: {runs[-1]}", flush=True)
     return RoutingReplayResults(
         machine=machine,
-        model="tiny Qwen3.5-MoE (demo policy)",
+        model="tiny Qwen3.5-MoE",
         samples=SAMPLES,
         runs=runs,
         seconds=time.perf_counter() - t0,
