@@ -1,11 +1,13 @@
 """GPU check of the megatron backend (one GPU, under torchrun): logits of the megatron-core model
-built from a Qwen3 (and a Qwen3-MoE) checkpoint match transformers' within tolerance, three GRPO
+built from a Qwen3 (and a Qwen3-MoE, and a Qwen3.5-MoE: Gated DeltaNet through flash-linear-attention
+where it is installed) checkpoint match transformers' within tolerance, three GRPO
 updates run with the configured DDP (NaN check on), and the exported weights load back into
 transformers unchanged.
 
     torchrun --nproc-per-node 1 scripts/gpu_check_megatron.py [MODEL_DIR]
 
-MODEL_DIR defaults to the freshly built tiny dense model and a tiny Qwen3-MoE, each checked.
+MODEL_DIR defaults to the freshly built tiny dense model, a tiny Qwen3-MoE and the tiny Qwen3.5-MoE,
+each checked.
 Exits non-zero on any mismatch. scripts/gpu_check_megatron_ranks.sh checks the multi-GPU layouts.
 """
 
@@ -34,11 +36,12 @@ def main() -> int:
     if len(sys.argv) > 1:
         models = [Path(sys.argv[1])]
     else:
-        from streamrl.model_builder import build_tiny_model, build_tiny_moe
+        from streamrl.model_builder import build_tiny_model, build_tiny_moe, tiny_spec
 
         build_tiny_model(tmp / "tiny")
         build_tiny_moe(tmp / "tiny-moe", vocab_size=1024)
-        models = [tmp / "tiny", tmp / "tiny-moe"]
+        build_tiny_model(tmp / "tiny-qwen3_5_moe", tiny_spec("qwen3_5_moe"))
+        models = [tmp / "tiny", tmp / "tiny-moe", tmp / "tiny-qwen3_5_moe"]
     for model_dir in models:
         print(f"== {model_dir.name}")
         check(model_dir, tmp / f"export-{model_dir.name}")

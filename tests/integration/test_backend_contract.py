@@ -152,15 +152,27 @@ def test_an_unknown_backend_is_a_config_error_naming_the_key():
         adapter_class("jax")
 
 
-def test_the_megatron_backend_trains_the_steps_the_torch_backend_does(tiny_model_dir):
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_hybrid_moe_dir"], ids=["Qwen3", "Qwen3.5-MoE"])
+def test_the_megatron_backend_trains_the_steps_the_torch_backend_does(model, request, tmp_path):
     """The same checkpoint, rows and config through megatron-core's GPTModel (fused QKV and
-    gate/up, DDP gradient buffers; on CPU through `megatron_cpu`) and through transformers: the
-    same loss and gradient norm at the first step, and the same again at the second, after each
-    applied its own update."""
-    megatron = build_backend(_config(tiny_model_dir, "megatron"))
-    plain = build_backend(_config(tiny_model_dir, "torch"))
+    gate/up, DDP gradient buffers; on CPU through `megatron_cpu`; for Qwen3.5-MoE its Gated DeltaNet
+    and gated attention layers, routed and shared experts) and through transformers: the same loss
+    and gradient norm at the first step, and the same again at the second, after each applied its
+    own update. Both publish the same tensors, the MTP weights the megatron model does not build
+    among them, unchanged."""
+    from safetensors.torch import load_file
+
+    model_dir = request.getfixturevalue(model)
+    megatron = build_backend(_config(model_dir, "megatron"))
+    plain = build_backend(_config(model_dir, "torch"))
     for s in (0, 1):
         m, t = megatron.train_step(_batch(s)), plain.train_step(_batch(s))
         assert m.loss == pytest.approx(t.loss, rel=1e-4, abs=1e-6), s
         assert m.grad_norm == pytest.approx(t.grad_norm, rel=1e-4), s
         assert (m.train_tokens, m.num_updates) == (t.train_tokens, t.num_updates)
+    megatron.save_weights(tmp_path / "megatron")
+    plain.save_weights(tmp_path / "torch")
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("megatron", "torch"))
+    assert ours.keys() == theirs.keys()
+    start = load_file(model_dir / "model.safetensors")
+    assert all(torch.equal(ours[k], start[k]) for k in start if k.startswith("mtp."))

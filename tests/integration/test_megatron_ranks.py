@@ -7,12 +7,20 @@ tests/support/ranks/ranked_step.py, as ``python -m services.trainer`` wires a tr
   parallelism 2 (a Qwen3-MoE, each rank holding half the experts, the dense parts
   data-parallel), pipeline parallelism 2 (two layers a stage, megatron-core's schedule; in
   bfloat16, packed, with the pre-update and reference logprobs taken forward only through the
-  stages) and, on four ranks, tensor x pipeline parallelism 2 x 2 each train the steps one rank
-  trains: losses and gradient norms within rel 1e-5, parameters within 1e-5 after two steps at
+  stages), expert parallelism 2 on the tiny Qwen3.5-MoE (packed, two updates a step; its MTP
+  weights published unchanged) and, on four ranks, tensor x pipeline parallelism 2 x 2 each
+  train the steps one rank trains: losses and gradient norms within rel 1e-5, parameters within 1e-5 after two steps at
   a learning rate (1e-4) that moves them 2e-4. The weights are published in HF layout by every
   rank and transformers loads them. At tensor parallelism with top-p 1 the logprobs come from
   each rank's vocabulary columns (megatron's vocabulary-parallel cross entropy); with top-p 0.9
   from the gathered logits.
+* The tiny Qwen3.5-MoE (Gated DeltaNet and gated attention layers, routed and shared experts): its
+  logprobs through the backend at pipeline parallelism 2 and expert parallelism 2 (rows packed),
+  and from its megatron model split over two tensor-parallel ranks (forward only: the backend
+  trains MoE checkpoints at tensor parallelism 1), are transformers' logprobs within 1e-5; the
+  step trained at pipeline and at expert parallelism 2 is the same (loss and gradient norm within
+  rel 1e-5) and the torch backend's on one rank (1e-4); all in one launch
+  (tests/support/ranks/megatron_hybrid_layouts.py).
 * Checkpoints are independent of the layout: written at tensor x pipeline parallelism 2 x 2
   (asynchronously, top-p 0.9) or expert parallelism 2 with the distributed optimizer (each rank
   writing the AdamW state it owns), they resume on one rank, and the next step is the
@@ -94,24 +102,27 @@ LAYOUTS = {  # model, ranks, layout, what the one-rank run shares
     "tensor parallel 2": ("dense", 2, TP2, []),
     "data parallel 2, distributed optimizer, packed, two updates a step": ("dense", 2, SHARDED_ADAMW, PACKED),
     "expert parallel 2 (MoE)": ("moe", 2, EP2, []),
+    "expert parallel 2 (Qwen3.5-MoE), packed, two updates a step": ("hybrid", 2, EP2, PACKED),
     "pipeline parallel 2, bfloat16, packed, two updates, reference KL, top-p 0.9": ("dense", 2, PP2, EVERY_PASS),
     "tensor parallel 2 x pipeline parallel 2 (four ranks)": ("dense", 4, [*TP2, *PP2], []),
 }
 
 
 @pytest.mark.parametrize("variant", list(LAYOUTS))
-def test_megatron_ranks_train_the_same_steps_as_one(tiny_model_dir, moe_model_dir, one_rank_runs, tmp_path, variant):
+def test_megatron_ranks_train_the_same_steps_as_one(request, one_rank_runs, tmp_path, variant):
     kind, n, layout, extra = LAYOUTS[variant]
-    model = tiny_model_dir if kind == "dense" else moe_model_dir
+    model = request.getfixturevalue(
+        {"dense": "tiny_model_dir", "moe": "moe_model_dir"}.get(kind, "tiny_hybrid_moe_dir")
+    )
     common = ["--steps", "2", *SMALL_FILES, *extra]
     single = one_rank_runs(model, " ".join(extra), *common)
     many = many_ranks(n, model, tmp_path / f"ws{n}", *MEGATRON, *layout, *common)
     assert_exported_in_files(many, world_size=n)
     assert_same_steps(single, many)
-    if kind == "dense":
-        assert_transformers_loads(many)
-    else:
+    if kind == "moe":
         assert_transformers_loads_experts(many, tmp_path / "resaved")
+    else:  # the hybrid model's MTP weights published as they were
+        assert_transformers_loads(many, start=model if kind == "hybrid" else None)
     start = load_file(model / "model.safetensors")
     assert sorted(weights(many)) == sorted(start)  # HF names, padding and local experts gone
     moved = max(float((weights(single)[k].float() - start[k].float()).abs().max()) for k in start)
@@ -151,6 +162,44 @@ def test_a_megatron_checkpoint_resumes_at_another_layout(
     assert len(list((first / "ckpt" / "shards").glob("*.distcp"))) == n  # a shard per rank
     second = one_rank(model, tmp_path / "second", *MEGATRON, *extra, "--load", str(first / "ckpt"), "--first-step", "1")
     assert_resumed_as_uninterrupted(second, uninterrupted)
+
+
+HYBRID_LAYOUTS = ROOT / "tests" / "support" / "ranks" / "megatron_hybrid_layouts.py"
+
+
+def test_qwen3_5_moe_logprobs_and_a_step_at_two_rank_layouts_are_one_ranks(tiny_hybrid_moe_dir, tmp_path):
+    import torch
+
+    from services.trainer.backends import build_backend
+    from tests.support.ranks.megatron_hybrid_layouts import config, rows
+    from tests.support.ranks.ranked_step import batch
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [*launcher, str(HYBRID_LAYOUTS), str(tiny_hybrid_moe_dir), str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    # the reference: transformers' model on one rank (the torch backend)
+    try:
+        reference = build_backend(config(tiny_hybrid_moe_dir, [], backend="torch"))
+        given = rows()
+        expected = reference.rows_logprobs(given, given[0])
+        step = reference.train_step(batch(0))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    for layout in ("pipeline2", "expert2", "tensor2"):
+        got = torch.load(tmp_path / f"{layout}.pt")
+        assert got.keys() == expected.keys(), layout
+        for key, lp in expected.items():
+            torch.testing.assert_close(got[key][1:], lp[1:], rtol=0, atol=1e-5, msg=f"{layout} {key}")
+    # the step each layout trained is one rank's: the same as each other's (1e-5), and as the torch
+    # backend's (1e-4, as the backend contract compares the two backends)
+    steps = [json.loads((tmp_path / f"{layout}-step.json").read_text()) for layout in ("pipeline2", "expert2")]
+    assert steps[1]["loss"] == pytest.approx(steps[0]["loss"], rel=1e-5)
+    assert steps[1]["grad_norm"] == pytest.approx(steps[0]["grad_norm"], rel=1e-5)
+    for trained in steps:
+        assert trained["loss"] == pytest.approx(step.loss, rel=1e-4)
+        assert trained["grad_norm"] == pytest.approx(step.grad_norm, rel=1e-4)
 
 
 STREAM = ROOT / "tests" / "support" / "ranks" / "megatron_stream.py"

@@ -9,7 +9,8 @@ Some stored tensors are never loaded at all: the multi-token-prediction (MTP) mo
 and Qwen3.5 (``mtp.*``) is dropped by transformers' model and trained by nobody here, yet a
 generator that drafts with it needs it. `untrained` names them, and the transformers adapter
 copies them, unchanged, from the run's starting checkpoint into every published version
-(`services.trainer.backends.hf_adapter`), so they survive every refit and checkpoint.
+(`services.trainer.backends.hf_adapter`; the megatron adapter likewise, with `read_tensors`), so
+they survive every refit and checkpoint.
 """
 
 from __future__ import annotations

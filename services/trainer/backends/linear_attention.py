@@ -9,10 +9,13 @@ kernels take per-row offsets (``cu_seqlens``), but transformers' pure-torch refe
 run wherever flash-linear-attention cannot (CPU), ignore them.
 
 `separate_rows` wraps the forward of every linear-attention module of a model once (modules named
-``*.linear_attn``, as transformers names them); inside ``rows_apart(starts)`` a wrapped module given
-a whole pack runs each row's slice alone, from a zero state, and joins the outputs, the same
-computation as the row's unpacked forward. Outside it, or for a batch of padded rows, the module
-runs as it was. Used by the transformers adapter (`services.trainer.backends.hf_adapter`).
+``*.linear_attn``, as transformers names them, or the modules given); inside ``rows_apart(starts)``
+a wrapped module given a whole pack runs each row's slice alone, from a zero state, and joins the
+outputs, the same computation as the row's unpacked forward. Outside it, or for a batch of padded
+rows, the module runs as it was. Used by the transformers adapter
+(`services.trainer.backends.hf_adapter`) and, for megatron-core's ``GatedDeltaNet`` (sequence
+first, [T, B, H], returning an output and a bias; it reads no mask and refuses megatron's packed
+sequence parameters), by the megatron adapter (`services.trainer.backends.megatron_adapter`).
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "linear_attn"]
 
 
-def separate_rows(model: torch.nn.Module) -> int:
-    """Wrap each linear-attention module's forward to honour `rows_apart`; the number wrapped.
-    Wrapping twice changes nothing."""
-    modules = linear_attention_modules(model)
+def separate_rows(model: torch.nn.Module, modules: Sequence[torch.nn.Module] | None = None, *, seq_dim: int = 1) -> int:
+    """Wrap each linear-attention module's forward (``modules``, by default the model's
+    `linear_attention_modules`; their input's time dimension ``seq_dim``) to honour `rows_apart`;
+    the number wrapped. Wrapping twice changes nothing."""
+    modules = linear_attention_modules(model) if modules is None else modules
     for module in modules:
         if not getattr(module, "_streamrl_rows_apart", False):
-            module.forward = _row_by_row(module.forward)
+            module.forward = _row_by_row(module.forward, seq_dim)
             module._streamrl_rows_apart = True
     return len(modules)
 
@@ -55,12 +59,12 @@ def rows_apart(starts: Sequence[int], total: int) -> Iterator[None]:
         _ROW_BOUNDS.reset(token)
 
 
-def _row_by_row(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _row_by_row(forward: Callable[..., Any], seq_dim: int) -> Callable[..., Any]:
     @functools.wraps(forward)
-    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         bounds = _ROW_BOUNDS.get()
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        if bounds is None or len(bounds) <= 2 or hidden.shape[0] != 1 or hidden.shape[1] != bounds[-1]:
+        if bounds is None or len(bounds) <= 2 or hidden.shape[1 - seq_dim] != 1 or hidden.shape[seq_dim] != bounds[-1]:
             return forward(*args, **kwargs)
         if kwargs.get("cache_params") is not None:
             raise RuntimeError("a pack cannot run with a generation cache")
@@ -68,8 +72,17 @@ def _row_by_row(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
         mask = rest.pop("attention_mask", None)
         outs = []
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            row_mask = None if mask is None else mask[:, start:end]
-            outs.append(forward(hidden[:, start:end], *args[1:], attention_mask=row_mask, **rest))
-        return torch.cat(outs, dim=1)
+            row_mask = _row_mask(mask, start, end)
+            outs.append(forward(hidden.narrow(seq_dim, start, end - start), *args[1:], attention_mask=row_mask, **rest))
+        if isinstance(outs[0], tuple):  # megatron-core: (output, bias), the bias not per token
+            return (torch.cat([o[0] for o in outs], dim=seq_dim), *outs[0][1:])
+        return torch.cat(outs, dim=seq_dim)
 
     return wrapped
+
+
+def _row_mask(mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """A row's part of a padding mask ([B, T]) or of megatron's attention mask ([1, 1, T, T])."""
+    if mask is None:
+        return None
+    return mask[..., start:end, start:end] if mask.dim() == 4 else mask[:, start:end]

@@ -1,8 +1,9 @@
 """The megatron-core model adapter (``trainer.backend: megatron``; the ``megatron`` extra).
 
-The policy is a megatron-core ``GPTModel`` built from the Hugging Face config of a Qwen2, Qwen3 or
-Qwen3-MoE checkpoint (RMSNorm, QK-norm, SwiGLU, RoPE, grouped-query attention, untied
-embeddings; routed experts through `megatron_moe`), wrapped in megatron-core's
+The policy is a megatron-core ``GPTModel`` built from the Hugging Face config of a Qwen2, Qwen3,
+Qwen3-MoE or Qwen3.5-MoE checkpoint (RMSNorm, QK-norm, SwiGLU, RoPE, grouped-query attention,
+untied embeddings; routed experts through `megatron_moe`; Qwen3.5's Gated DeltaNet and gated
+attention layers through `megatron_hybrid`), wrapped in megatron-core's
 ``DistributedDataParallel``. ``policy.megatron_cfg.distributed_data_parallel_config`` is passed
 through to ``DistributedDataParallelConfig`` field by field (an unknown field is an error naming
 it); ``check_for_nan_in_grad`` stays on unless the config sets it to false.
@@ -29,7 +30,10 @@ and every rank of a stage writes its deal of the HF files (`megatron_export`,
 `services.trainer.weight_export`), so generators load Megatron-trained weights unchanged.
 Checkpoints are Distributed Checkpoints in a layout independent of the parallel sizes
 (`megatron_tp.CheckpointLayout`), resumable at other tensor-, pipeline-, expert- and data-parallel
-sizes. Packed rows attend within their row through a block-causal mask (`packed_mask`).
+sizes. Packed rows attend within their row through a block-causal mask (`packed_mask`), and go
+through Gated DeltaNet layers one row at a time (`linear_attention.rows_apart`). Tensors of the
+checkpoint the model does not build (Qwen3.5's multi-token-prediction ``mtp.*``) are published
+unchanged beside the trained ones (`_untrained`).
 
 It runs on CPU too: megatron-core's CUDA-only calls are replaced once, when the adapter is built
 without CUDA (`megatron_cpu.apply`); the tests train at tensor, data, expert and pipeline
@@ -52,6 +56,7 @@ import torch.nn.functional as F
 from services.trainer.backends import (
     megatron_cpu,
     megatron_export,
+    megatron_hybrid,
     megatron_moe,
     megatron_optim,
     megatron_pipeline,
@@ -61,7 +66,9 @@ from services.trainer.backends import (
 from services.trainer.backends.adapter import LoadedModel, OnLogits
 from services.trainer.backends.base import NonFiniteGradient, describe_nonfinite, nonfinite_grads
 from services.trainer.backends.hf_adapter import adamw_settings, compute_dtype
+from services.trainer.backends.hf_format import read_tensors
 from services.trainer.backends.layout import Layout
+from services.trainer.backends.linear_attention import rows_apart, separate_rows
 from services.trainer.backends.megatron_convert import (
     SafetensorsState,
     hf_globals_to_megatron,
@@ -78,6 +85,7 @@ from services.trainer.backends.megatron_setup import (
 )
 from services.trainer.backends.micro_batch import MicroBatch, sampled_logprobs_of, unpacked
 from services.trainer.ranks import Ranks
+from services.trainer.sharded_load import checkpoint_files
 from services.trainer.weight_export import ShardWriter, deal
 from shared.config_error import ConfigError
 from shared.run_config import RunConfig
@@ -140,6 +148,10 @@ class MegatronAdapter:
             compute_dtype=self.dtype,
         ).to(self._device)
         self._load_hf(model)
+        if megatron_hybrid.is_hybrid(self.hf_config):
+            from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+            separate_rows(model, [m for m in model.modules() if isinstance(m, GatedDeltaNet)], seq_dim=0)
         ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config(self.policy), module=model)
         # Set after DDP has chosen to average gradients over the data ranks (as FSDP2 does, which the
         # update's normalisation expects): the pipeline schedule then keeps our summed losses as
@@ -209,6 +221,7 @@ class MegatronAdapter:
         unless they are scored column-wise (``whole``: force either); on a stage before the last,
         its output activations. Right padding only follows real tokens, so the causal mask alone
         keeps real tokens exact; a pack's rows attend within their row only (`packed_mask`)."""
+        rows: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if mb.pack is None:
             ids = mb.input_ids
             position_ids = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
@@ -216,8 +229,9 @@ class MegatronAdapter:
         else:
             ids, position_ids = mb.pack.input_ids, mb.pack.position_ids
             mask = packed_mask(position_ids)
+            rows = rows_apart(mb.pack.starts, ids.shape[1])
         gather = not self._vocab_parallel if whole is None else whole
-        with self._autocast():
+        with self._autocast(), rows:
             logits: torch.Tensor = model(
                 input_ids=ids, position_ids=position_ids, attention_mask=mask, runtime_gather_output=gather
             )
@@ -383,6 +397,9 @@ class MegatronAdapter:
         writer = ShardWriter(out_dir, max_file_bytes, ranks=self.layout.world)
         for name, tensor in deal(self._hf_tensors(model), self.dtype, self.layout.stage):
             writer.add(name, tensor)
+        if self.layout.world.is_root:
+            for name, tensor in self._untrained():
+                writer.add(name, tensor)
         writer.close()
         if self.layout.world.is_root:
             (out_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
@@ -391,6 +408,14 @@ class MegatronAdapter:
                 if (src / name).is_file():
                     (out_dir / name).write_bytes((src / name).read_bytes())
         return writer.manifest
+
+    def _untrained(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The starting checkpoint's tensors outside the decoder, embedding and output layer the
+        model builds (Qwen3.5's ``mtp.*``), as stored there."""
+        files = checkpoint_files(self.policy.model_name)
+        if files is None:
+            return iter(())
+        return read_tensors(files, sorted(n for n in files if n.split(".", 1)[0] not in ("model", "lm_head")))
 
 
 def packed_mask(position_ids: torch.Tensor) -> torch.Tensor:

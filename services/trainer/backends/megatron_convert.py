@@ -1,10 +1,11 @@
 """Hugging Face <-> megatron-core GPTModel layouts for the megatron backend: the TransformerConfig
-of a Qwen2/Qwen3/Qwen3-MoE config, the weights of each layer in either naming, and the HF
+of a Qwen2/Qwen3/Qwen3-MoE/Qwen3.5-MoE config, the weights of each layer in either naming, and the HF
 checkpoint read a tensor at a time.
 
 Megatron fuses Q, K and V into one ``linear_qkv`` matrix ordered by query group ([q heads of the
 group, k, v] per group) and gate/up into one ``linear_fc1``; an MoE layer's router and experts go
-through `services.trainer.backends.megatron_moe`. Conversion works a layer at a time
+through `services.trainer.backends.megatron_moe`; Qwen3.5's linear and gated attention layers
+through `services.trainer.backends.megatron_hybrid`. Conversion works a layer at a time
 (`hf_layer_to_megatron`, `megatron_layer_to_hf`), so loading and publishing never hold more than a
 layer beyond the rank's own part; `hf_to_megatron` / `megatron_to_hf` convert whole state dicts.
 Used by `services.trainer.backends.megatron_adapter`.
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.trainer.backends import megatron_moe
+from services.trainer.backends import megatron_hybrid, megatron_moe
 from shared.config_error import ConfigError
 from shared.weights_format import safetensors_files
 
@@ -34,15 +35,16 @@ def _torch_backend_hint(model_type: Any) -> str:
 
 
 def transformer_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
-    """TransformerConfig arguments for a Qwen2/Qwen3/Qwen3-MoE HF config (``config.json`` as a
-    dict); an MoE checkpoint's expert settings come from `megatron_moe.moe_config_kwargs`."""
+    """TransformerConfig arguments for a Qwen2/Qwen3/Qwen3-MoE/Qwen3.5-MoE HF config (``config.json``
+    as a dict); an MoE checkpoint's expert settings come from `megatron_moe.moe_config_kwargs`."""
     if hf.get("model_type") not in ("qwen3", "qwen2", *megatron_moe.MOE_MODEL_TYPES):
         raise ConfigError(
-            "the megatron backend builds Qwen2, Qwen3 and Qwen3-MoE checkpoints, not model_type "
+            "the megatron backend builds Qwen2, Qwen3, Qwen3-MoE and Qwen3.5-MoE (text) checkpoints, not model_type "
             f"{hf.get('model_type')!r} (architectures {hf.get('architectures')}); "
             + _torch_backend_hint(hf.get("model_type"))
         )
     heads = hf["num_attention_heads"]
+    hybrid = megatron_hybrid.config_kwargs(hf) if megatron_hybrid.is_hybrid(hf) else {}
     return {
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hf["hidden_size"],
@@ -59,6 +61,7 @@ def transformer_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
         "add_qkv_bias": hf["model_type"] == "qwen2",
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
+        **hybrid,
     }
 
 
@@ -98,7 +101,11 @@ def hf_globals_to_megatron(
 def hf_layer_to_megatron(
     state: Mapping[str, torch.Tensor], hf: dict[str, Any], i: int, *, ep_rank: int = 0, ep_size: int = 1
 ) -> dict[str, torch.Tensor]:
-    """Decoder layer ``i`` in megatron-core naming and layout (its MLP: `megatron_moe`)."""
+    """Decoder layer ``i`` in megatron-core naming and layout (its MLP: `megatron_moe`; Qwen3.5's
+    attention: `megatron_hybrid`)."""
+    if megatron_hybrid.is_hybrid(hf):
+        mixer = megatron_hybrid.attention_hf_to_megatron(state, hf, i)
+        return {**mixer, **megatron_moe.mlp_hf_to_megatron(state, hf, i, ep_rank=ep_rank, ep_size=ep_size)}
     per_group, groups, d = _qkv_dims(hf)
     h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
     q = state[h + "self_attn.q_proj.weight"].reshape(groups, per_group * d, -1)
@@ -143,6 +150,10 @@ def megatron_layer_to_hf(
     state: Mapping[str, torch.Tensor], hf: dict[str, Any], i: int, *, ep_rank: int = 0, ep_size: int = 1
 ) -> dict[str, torch.Tensor]:
     """The inverse of `hf_layer_to_megatron` (the experts of EP rank ``ep_rank``)."""
+    if megatron_hybrid.is_hybrid(hf):
+        mixer = megatron_hybrid.attention_megatron_to_hf(state, hf, i)
+        mlp = megatron_moe.mlp_megatron_to_hf(state, hf, i, ep_rank=ep_rank, ep_size=ep_size)
+        return {k: v.contiguous() for k, v in {**mixer, **mlp}.items()}
     per_group, groups, d = _qkv_dims(hf)
     h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
     qkv = state[m + "self_attention.linear_qkv.weight"]

@@ -15,6 +15,8 @@ still has them):
   On GPUs the tracker is seeded per model-parallel rank as megatron expects.
 * The default causal mask is built on ``"cuda"``: on CPU the backend passes the mask itself
   (`causal_mask`).
+* Two element-wise fusions megatron-core compiles with ``torch.compile`` run eagerly
+  (`_eager_fusions`): compiling them on CPU costs seconds and gains nothing.
 
 Everything else (fused kernels, Transformer Engine, apex) is off by configuration already (the
 local layer spec, no fusions). Mixture-of-experts models and pipeline stages need a few more.
@@ -23,7 +25,8 @@ local layer spec, no fusions). Mixture-of-experts models and pipeline stages nee
 built on a machine without CUDA, before megatron-core seeds its RNG (`seed_rng`) or builds a
 model; nothing it changes is touched where CUDA is present. What the router needs without
 Transformer Engine (on any machine) is not a CPU patch: `without_transformer_engine`, called where
-the model is built (`megatron_setup.build_gpt_model`).
+the model is built (`megatron_setup.build_gpt_model`); nor are Gated DeltaNet's kernels without
+flash-linear-attention (`gated_delta_net_kernels`, called there too).
 """
 
 from __future__ import annotations
@@ -47,12 +50,30 @@ def apply(*, moe: bool, pipeline: bool) -> None:
         raise RuntimeError("megatron_cpu.apply is for machines without CUDA")
     if not _on_cpu:
         torch.cuda.current_device = _cpu_device
+        _eager_fusions()
         _on_cpu = True
         log.info("megatron-core on CPU: CUDA device lookups answer the CPU, RNG tracker without forks")
     if moe:
         _moe_without_cuda()
     if pipeline:
         _pipeline_without_cuda()
+
+
+# megatron-core's ``jit_fuser`` is ``torch.compile``: the small element-wise functions it decorates
+# are compiled on their first call. Two are on the Qwen3.5 path (the attention output gate,
+# ``Attention._apply_output_gate``, and Gated DeltaNet's gated norm, ``_apply_gated_norm``); on CPU
+# inductor builds C++ for them, about 15 s per process before the first step, for no gain at
+# these sizes. Without CUDA they run as written (the function ``torch.compile`` wraps).
+
+
+def _eager_fusions() -> None:
+    """The CPU's megatron-core fusions run eagerly (see above)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.attention import Attention
+
+    for cls, name in ((Attention, "_apply_output_gate"), (GatedDeltaNet, "_apply_gated_norm")):
+        compiled = cls.__dict__[name]
+        setattr(cls, name, getattr(compiled, "_torchdynamo_orig_callable", compiled))
 
 
 def seed_rng(seed: int) -> None:
@@ -156,3 +177,27 @@ def _pipeline_without_cuda() -> None:
 
 def _nothing_to_synchronize(device: Any = None) -> None:
     """``torch.cuda.synchronize`` without CUDA: CPU work is synchronous."""
+
+
+# Gated DeltaNet layers (Qwen3.5, `services.trainer.backends.megatron_hybrid`): megatron-core's
+# ``GatedDeltaNet`` takes ``l2norm`` and ``chunk_gated_delta_rule`` from flash-linear-attention
+# (``fla``), whose Triton kernels need a GPU, and refuses to build without it (``HAVE_FLA``). Where
+# ``fla`` does not import (CPU, or a GPU machine without it), the module's two names are bound to
+# transformers' pure-torch implementations of the same functions, the ones transformers' own
+# Qwen3.5 runs there (``modeling_qwen3_5_moe.l2norm`` and ``torch_chunk_gated_delta_rule``, the
+# same signature and [batch, time, heads, dim] layout). Its short convolution already falls back
+# to ``nn.Conv1d`` without the ``causal_conv1d`` package. Where ``fla`` imports, nothing changes.
+
+
+def gated_delta_net_kernels() -> None:
+    """Gated DeltaNet's kernels without flash-linear-attention (see above; a no-op with it)."""
+    from megatron.core.ssm import gated_delta_net
+
+    if gated_delta_net.HAVE_FLA:
+        return
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen3_5
+
+    gated_delta_net.l2norm = hf_qwen3_5.l2norm
+    gated_delta_net.chunk_gated_delta_rule = hf_qwen3_5.torch_chunk_gated_delta_rule
+    gated_delta_net.HAVE_FLA = True
+    log.info("megatron-core Gated DeltaNet without flash-linear-attention: transformers' torch kernels")

@@ -20,6 +20,12 @@ Layouts of layer ``i``'s MLP (``F`` the expert width ``moe_intermediate_size``, 
 * Expert parallelism splits the experts in contiguous blocks, as megatron-core numbers them:
   global expert ``e`` lives on EP rank ``e // (E / ep_size)`` as local expert ``e % (E / ep_size)``.
   The router is replicated on every rank.
+* A shared expert (Qwen3.5: every token through one more MLP, scaled by
+  ``sigmoid(shared_expert_gate(x))``): ``model.layers.{i}.mlp.shared_expert.{gate_proj,up_proj,
+  down_proj}.weight`` and ``mlp.shared_expert_gate.weight`` [1, H] <-> megatron-core's
+  ``mlp.shared_experts.linear_fc1.weight`` (gate then up), ``.linear_fc2.weight`` and
+  ``.gate_weight`` (``moe_shared_expert_gate``), split by tensor parallelism as a dense MLP is and
+  whole on every expert-parallel rank.
 * Dense layers (every layer of a dense model; ``mlp_only_layers`` and the layers that
   ``decoder_sparse_step`` skips in an MoE model) keep the dense layout, ``mlp.linear_fc1`` (gate
   then up) and ``mlp.linear_fc2`` <-> ``mlp.{gate_proj,up_proj,down_proj}``, on every rank.
@@ -48,9 +54,12 @@ if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text")
+# MoE families whose shared expert is built (with its sigmoid gate); their routing always
+# renormalises the top k (Qwen3.5's router has no norm_topk_prob)
+_SHARED_EXPERT_MODEL_TYPES = ("qwen3_5_moe_text",)
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
-# Config keys of MoE families with shared (always active) experts, which this layout lacks.
+# Config keys of shared (always active) experts, built for `_SHARED_EXPERT_MODEL_TYPES` only.
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "num_shared_experts", "n_shared_experts")
 _EP_KEY = "policy.megatron_cfg.expert_model_parallel_size"
 
@@ -94,22 +103,33 @@ def moe_config_kwargs(hf: dict[str, Any], *, expert_parallel: int) -> dict[str, 
         if expert_parallel != 1:
             raise ConfigError(f"{_EP_KEY} is {expert_parallel}; a dense checkpoint has no experts to split")
         return {}
+    shared = hf["model_type"] in _SHARED_EXPERT_MODEL_TYPES
     for key in _SHARED_EXPERT_KEYS:
-        if hf.get(key):
-            raise ConfigError(f"{key} is {hf[key]}: shared experts are not supported by the megatron backend")
+        if hf.get(key) and not shared:
+            raise ConfigError(
+                f"{key} is {hf[key]}: shared experts are supported by the megatron backend for Qwen3.5-MoE "
+                f"only, not model_type {hf['model_type']!r}"
+            )
     if num_experts(hf) < 1:
         raise ConfigError("num_experts must be at least 1 for a qwen3_moe checkpoint")
     _experts_per_rank(hf, expert_parallel)
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act is {hf['hidden_act']!r}; the megatron backend supports only 'silu'")
-    topk, renormalise = int(hf["num_experts_per_tok"]), bool(hf.get("norm_topk_prob", False))
+    topk, renormalise = int(hf["num_experts_per_tok"]), shared or bool(hf.get("norm_topk_prob", False))
     if topk == 1 and renormalise:
         # Every token's one weight would be 1; megatron-core has no such routing.
         raise ConfigError("num_experts_per_tok 1 with norm_topk_prob true is not supported by the megatron backend")
     pattern = moe_layer_pattern(hf)
     if 0 in pattern and "intermediate_size" not in hf:
         raise ConfigError("intermediate_size is missing; the checkpoint has dense layers that need it")
+    shared_kwargs = {}
+    if shared and hf.get("shared_expert_intermediate_size"):
+        shared_kwargs = {
+            "moe_shared_expert_intermediate_size": int(hf["shared_expert_intermediate_size"]),
+            "moe_shared_expert_gate": True,
+        }
     return {
+        **shared_kwargs,
         "ffn_hidden_size": hf.get("intermediate_size", hf["moe_intermediate_size"]),
         "num_moe_experts": num_experts(hf),
         "moe_layer_freq": pattern,
@@ -174,6 +194,12 @@ def mlp_hf_to_megatron(
         }
     per_rank = _experts_per_rank(hf, ep_size)
     out = {m + "router.weight": state[h + "gate.weight"]}
+    if h + "shared_expert_gate.weight" in state:
+        s = h + "shared_expert."
+        fc1 = torch.cat([state[s + "gate_proj.weight"], state[s + "up_proj.weight"]])
+        out[m + "shared_experts.linear_fc1.weight"] = fc1
+        out[m + "shared_experts.linear_fc2.weight"] = state[s + "down_proj.weight"]
+        out[m + "shared_experts.gate_weight"] = state[h + "shared_expert_gate.weight"]
     for j in range(per_rank):
         gate, up, down = _hf_expert(state, h, ep_rank * per_rank + j)
         out[f"{m}experts.local_experts.{j}.linear_fc1.weight"] = torch.cat([gate, up])
@@ -194,6 +220,13 @@ def mlp_megatron_to_hf(
     else:
         per_rank = _experts_per_rank(hf, ep_size)
         out[h + "gate.weight"] = state[m + "router.weight"]
+        if m + "shared_experts.gate_weight" in state:
+            s = h + "shared_expert."
+            out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = state[
+                m + "shared_experts.linear_fc1.weight"
+            ].chunk(2)
+            out[s + "down_proj.weight"] = state[m + "shared_experts.linear_fc2.weight"]
+            out[h + "shared_expert_gate.weight"] = state[m + "shared_experts.gate_weight"]
         for j in range(per_rank):
             local, expert = f"{m}experts.local_experts.{j}.", f"{h}experts.{ep_rank * per_rank + j}."
             out[expert + "gate_proj.weight"], out[expert + "up_proj.weight"] = state[local + "linear_fc1.weight"].chunk(

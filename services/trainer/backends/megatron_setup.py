@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.trainer.backends import megatron_cpu, megatron_moe
+from services.trainer.backends import megatron_cpu, megatron_hybrid, megatron_moe
 from services.trainer.backends.layout import Layout
 from services.trainer.backends.megatron_convert import rope_base, transformer_config_kwargs
 from services.trainer.ranks import Ranks
@@ -82,6 +82,15 @@ def check_supported(policy: PolicySection, world_size: int = 1) -> None:
         return
     hf = json.loads(config.read_text())
     transformer_config_kwargs(hf)  # an architecture the backend builds
+    if megatron_hybrid.is_hybrid(hf):
+        megatron_hybrid.check_layout(hf, tp)
+    if tp > 1 and megatron_moe.is_moe(hf):
+        raise ConfigError(
+            f"policy.megatron_cfg.tensor_model_parallel_size is {tp}; the megatron backend trains "
+            f"mixture-of-experts checkpoints (model_type {hf['model_type']!r}) at 1 only: megatron-core's MoE "
+            "layer needs sequence parallelism to train at tensor parallelism, which the backend does not use "
+            "(split the experts with policy.megatron_cfg.expert_model_parallel_size instead)"
+        )
     if pp > 1 and hf["num_hidden_layers"] % pp:
         raise ConfigError(
             f"policy.megatron_cfg.pipeline_model_parallel_size is {pp}; it must divide the model's "
@@ -168,6 +177,8 @@ def build_gpt_model(
 
     if megatron_moe.is_moe(hf):
         megatron_cpu.without_transformer_engine()
+    if megatron_hybrid.is_hybrid(hf):
+        megatron_cpu.gated_delta_net_kernels()
     kwargs = {**transformer_config_kwargs(hf), **megatron_moe.moe_config_kwargs(hf, expert_parallel=expert_parallel)}
     stages = int(parallel_state.get_pipeline_model_parallel_world_size())
     if stages > 1:  # megatron checks the (unused) dispatcher of a dense model against variable lengths too
@@ -184,18 +195,23 @@ def build_gpt_model(
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=cpu_init,
     )
-    return GPTModel(
+    hybrid = megatron_hybrid.is_hybrid(hf)
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=megatron_moe.layer_spec(hf),
+        transformer_layer_spec=megatron_hybrid.block_spec(hf, config) if hybrid else megatron_moe.layer_spec(hf),
         vocab_size=vocab_size or hf["vocab_size"],
         max_sequence_length=hf["max_position_embeddings"],
         position_embedding_type="rope",
+        rotary_percent=megatron_hybrid.rotary_percent(hf),
         rotary_base=rope_base(hf),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         parallel_output=True,  # each tensor-parallel rank's vocabulary columns; gathered on request
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
+    if hybrid:
+        megatron_hybrid.mark_fused_parts(model, hf)
+    return model
 
 
 def tp_size() -> int:

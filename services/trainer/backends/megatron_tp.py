@@ -7,15 +7,18 @@ embedding and ``output_layer``) by rows, row-parallel ones (``linear_proj``, ``l
 columns; norms (the QK norms too) are replicated. The fused QKV matrix is ordered by query group,
 so rank ``r``'s rows are whole groups and the ranks' rows concatenate to the one-rank matrix. The
 gated ``linear_fc1`` is not: each rank holds [its rows of gate; its rows of up], so cutting and
-gathering it goes through the halves (`local_part`, `gather_full`). Experts are cut by their own
+gathering it goes through the halves (`local_part`, `gather_full`); so do Gated DeltaNet's fused
+``in_proj`` and ``conv1d`` (Qwen3.5), through the parts `megatron_hybrid.FUSED_PARTS` names on
+them. Experts are cut by their own
 (expert) tensor-parallel group, which is one rank here (``expert_tensor_parallel_size`` 1), and
 split between expert-parallel ranks whole (`services.trainer.backends.megatron_moe`).
 
 Checkpoints are torch Distributed Checkpoints in a layout that does not depend on the ranks
 (`checkpoint_tensors`): each tensor-parallel weight is a DTensor sharded over its group (every rank
 writes its part; data-parallel replicas are written once), the gated ``linear_fc1`` is kept as its
-gate and up halves, and local experts are named by their global expert id. So a checkpoint written
-at one tensor-, expert- or data-parallel size resumes at another, as the torch backend's do.
+gate and up halves (fused Gated DeltaNet weights as their parts), and local experts are named by
+their global expert id. So a checkpoint written at one tensor-, expert- or data-parallel size
+resumes at another, as the torch backend's do.
 """
 
 from __future__ import annotations
@@ -26,13 +29,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.trainer.backends.megatron_hybrid import FUSED_PARTS
+
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def _gated(name: str) -> bool:
-    """The fused gate/up weight of a (dense or expert) SwiGLU MLP."""
-    return name.endswith("linear_fc1.weight")
+def _parts(name: str, param: torch.nn.Parameter, t: torch.Tensor, dim: int) -> list[int] | None:
+    """The sizes of the parts ``t`` (``param`` whole or one rank's part of it) is fused from along
+    ``dim``, each split over the tensor-parallel ranks on its own: the gate and up halves of a
+    SwiGLU MLP's ``linear_fc1``, or the parts `FUSED_PARTS` names; None for an unfused weight."""
+    whole: tuple[int, ...] | None = getattr(param, FUSED_PARTS, None)
+    if whole is None:
+        return [t.shape[dim] // 2] * 2 if name.endswith("linear_fc1.weight") else None
+    return [size * t.shape[dim] // sum(whole) for size in whole]
 
 
 def tp_group_of(param: torch.nn.Parameter) -> Any:
@@ -56,8 +66,9 @@ def local_part(full: torch.Tensor, param: torch.nn.Parameter, name: str) -> torc
     if group is None or tuple(full.shape) == tuple(param.shape):
         return full
     n, r, dim = dist.get_world_size(group), dist.get_rank(group), param.partition_dim
-    if _gated(name):
-        return torch.cat([half.chunk(n, dim)[r] for half in full.chunk(2, dim)], dim)
+    parts = _parts(name, param, full, dim)
+    if parts is not None:
+        return torch.cat([part.chunk(n, dim)[r] for part in full.split(parts, dim)], dim)
     return full.chunk(n, dim)[r]
 
 
@@ -69,9 +80,10 @@ def gather_full(local: torch.Tensor, param: torch.nn.Parameter, name: str) -> to
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     dim = param.partition_dim
-    if _gated(name):
-        halves = [p.chunk(2, dim) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
+    sizes = _parts(name, param, local, dim)
+    if sizes is not None:
+        split = [p.split(sizes, dim) for p in parts]
+        return torch.cat([s[j] for j in range(len(sizes)) for s in split], dim)
     return torch.cat(parts, dim)
 
 
@@ -96,6 +108,11 @@ def renumber(name: str, offset: int) -> str:
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
+def _part_keys(key: str, count: int) -> list[str]:
+    """The checkpoint names of a fused weight's parts (a SwiGLU ``linear_fc1``: gate and up)."""
+    return [key + ".gate", key + ".up"] if count == 2 else [f"{key}.part{j}" for j in range(count)]
+
+
 class CheckpointLayout:
     """Views of a module's parameters (and of tensors shaped like them: optimizer moments) in the
     checkpoint layout described above. The views share storage with what they view, so a
@@ -117,7 +134,8 @@ class CheckpointLayout:
         group = tp_group_of(param)
         dim = param.partition_dim if group is not None else 0
         key = self.key(name)
-        pieces = dict(zip((key + ".gate", key + ".up"), t.chunk(2, dim), strict=True)) if _gated(name) else {key: t}
+        parts = _parts(name, param, t, dim)
+        pieces = {key: t} if parts is None else dict(zip(_part_keys(key, len(parts)), t.split(parts, dim), strict=True))
         if copy:
             pieces = {k: v.detach().clone() for k, v in pieces.items()}
         if group is None:

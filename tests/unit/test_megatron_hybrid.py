@@ -1,0 +1,180 @@
+"""Qwen3.5-MoE on the megatron backend (`services.trainer.backends.megatron_hybrid`), against the
+tiny Qwen3.5-MoE (Gated DeltaNet layers 0-2, gated full attention in layer 3, routed experts with
+a gated shared expert, MTP weights):
+
+* the conversion HF -> megatron -> HF gives back every decoder tensor bit for bit (MTP weights are
+  not converted: the backend does not build them);
+* loaded into a megatron GPTModel on CPU (gloo, one rank; Gated DeltaNet through transformers'
+  torch kernels, `megatron_cpu.gated_delta_net_kernels`), the model gives transformers' logprobs
+  (float32, 2e-5), and its weights convert back bit for bit;
+* rows packed into one sequence give each row's own logits: the Gated DeltaNet layers run each
+  row apart (`linear_attention.rows_apart`), attention keeps to the row through the mask;
+* the zero-centred norm computes transformers' Qwen3.5 RMSNorm bit for bit;
+* a tensor-parallel size the linear-attention heads cannot split over is refused, naming the key,
+  and so is any tensor-parallel size above 1 for training (an MoE model: see `megatron_setup`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+
+from services.trainer.backends import megatron_cpu, megatron_hybrid  # noqa: E402
+from services.trainer.backends.linear_attention import rows_apart, separate_rows  # noqa: E402
+from services.trainer.backends.megatron_adapter import packed_mask  # noqa: E402
+from services.trainer.backends.megatron_convert import hf_to_megatron, megatron_to_hf, read_hf_state  # noqa: E402
+from services.trainer.backends.megatron_setup import check_supported  # noqa: E402
+from shared.config import load  # noqa: E402
+from shared.config_error import ConfigError  # noqa: E402
+from shared.run_config import RunConfig  # noqa: E402
+from streamrl.redis_server import free_port  # noqa: E402
+from tests.support.ranks import megatron_moe_ep as rig  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def _decoder(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors the megatron model builds (not the MTP module's)."""
+    return {k: v for k, v in state.items() if not k.startswith("mtp.")}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_hybrid_moe_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    hf = json.loads((tiny_hybrid_moe_dir / "config.json").read_text())
+    return hf, read_hf_state(tiny_hybrid_moe_dir)
+
+
+def test_hf_to_megatron_and_back_is_bit_exact(hybrid):
+    hf, state = hybrid
+    decoder = _decoder(state)
+    assert any(k.startswith("mtp.") for k in state)  # the tiny model ships MTP weights
+    mega = hf_to_megatron(decoder, hf)
+    assert mega["decoder.layers.0.self_attention.in_proj.weight"].shape[0] == sum(megatron_hybrid.in_proj_parts(hf))
+    assert mega["decoder.layers.3.self_attention.linear_qkv.weight"].shape[0] == (4 * 2 + 2 * 2) * 32
+    back = megatron_to_hf(mega, hf)
+    assert back.keys() == decoder.keys()
+    assert all(torch.equal(back[k], decoder[k]) for k in decoder)
+
+
+def test_the_zero_centred_norm_is_transformers_bit_for_bit():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    ours, theirs = megatron_hybrid.ZeroCentredRMSNorm(config, 64, eps=1e-6), Qwen3_5MoeRMSNorm(64, eps=1e-6)
+    weight = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    ours.weight.data.copy_(weight)
+    theirs.weight.data.copy_(weight)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ours(x), theirs(x))
+    assert torch.equal(ours(x.bfloat16()), theirs(x.bfloat16()))
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo group and Megatron's groups in this process, torn down after the module."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    rig.init_parallel(1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def megatron_model(hybrid, one_rank) -> torch.nn.Module:
+    hf, state = hybrid
+    model = rig.build_megatron(hf, 1)
+    rig.load(model, hf_to_megatron(_decoder(state), hf))
+    return model.eval()
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+    mask = megatron_cpu.causal_mask(ids.shape[1], ids.device)
+    with torch.no_grad():
+        out: torch.Tensor = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+    return out
+
+
+def test_megatron_gives_the_hf_logprobs_and_converts_back_exactly(tiny_hybrid_moe_dir, hybrid, megatron_model):
+    from transformers import AutoModelForCausalLM
+
+    hf, state = hybrid
+    reference = AutoModelForCausalLM.from_pretrained(tiny_hybrid_moe_dir, dtype=torch.float32).eval()
+    # longer than one 64-token chunk of the gated delta rule
+    ids = torch.randint(3, hf["vocab_size"], (2, 80), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(input_ids=ids).logits, -1)
+    got = torch.log_softmax(_logits(megatron_model, ids)[..., : hf["vocab_size"]], -1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+    back = rig.to_hf(megatron_model.state_dict(), hf, 0, 1)
+    decoder = _decoder(state)
+    assert back.keys() == decoder.keys() and all(torch.equal(back[k], decoder[k]) for k in decoder)
+
+
+def test_packed_rows_run_apart_through_the_gated_deltanet_layers(hybrid, megatron_model):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    hf, _ = hybrid
+    lengths = (7, 12, 5)
+    rows = [torch.randint(3, hf["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    alone = torch.cat([_logits(megatron_model, row) for row in rows], dim=1)
+    ids = torch.cat(rows, dim=1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    starts = [0, 7, 19]
+    assert (
+        separate_rows(megatron_model, [m for m in megatron_model.modules() if isinstance(m, GatedDeltaNet)], seq_dim=0)
+        == 3
+    )
+    with torch.no_grad(), rows_apart(starts, ids.shape[1]):
+        packed = megatron_model(input_ids=ids, position_ids=positions, attention_mask=packed_mask(positions))
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    with torch.no_grad():  # outside rows_apart the recurrent state would carry across rows
+        leaked = megatron_model(input_ids=ids, position_ids=positions, attention_mask=packed_mask(positions))
+    assert (leaked[:, 7:] - alone[:, 7:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("tp", "refusal"),
+    [
+        (4, "tensor_model_parallel_size is 4; it must divide the checkpoint's 2 linear_num_key_heads"),
+        (2, "tensor_model_parallel_size is 2; the megatron backend trains mixture-of-experts checkpoints"),
+    ],
+    ids=["4: more than the linear key heads", "2: an MoE model"],
+)
+def test_a_tensor_parallel_size_the_model_cannot_train_at_is_refused_by_key(tmp_path, tp, refusal):
+    hf = {
+        "model_type": "qwen3_5_moe_text",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "hidden_size": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 2,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    base = ["policy.model_name=" + str(tmp_path), "data.train_path=t.jsonl", "trainer.backend=megatron"]
+    fits = [
+        *base,
+        "policy.megatron_cfg.expert_model_parallel_size=2",
+        "policy.megatron_cfg.pipeline_model_parallel_size=2",
+    ]
+    check_supported(load(RunConfig, None, fits, env={}).policy, world_size=4)
+    refused = load(RunConfig, None, [*base, f"policy.megatron_cfg.tensor_model_parallel_size={tp}"], env={})
+    with pytest.raises(ConfigError, match=refusal):
+        check_supported(refused.policy, world_size=4)
