@@ -100,6 +100,8 @@ class InProcessGenerator:
             r = await self.client.get("/ready")
             if r.status_code == 200:
                 return
+            if r.json().get("state") == "failed":  # bring-up raised: it will not become ready
+                raise RuntimeError(f"generator failed at start: {r.text}")
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"generator not ready: {r.text}")
             await asyncio.sleep(0.05)
