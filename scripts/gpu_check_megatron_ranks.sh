@@ -13,7 +13,7 @@ PY=${PYTHON:-.venv/bin/python}
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 # STREAMRL_CHECK_ON_CPU=1 runs the same steps on CPU ranks (gloo), to check the script itself.
 if [ "$GPUS" -lt 2 ] && [ "${STREAMRL_CHECK_ON_CPU:-0}" != 1 ]; then
-  echo "this check needs 2 GPUs (found $GPUS); scripts/gpu_check_megatron.sh checks one" >&2
+  echo "this check needs 2 GPUs (found $GPUS); scripts/gpu_check.sh checks one" >&2
   exit 2
 fi
 OUT=${1:-$(mktemp -d -t megatron-ranks-XXXX)}

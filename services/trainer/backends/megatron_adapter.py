@@ -37,7 +37,7 @@ unchanged beside the trained ones (`_untrained`).
 
 It runs on CPU too: megatron-core's CUDA-only calls are replaced once, when the adapter is built
 without CUDA (`megatron_cpu.apply`); the tests train at tensor, data, expert and pipeline
-parallelism 2 against one rank there, and scripts/gpu_check_megatron.sh checks it on GPUs.
+parallelism 2 against one rank there, and scripts/gpu_check.sh checks it on a GPU.
 """
 
 from __future__ import annotations
