@@ -21,7 +21,9 @@ from typing import Any
 from services.gym_gateway.responses import chat_tools
 from streamrl.warmstart import Conversation, WarmStartSpec, fine_tune
 
-SPEC = WarmStartSpec(steps=150, batch_size=8, lr=3e-3, seed=7)
+# 150 steps left the call format unlearned (greedy tool calls not JSON, the final loss 0.12);
+# from 200 (loss 0.04) every sampled call parses.
+SPEC = WarmStartSpec(steps=250, batch_size=8, lr=3e-3, seed=7)
 
 
 def _call(i: int, name: str, arguments: dict[str, Any]) -> list[dict[str, Any]]:
