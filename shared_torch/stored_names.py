@@ -13,8 +13,14 @@ trainer publishes and a generator loads are the stored names (vLLM's loaders and
   element indices says which element each stored element came from, whatever the conversion
   (split, stack, transpose), so nothing restates transformers' rules.
 
-Top-level modules a checkpoint has and the model does not (the MTP module, ``mtp.*``, which
-transformers drops) are `foreign`: carried, never loaded.
+Modules a checkpoint has and the model does not are `foreign`: carried, never loaded. They are
+what lies outside the modules the model's stored names live under: the MTP module (``mtp.*``,
+which transformers drops) beside ``model.*``, and in a multimodal checkpoint whose language model
+the causal LM is (Qwen3.5's ``Qwen3_5MoeForConditionalGeneration``, stored as
+``model.language_model.*``), the vision tower ``model.visual.*`` too. ``from_pretrained`` records
+how the checkpoint's names became the model's (``model.language_model.`` -> ``model.``, experts
+fused), and `as_stored` reverses exactly that; a model built from its config instead (the
+trainer's sharded load) is given the same record by `follow_checkpoint`.
 """
 
 from __future__ import annotations
@@ -40,10 +46,47 @@ def stored_names(model: torch.nn.Module, skip: frozenset[str] = frozenset()) -> 
     return [(n, tuple(t.shape)) for n, t in as_stored(model, ((n, t) for n, t in meta if n not in skip))]
 
 
+def held_modules(model: torch.nn.Module) -> set[str]:
+    """The checkpoint modules the model holds: for each of its top-level modules, the module its
+    stored names share (``model`` and ``lm_head`` for a text checkpoint; ``model.language_model``
+    and ``lm_head`` for a multimodal one, whose ``model.visual`` the causal LM does not hold)."""
+    shared: dict[str, list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        top = name.split(".", 1)[0]
+        for stored, _ in as_stored(model, [(name, meta)]):
+            path = stored.split(".")[:-1]
+            shared[top] = _common(shared.get(top, path), path)
+    return {".".join(path) or top for top, path in shared.items()}
+
+
+def _common(a: list[str], b: list[str]) -> list[str]:
+    """The leading components of two module paths that they share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
 def foreign(model: torch.nn.Module, names: Iterable[str]) -> list[str]:
-    """``names`` under a top-level module the model does not have (``mtp.*`` beside ``model.*``)."""
-    held = {n.split(".", 1)[0] for n, _ in stored_names(model)}
-    return sorted(n for n in names if n.split(".", 1)[0] not in held)
+    """``names`` under no module the model holds (`held_modules`): ``mtp.*`` beside ``model.*``,
+    and ``model.visual.*`` beside ``model.language_model.*``."""
+    held = tuple(module + "." for module in held_modules(model))
+    return sorted(n for n in names if not n.startswith(held))
+
+
+def follow_checkpoint(model: torch.nn.Module, names: Iterable[str]) -> None:
+    """Record on ``model``, built from its config, the conversions that loading a checkpoint of
+    ``names`` with ``from_pretrained`` would have used and recorded (transformers keeps those
+    that matched a stored name), so that `as_stored` gives that checkpoint's names: a multimodal
+    checkpoint's ``model.language_model.`` prefix, experts fused or one by one as stored."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    for name in names:
+        for conversion in conversions:
+            conversion.rename_source_key(name)  # marks the conversion used when it matches
+    model._weight_conversions = [c for c in conversions if c.was_used()]
 
 
 class StoredLayout:

@@ -7,7 +7,11 @@ locally trained byte-level BPE tokenizer with a Qwen-style chat template (tools,
   state), the fourth gated full attention with partial rotary embeddings, every layer a routed
   MoE with a gated shared expert, and multi-token-prediction (MTP) weights under ``mtp.*`` as the
   real checkpoints carry them (transformers and vLLM's main model skip them; vLLM's MTP drafter
-  reads them).
+  reads them). With ``tiny_spec("qwen3_5_moe", multimodal=True)`` it is written in the released
+  checkpoints' multimodal format instead (``Qwen3_5MoeForConditionalGeneration``: the text
+  model's config under ``text_config`` beside a tiny vision tower's ``vision_config``, weights
+  ``model.language_model.*``, ``model.visual.*``, ``lm_head.weight`` and ``mtp.*``), which the
+  trainers must publish as they found it.
 
 Nothing is downloaded: the tokenizer is trained on text generated here from a seed, the model is
 randomly initialised from the same seed, and both are written with ``save_pretrained`` so the
@@ -87,12 +91,27 @@ class TinyHybridMoeSpec(TinyModelSpec):
     mtp_num_hidden_layers: int = 1
 
 
-def tiny_spec(arch: str, seed: int = 0) -> TinyModelSpec:
-    """The demo's shape of ``arch`` (one of `ARCHS`)."""
+@dataclass(frozen=True)
+class TinyMultimodalMoeSpec(TinyHybridMoeSpec):
+    """The tiny Qwen3.5-MoE in the released checkpoints' multimodal format: the same text model
+    beside a vision tower of one block (its merger projects to the text model's width)."""
+
+    vision_depth: int = 1
+    vision_hidden_size: int = 32
+    vision_intermediate_size: int = 64
+    vision_num_heads: int = 2
+    vision_num_position_embeddings: int = 64  # an 8 x 8 grid of learned patch positions
+
+
+def tiny_spec(arch: str, seed: int = 0, *, multimodal: bool = False) -> TinyModelSpec:
+    """The demo's shape of ``arch`` (one of `ARCHS`); ``multimodal``: Qwen3.5-MoE in the released
+    multimodal checkpoint format (`TinyMultimodalMoeSpec`)."""
+    if multimodal and arch != "qwen3_5_moe":
+        raise ValueError(f"only qwen3_5_moe has a multimodal build, not {arch!r}")
     if arch == "qwen3":
         return TinyModelSpec(seed=seed)
     if arch == "qwen3_5_moe":
-        return TinyHybridMoeSpec(seed=seed)
+        return TinyMultimodalMoeSpec(seed=seed) if multimodal else TinyHybridMoeSpec(seed=seed)
     raise ValueError(f"unknown architecture {arch!r}: one of {', '.join(ARCHS)}")
 
 
@@ -185,6 +204,11 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
 
 
 def _new_model(spec: TinyModelSpec, vocab_size: int, *, pad_id: int, eos_id: int) -> torch.nn.Module:
+    if isinstance(spec, TinyMultimodalMoeSpec):
+        from transformers import Qwen3_5MoeForConditionalGeneration
+
+        config = qwen3_5_moe_multimodal_config(spec, vocab_size, pad_id=pad_id, bos_id=pad_id, eos_id=eos_id)
+        return Qwen3_5MoeForConditionalGeneration(config)
     if isinstance(spec, TinyHybridMoeSpec):
         from transformers import Qwen3_5MoeForCausalLM
 
@@ -195,10 +219,11 @@ def _new_model(spec: TinyModelSpec, vocab_size: int, *, pad_id: int, eos_id: int
 
 
 def _add_mtp_weights(out: Path, model: torch.nn.Module, spec: TinyHybridMoeSpec) -> None:
-    """Add the MTP module's weights to the saved checkpoint under the real checkpoints' names:
-    ``mtp.fc`` [H, 2H] over the normed embedding and hidden state, ``mtp.layers.N`` full-attention
-    MoE decoder layers (in the file's own expert layout, taken from a layer the model saved),
-    ``mtp.norm``. Drawn from the spec's seed, so they are as reproducible as the rest."""
+    """Add the MTP module's weights to the saved checkpoint under the real checkpoints' names (top
+    level, in the multimodal format too): ``mtp.fc`` [H, 2H] over the normed embedding and hidden
+    state, ``mtp.layers.N`` full-attention MoE decoder layers (in the file's own expert layout,
+    taken from a layer the model saved), ``mtp.norm``. Drawn from the spec's seed, so they are as
+    reproducible as the rest."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -206,15 +231,15 @@ def _add_mtp_weights(out: Path, model: torch.nn.Module, spec: TinyHybridMoeSpec)
     if len(files) != 1:
         raise RuntimeError(f"expected one safetensors file in {out}, found {len(files)}")
     tensors = load_file(files[0])
-    full = next(i for i, t in enumerate(model.config.layer_types) if t == "full_attention")
-    layer = {
-        k.split(f"model.layers.{full}.", 1)[1]: v for k, v in tensors.items() if k.startswith(f"model.layers.{full}.")
-    }
+    text = "model.language_model." if isinstance(spec, TinyMultimodalMoeSpec) else "model."
+    full = next(i for i, t in enumerate(model.config.get_text_config().layer_types) if t == "full_attention")
+    prefix = f"{text}layers.{full}."
+    layer = {k.split(prefix, 1)[1]: v for k, v in tensors.items() if k.startswith(prefix)}
     gen = torch.Generator().manual_seed(spec.seed + 1)
     h = spec.hidden_size
     mtp = {"mtp.fc.weight": torch.randn(h, 2 * h, generator=gen) * 0.02}
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):  # as initialised (x * (1 + w))
-        mtp[f"mtp.{norm}.weight"] = tensors["model.norm.weight"].clone()
+        mtp[f"mtp.{norm}.weight"] = tensors[f"{text}norm.weight"].clone()
     for i in range(spec.mtp_num_hidden_layers):
         for name, ref in layer.items():
             fresh = ref.clone() if ref.ndim == 1 else torch.randn(ref.shape, generator=gen) * 0.02
@@ -279,6 +304,27 @@ def qwen3_5_moe_config(spec: TinyHybridMoeSpec, vocab_size: int, *, pad_id: int,
             "partial_rotary_factor": spec.partial_rotary_factor,
         },
         mtp_num_hidden_layers=spec.mtp_num_hidden_layers,
+    )
+
+
+def qwen3_5_moe_multimodal_config(
+    spec: TinyMultimodalMoeSpec, vocab_size: int, *, pad_id: int, bos_id: int, eos_id: int
+) -> Any:
+    """The multimodal Qwen3.5-MoE config of ``spec``'s shape: `qwen3_5_moe_config` as its
+    ``text_config``, the tiny vision tower's as its ``vision_config``; float32."""
+    from transformers import Qwen3_5MoeConfig
+
+    text = qwen3_5_moe_config(spec, vocab_size, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
+    vision = {
+        "depth": spec.vision_depth,
+        "hidden_size": spec.vision_hidden_size,
+        "intermediate_size": spec.vision_intermediate_size,
+        "num_heads": spec.vision_num_heads,
+        "num_position_embeddings": spec.vision_num_position_embeddings,
+        "out_hidden_size": spec.hidden_size,
+    }
+    return Qwen3_5MoeConfig(
+        text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False, dtype="float32"
     )
 
 

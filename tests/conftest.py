@@ -5,8 +5,10 @@ tests/e2e, tests/faults), the code behind them in tests/support.
   the test session and stopped by its pid. Set STREAMRL_TEST_REDIS_BIN to use another
   redis-server binary.
 * ``tiny_model_dir``: the tiny Qwen3 model + tokenizer built once per session; ``tiny_tokenizer``
-  its tokenizer. ``tiny_hybrid_moe_dir``: the tiny Qwen3.5-MoE. A child pytest session started by
-  a test reuses its parent's builds when given their folders (`tests.support.generator.build_tiny`).
+  its tokenizer. ``tiny_hybrid_moe_dir``: the tiny Qwen3.5-MoE; ``tiny_multimodal_moe_dir``: the
+  same in the released checkpoints' multimodal format (a vision tower beside the language model).
+  A child pytest session started by a test reuses its parent's builds when given their folders
+  (`tests.support.generator.build_tiny`).
 * ``write_config``: ``write_config(model_dir, *, redis_url=None, backend="transformers",
   **generation)`` writes a generator's run config for a model and returns (path, RunConfig).
 * ``perturbed_model``, ``logprob_reference``: `tests.support.generator.perturbed_copy` and
@@ -62,6 +64,14 @@ def tiny_hybrid_moe_dir(tmp_path_factory) -> Path:
     """The tiny Qwen3.5-MoE (Gated DeltaNet and full attention layers, routed experts with a shared
     expert, MTP weights) with the demo's tokenizer."""
     return generator.build_tiny(tmp_path_factory, "qwen3_5_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_multimodal_moe_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3.5-MoE as the released checkpoints are: ``Qwen3_5MoeForConditionalGeneration``,
+    the language model under ``model.language_model.*`` beside a one-block vision tower
+    (``model.visual.*``), ``lm_head.weight`` and MTP weights (``mtp.*``)."""
+    return generator.build_tiny(tmp_path_factory, "qwen3_5_moe", multimodal=True)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,11 @@ memory (``mlp.experts.gate_up_proj`` [E, 2F, H], ``mlp.experts.down_proj`` [E, H
 checkpoint stores them one by one (``mlp.experts.{e}.gate_proj.weight``, ...) are put together
 from the experts of this rank's shard only (`FusedExperts`). The range of each shard is torch's own
 (``compute_local_shape_and_global_offset`` of the parameter's mesh and placements), so whatever
-the mesh, the rows are the ones FSDP2 assigned. Used by the torch backend for a sharded policy
+the mesh, the rows are the ones FSDP2 assigned. Each parameter is read under the name the
+checkpoint stores it by (`shared_torch.stored_names.follow_checkpoint` records on the model what
+``from_pretrained`` would have: a multimodal checkpoint stores its language model under
+``model.language_model.``), so the shards and every published version carry the checkpoint's
+names. Used by the torch backend for a sharded policy
 whose ``policy.model_name`` is a local folder of safetensors files (one file or an index) and
 whose embeddings are not tied; anything else is loaded whole and then sharded, as before.
 """
@@ -101,9 +105,12 @@ def load_sharded(
     and the bytes this rank read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from shared_torch.stored_names import follow_checkpoint
+
     config = AutoConfig.from_pretrained(path)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    follow_checkpoint(model, files)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard_model(model, ranks, dtype, cpu_offload=cpu_offload)
@@ -171,12 +178,31 @@ class _Reader:
         return rows
 
 
+_STORED_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.\d+\.[^.]+\.weight$")
+
+
+def checkpoint_name(model: torch.nn.Module, name: str, files: dict[str, Path]) -> str:
+    """Parameter ``name`` as the checkpoint ``files`` names it: its stored name, or for fused
+    experts stored one by one, the fused parameter's name under the stored experts' module
+    (what `FusedExperts` reads)."""
+    from shared_torch.stored_names import as_stored
+
+    param = model.get_parameter(name)
+    meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+    stored = [n for n, _ in as_stored(model, [(name, meta)])]
+    if len(stored) == 1 and stored[0] in files:
+        return stored[0]
+    match = _STORED_EXPERT.match(stored[0])
+    return f"{match['experts']}.{name.rsplit('.', 1)[1]}" if match else name
+
+
 def _read_shards(model: torch.nn.Module, files: dict[str, Path]) -> int:
     """Fill every parameter's local shard from ``files``; the bytes read."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    fused = {name: FusedExperts.of(name, files) for name, _ in model.named_parameters() if name not in files}
+    stored = {name: checkpoint_name(model, name, files) for name, _ in model.named_parameters()}
+    fused = {name: FusedExperts.of(s, files) for name, s in stored.items() if s not in files}
     missing = [name for name, f in fused.items() if f is None]
     if missing:
         raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameters, e.g. {missing[:3]}")
@@ -189,12 +215,13 @@ def _read_shards(model: torch.nn.Module, files: dict[str, Path]) -> int:
                 shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             else:
                 local, shape, offset = param, tuple(param.shape), (0,) * param.dim()
-            stored = reader.shape(name, layout)
-            if stored != tuple(param.shape):
-                raise ValueError(f"{name}: the checkpoint holds {list(stored)}, the model {tuple(param.shape)}")
+            held = reader.shape(stored[name], layout)
+            if held != tuple(param.shape):
+                raise ValueError(f"{name}: the checkpoint holds {list(held)}, the model {tuple(param.shape)}")
             if local.numel() == 0:
                 continue  # a rank past the end of a small tensor holds nothing of it
-            rows = reader.rows(name, layout, tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True)))
+            box = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+            rows = reader.rows(stored[name], layout, box)
             with torch.no_grad():
                 local.copy_(rows.reshape(local.shape))
     return reader.read

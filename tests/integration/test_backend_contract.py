@@ -152,14 +152,18 @@ def test_an_unknown_backend_is_a_config_error_naming_the_key():
         adapter_class("jax")
 
 
-@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_hybrid_moe_dir"], ids=["Qwen3", "Qwen3.5-MoE"])
+@pytest.mark.parametrize(
+    "model",
+    ["tiny_model_dir", "tiny_hybrid_moe_dir", "tiny_multimodal_moe_dir"],
+    ids=["Qwen3", "Qwen3.5-MoE", "Qwen3.5-MoE multimodal"],
+)
 def test_the_megatron_backend_trains_the_steps_the_torch_backend_does(model, request, tmp_path):
     """The same checkpoint, rows and config through megatron-core's GPTModel (fused QKV and
     gate/up, DDP gradient buffers; on CPU through `megatron_cpu`; for Qwen3.5-MoE its Gated DeltaNet
-    and gated attention layers, routed and shared experts) and through transformers: the same loss
-    and gradient norm at the first step, and the same again at the second, after each applied its
-    own update. Both publish the same tensors, the MTP weights the megatron model does not build
-    among them, unchanged."""
+    and gated attention layers, routed and shared experts; for the multimodal checkpoint its
+    language model) and through transformers: the same loss and gradient norm at the first step,
+    and the same again at the second, after each applied its own update. Both publish the same
+    tensors, the MTP and vision weights the models do not build among them, unchanged."""
     from safetensors.torch import load_file
 
     model_dir = request.getfixturevalue(model)
@@ -175,4 +179,4 @@ def test_the_megatron_backend_trains_the_steps_the_torch_backend_does(model, req
     ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("megatron", "torch"))
     assert ours.keys() == theirs.keys()
     start = load_file(model_dir / "model.safetensors")
-    assert all(torch.equal(ours[k], start[k]) for k in start if k.startswith("mtp."))
+    assert all(torch.equal(ours[k], start[k]) for k in start if k.startswith(("mtp.", "model.visual.")))

@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 
 from shared.weights_format import folder_digests, verify_files
 from streamrl.redis_server import free_port
+from tests.support.published import UNTRAINED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -263,17 +264,26 @@ def test_a_killed_rank_fails_its_partner_within_the_collective_timeout(tiny_mode
         assert "trainer ranks lost during train" in output, output[-3000:]
 
 
-def test_each_rank_reads_only_its_shards_of_the_checkpoint(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "model", ["tiny_model_dir", "tiny_multimodal_moe_dir"], ids=["Qwen3", "Qwen3.5-MoE multimodal"]
+)
+def test_each_rank_reads_only_its_shards_of_the_checkpoint(model, tmp_path, request):
     """At two ranks the policy is built on the meta device, sharded, then filled from the
     safetensors file, each rank reading its own rows: about half the bytes each, the whole model
-    between them, and the model is the checkpoint exactly (exported without a step)."""
-    double = two_ranks(tiny_model_dir, tmp_path / "ws2", "--steps", "0", *SMALL_FILES)
-    start = load_file(tiny_model_dir / "model.safetensors")
+    between them, and the model is the checkpoint exactly (exported without a step). A multimodal
+    checkpoint's language model is read from under its own names (``model.language_model.*``) and
+    published under them, its vision tower and MTP weights carried, not read."""
+    model_dir = request.getfixturevalue(model)
+    double = two_ranks(model_dir, tmp_path / "ws2", "--steps", "0", *SMALL_FILES)
+    start = load_file(model_dir / "model.safetensors")
     exported = weights(double)
     assert sorted(exported) == sorted(start)
     assert all(torch.equal(exported[k], start[k].float()) for k in start)
+    assert json.loads((double / "weights" / "config.json").read_text()) == json.loads(
+        (model_dir / "config.json").read_text()
+    )
     read = [json.loads((double / f"load-rank{r}.json").read_text())["bytes_read"] for r in (0, 1)]
-    total = sum(t.numel() * t.element_size() for t in start.values())
+    total = sum(t.numel() * t.element_size() for k, t in start.items() if not k.startswith(UNTRAINED))
     assert sum(read) == total and max(read) < 0.6 * total
-    single = one_rank(tiny_model_dir, tmp_path / "ws1", "--steps", "0")
+    single = one_rank(model_dir, tmp_path / "ws1", "--steps", "0")
     assert json.loads((single / "load-rank0.json").read_text())["bytes_read"] is None  # one rank: loaded whole

@@ -1,5 +1,6 @@
 """The torch training backend on the tiny model: normalisation after masking, and the
-sequence-level logprob-error mask taking a row out of the update entirely."""
+sequence-level logprob-error mask taking a row out of the update entirely; on the multimodal
+Qwen3.5-MoE checkpoint, training its language model and publishing the checkpoint as it was."""
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from services.trainer.batch import Row, StepBatch
 from services.trainer.step_plan import plan_step
 from shared.config import load
 from shared.run_config import RunConfig
+from tests.support import published
 
 pytestmark = pytest.mark.integration
 _AS_BEFORE = ["run.seed=0", "trainer.torch_threads=1"]
@@ -160,3 +162,12 @@ def test_the_samples_of_a_rollout_split_at_a_prefix_break_keep_their_own_old_log
     torch.testing.assert_close(prev["t0#1"][:9], prev["t0"][:9])  # the same prefix scores the same
     m = backend.train_share(share)
     assert m.num_updates == 3 and np.isfinite(m.loss)
+
+
+def test_the_multimodal_checkpoint_trains_and_is_published_as_it_was(tiny_multimodal_moe_dir, tmp_path):
+    """The released Qwen3.5-MoE format: transformers builds its language model
+    (``Qwen3_5MoeForCausalLM`` from ``text_config``); the backend streams and publishes it under
+    ``model.language_model.*``, carries the vision tower and MTP weights, and publishes the
+    multimodal config (`tests.support.published`)."""
+    backend = _backend(tiny_multimodal_moe_dir)
+    published.assert_trains_and_publishes_as_started(backend, tiny_multimodal_moe_dir, tmp_path / "weights", 1e-5)

@@ -33,21 +33,26 @@ from shared.run_config import RunConfig
 
 KV_CACHE_BYTES = 64 * 2**20
 ROOT = Path(__file__).resolve().parents[2]
-# The variable that hands a session's build of each tiny model (by architecture) to a child pytest
-# session, which then builds nothing (~5 s a model).
-TINY_MODEL_ENV = {"qwen3": "STREAMRL_TEST_TINY_MODEL_DIR", "qwen3_5_moe": "STREAMRL_TEST_TINY_HYBRID_MOE_DIR"}
+# The variable that hands a session's build of each tiny model (by architecture; "_multimodal" for
+# the multimodal build) to a child pytest session, which then builds nothing (~5 s a model).
+TINY_MODEL_ENV = {
+    "qwen3": "STREAMRL_TEST_TINY_MODEL_DIR",
+    "qwen3_5_moe": "STREAMRL_TEST_TINY_HYBRID_MOE_DIR",
+    "qwen3_5_moe_multimodal": "STREAMRL_TEST_TINY_MULTIMODAL_MOE_DIR",
+}
 
 
-def build_tiny(tmp_path_factory: Any, arch: str) -> Path:
-    """The tiny model of ``arch`` built in a new folder of the session, or the folder a parent
-    session handed over (`TINY_MODEL_ENV`)."""
-    if given := os.environ.get(TINY_MODEL_ENV[arch]):
+def build_tiny(tmp_path_factory: Any, arch: str, *, multimodal: bool = False) -> Path:
+    """The tiny model of ``arch`` (``multimodal``: in the multimodal checkpoint format) built in a
+    new folder of the session, or the folder a parent session handed over (`TINY_MODEL_ENV`)."""
+    name = f"{arch}_multimodal" if multimodal else arch
+    if given := os.environ.get(TINY_MODEL_ENV[name]):
         return Path(given)
-    out = Path(tmp_path_factory.mktemp(f"tiny-{arch}"))
+    out = Path(tmp_path_factory.mktemp(f"tiny-{name}"))
     # Built in a child process: building imports torch/transformers, which tests that only need
     # the folder should not pay for in the pytest process.
     code = "from streamrl.model_builder import build_tiny_model as b, tiny_spec as s; "
-    code += f"b({str(out)!r}, s({arch!r}))"
+    code += f"b({str(out)!r}, s({arch!r}, multimodal={multimodal!r}))"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     return out
 

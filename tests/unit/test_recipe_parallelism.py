@@ -60,13 +60,49 @@ def _model_dir(tmp_path: Path, **config) -> str:
     return str(tmp_path)
 
 
+# the language model of a multimodal Qwen3.5-MoE checkpoint (its text_config), in four layers
+_QWEN3_5_MOE_TEXT = {
+    "model_type": "qwen3_5_moe_text",
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "tie_word_embeddings": False,
+}
+
+
+def _multimodal(model_type: str = "qwen3_5_moe", text_model_type: str = "qwen3_5_moe_text", **text) -> dict:
+    """A multimodal checkpoint's config: its language model's under text_config."""
+    text_config = {**_QWEN3_5_MOE_TEXT, "model_type": text_model_type, **text}
+    return {"model_type": model_type, "text_config": text_config, "vision_config": {"depth": 1}}
+
+
 @pytest.mark.parametrize(
     ("config", "refusal"),
     [
         ({"num_hidden_layers": 6}, "pipeline_model_parallel_size is 4; it must divide the model's 6 layers"),
         ({"tie_word_embeddings": True}, "pipeline stages need untied embeddings"),
-        ({"model_type": "qwen3_5_moe"}, "not model_type 'qwen3_5_moe'"),
+        # a multimodal checkpoint is judged by its language model (the top level's 4 layers are not its)
+        (_multimodal(num_hidden_layers=6), "pipeline_model_parallel_size is 4; it must divide the model's 6 layers"),
+        # multimodal checkpoints whose language model the backend does not build: dense Qwen3.5's, and
+        # a Qwen3.5-MoE whose text_config is another model's
+        (
+            _multimodal("qwen3_5", "qwen3_5_text"),
+            "multimodal checkpoints of model_type 'qwen3_5_moe' only, not model_type 'qwen3_5'",
+        ),
+        (_multimodal("qwen3_5_moe", "qwen3_5_text"), "language models, not model_type 'qwen3_5_text'"),
     ],
+    ids=["layers", "tied", "multimodal layers", "dense multimodal", "multimodal of another text model"],
 )
 def test_a_checkpoint_the_stages_cannot_split_is_refused_before_joining(tmp_path, config, refusal):
     stages = ["policy.megatron_cfg.pipeline_model_parallel_size=4"]
@@ -89,6 +125,44 @@ def test_the_recipes_layout_fits_its_64_ranks():
         ConfigError, match=r"expert x pipeline parallel sizes \(64 ranks\) must divide the trainer's 32"
     ):
         check_supported(recipe.policy, world_size=32)
+
+
+# the language model of the released Qwen3.5-397B-A17B, as its model card gives it: 60 layers (three Gated
+# DeltaNet, then one gated attention), 32 query heads over 2 key-value heads, 512 experts
+_QWEN3_5_397B_TEXT = {
+    "num_hidden_layers": 60,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 64,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 1024,
+    "shared_expert_intermediate_size": 1024,
+    "vocab_size": 248320,
+}
+
+
+def test_the_recipes_checkpoint_is_refused_for_its_tensor_parallel_size_alone(tmp_path):
+    """The recipe on a multimodal checkpoint of the released 397B's shape: the megatron backend
+    builds its language model and the recipe's pipeline and expert sizes fit it, but its tensor
+    parallelism is refused before the ranks join: 4 does not divide the 2 key-value heads, and at
+    2 the mixture-of-experts layers train at tensor parallelism 1 only."""
+    (tmp_path / "config.json").write_text(json.dumps(_multimodal(**_QWEN3_5_397B_TEXT)))
+
+    def policy(tp: int):
+        sizes = [f"policy.model_name={tmp_path}", f"policy.megatron_cfg.tensor_model_parallel_size={tp}"]
+        return load(RunConfig, RECIPE, sizes, env={}).policy
+
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size is 4; it must divide the checkpoint's 2 num_key"):
+        check_supported(policy(4), world_size=64)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size is 2; the megatron backend trains mixture-of"):
+        check_supported(policy(2), world_size=64)
+    check_supported(policy(1), world_size=64)
 
 
 def test_vllm_engine_args_carry_expert_parallel():

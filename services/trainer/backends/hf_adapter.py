@@ -14,7 +14,13 @@ False reads it whole on every rank, which the trainer benchmark compares against
 Checkpoints are torch's Distributed Checkpoint state dicts of model and optimizer (any world size
 reads them back). Published weights are gathered one tensor at a time, each rank writing its
 share of the files (`services.trainer.weight_export`), with the model's config beside them; the
-collective refit streams the same tensors. Built by `services.trainer.backends.build_backend`.
+collective refit streams the same tensors. Every tensor goes under the name the starting
+checkpoint stores it by, and the checkpoint's tensors the model does not hold (MTP weights, a
+multimodal checkpoint's vision tower) are carried unchanged (`hf_format`): a multimodal Qwen3.5
+checkpoint (``Qwen3_5MoeForConditionalGeneration``) trains as its language model
+(``Qwen3_5MoeForCausalLM``, which ``AutoModelForCausalLM`` builds from its ``text_config``) and
+is published as the multimodal checkpoint again, its config included. Built by
+`services.trainer.backends.build_backend`.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 
 from services.trainer.backends import step
 from services.trainer.backends.adapter import LoadedModel, OnLogits
-from services.trainer.backends.hf_format import read_tensors, untrained
+from services.trainer.backends.hf_format import published_config, read_tensors, untrained
 from services.trainer.backends.layout import Layout, data_parallel
 from services.trainer.backends.linear_attention import rows_apart, separate_rows
 from services.trainer.backends.micro_batch import MicroBatch, sampled_logprobs_of
@@ -198,14 +204,15 @@ class HFAdapter:
                     writer.add(name, tensor)
             writer.close()
         if self._ranks.is_root:
-            model.config.save_pretrained(out_dir)
+            published_config(model, self.policy.model_name).save_pretrained(out_dir)
             gen_config = getattr(model, "generation_config", None)
             if gen_config is not None:
                 gen_config.save_pretrained(out_dir)
         return writer.manifest
 
     def _untrained(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """The starting checkpoint's tensors the model does not hold (MTP weights), as stored there."""
+        """The starting checkpoint's tensors the model does not hold (MTP weights, a multimodal
+        checkpoint's vision tower), as stored there."""
         files = checkpoint_files(self.policy.model_name)
         if files is None:
             return iter(())

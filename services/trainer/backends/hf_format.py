@@ -7,26 +7,46 @@ and ``from_pretrained`` read the stored names, fused experts one by one): `as_st
 
 Some stored tensors are never loaded at all: the multi-token-prediction (MTP) module of Qwen3-Next
 and Qwen3.5 (``mtp.*``) is dropped by transformers' model and trained by nobody here, yet a
-generator that drafts with it needs it. `untrained` names them, and the transformers adapter
-copies them, unchanged, from the run's starting checkpoint into every published version
-(`services.trainer.backends.hf_adapter`; the megatron adapter likewise, with `read_tensors`), so
-they survive every refit and checkpoint.
+generator that drafts with it needs it; so is the vision tower of a multimodal checkpoint whose
+language model the causal LM is (the released Qwen3.5's ``model.visual.*`` beside
+``model.language_model.*``), which a generator serving images needs. `untrained` names them, and
+the transformers adapter copies them, unchanged, from the run's starting checkpoint into every
+published version (`services.trainer.backends.hf_adapter`; the megatron adapter likewise, with
+`read_tensors`), so they survive every refit and checkpoint. `published_config` is the config
+that goes beside them: the checkpoint's own (multimodal, ``text_config`` and ``vision_config``)
+where the model is only its language model, so a published folder is the same kind of checkpoint
+as the one the run started from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared_torch.stored_names import foreign
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
+
 
 def untrained(model: torch.nn.Module, files: dict[str, Path]) -> list[str]:
-    """The names in the checkpoint ``files`` (name -> file) under a top-level module the model
-    does not have (``mtp.*`` beside ``model.*`` and ``lm_head.*``)."""
+    """The names in the checkpoint ``files`` (name -> file) under a module the model does not
+    hold (``mtp.*`` beside ``model.*`` and ``lm_head.*``; ``model.visual.*`` beside
+    ``model.language_model.*``)."""
     return foreign(model, files)
+
+
+def published_config(model: PreTrainedModel, source: str) -> PreTrainedConfig:
+    """The config to publish ``model`` with: the checkpoint ``source``'s own when ``model`` is only
+    its language model (a causal LM built from a multimodal config's ``text_config``), else the
+    model's."""
+    from transformers import AutoConfig
+
+    config: PreTrainedConfig = AutoConfig.from_pretrained(source)
+    return config if config.get_text_config() is not config else model.config
 
 
 def read_tensors(files: dict[str, Path], names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:

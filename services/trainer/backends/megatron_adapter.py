@@ -33,7 +33,11 @@ Checkpoints are Distributed Checkpoints in a layout independent of the parallel 
 sizes. Packed rows attend within their row through a block-causal mask (`packed_mask`), and go
 through Gated DeltaNet layers one row at a time (`linear_attention.rows_apart`). Tensors of the
 checkpoint the model does not build (Qwen3.5's multi-token-prediction ``mtp.*``) are published
-unchanged beside the trained ones (`_untrained`).
+unchanged beside the trained ones (`_untrained`). A multimodal checkpoint whose language model the
+backend builds (the released Qwen3.5-MoE, ``Qwen3_5MoeForConditionalGeneration``) is built from
+its ``text_config``, read and published under its own names (``model.language_model.*``:
+`megatron_convert.language_model_prefix`), its vision tower (``model.visual.*``) carried unchanged
+as the MTP weights are, and its config.json published as it is.
 
 It runs on CPU too: megatron-core's CUDA-only calls are replaced once, when the adapter is built
 without CUDA (`megatron_cpu.apply`); the tests train at tensor, data, expert and pipeline
@@ -73,6 +77,8 @@ from services.trainer.backends.megatron_convert import (
     SafetensorsState,
     hf_globals_to_megatron,
     hf_layer_to_megatron,
+    language_model_config,
+    language_model_prefix,
     padded_vocab,
 )
 from services.trainer.backends.megatron_setup import (
@@ -105,7 +111,11 @@ class MegatronAdapter:
         check_supported(policy, ranks.world_size)
         self.policy = policy
         self.dtype = compute_dtype(policy)
-        self.hf_config: dict[str, Any] = json.loads((Path(policy.model_name) / "config.json").read_text())
+        # the checkpoint's config.json, published as it is; the language model's config (a multimodal
+        # checkpoint's text_config), which the model is built from; where its weights are stored
+        self.checkpoint_config: dict[str, Any] = json.loads((Path(policy.model_name) / "config.json").read_text())
+        self.hf_config = language_model_config(self.checkpoint_config)
+        self.prefix = language_model_prefix(self.checkpoint_config)
         self.vocab = int(self.hf_config["vocab_size"])
         if padded_vocab(self.hf_config) % cfg.tensor_model_parallel_size:
             raise ConfigError(
@@ -167,8 +177,10 @@ class MegatronAdapter:
         loaded: set[str] = set()
         ep = {"ep_rank": layout.expert_rank, "ep_size": layout.expert_size}
         first, count = layout.layer_offset, hf["num_hidden_layers"] // layout.pipeline.world_size
-        layers = (hf_layer_to_megatron(state, hf, i, **ep) for i in range(first, first + count))
-        stage_globals = hf_globals_to_megatron(state, hf, first=layout.first_stage, last=layout.last_stage)
+        layers = (hf_layer_to_megatron(state, hf, i, **ep, prefix=self.prefix) for i in range(first, first + count))
+        stage_globals = hf_globals_to_megatron(
+            state, hf, first=layout.first_stage, last=layout.last_stage, prefix=self.prefix
+        )
         for part in itertools.chain([stage_globals], layers):  # a layer at a time
             for global_name, full in part.items():
                 name = megatron_tp.renumber(global_name, -first)
@@ -364,6 +376,7 @@ class MegatronAdapter:
             vocab=self.vocab,
             ep_size=self.layout.expert_size,
             meta=meta,
+            prefix=self.prefix,
         )
 
     def _stages_metadata(self, model: torch.nn.Module) -> list[megatron_export.Meta]:
@@ -402,7 +415,7 @@ class MegatronAdapter:
                 writer.add(name, tensor)
         writer.close()
         if self.layout.world.is_root:
-            (out_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+            (out_dir / "config.json").write_text(json.dumps(self.checkpoint_config, indent=2))
             src = Path(self.policy.model_name)
             for name in _BESIDE_WEIGHTS:
                 if (src / name).is_file():
@@ -410,12 +423,15 @@ class MegatronAdapter:
         return writer.manifest
 
     def _untrained(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The starting checkpoint's tensors outside the decoder, embedding and output layer the
-        model builds (Qwen3.5's ``mtp.*``), as stored there."""
+        """The starting checkpoint's tensors outside the language model the model builds (its
+        decoder, embedding and output layer: ``model.*``, or a multimodal checkpoint's
+        ``model.language_model.*``, and ``lm_head.*``): Qwen3.5's ``mtp.*``, and a multimodal
+        checkpoint's vision tower ``model.visual.*``, as stored there."""
         files = checkpoint_files(self.policy.model_name)
         if files is None:
             return iter(())
-        return read_tensors(files, sorted(n for n in files if n.split(".", 1)[0] not in ("model", "lm_head")))
+        built = (self.prefix, "lm_head.")
+        return read_tensors(files, sorted(n for n in files if not n.startswith(built)))
 
 
 def packed_mask(position_ids: torch.Tensor) -> torch.Tensor:

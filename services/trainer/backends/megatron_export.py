@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.backends import megatron_tp
-from services.trainer.backends.megatron_convert import megatron_globals_to_hf, megatron_layer_to_hf
+from services.trainer.backends.megatron_convert import TEXT_PREFIX, megatron_globals_to_hf, megatron_layer_to_hf
 from services.trainer.ranks import Ranks
 
 # Parameters with a row per vocabulary entry (padded to `padded_vocab`).
@@ -41,9 +41,11 @@ def stage_tensors(
     vocab: int,
     ep_size: int,
     meta: bool = False,
+    prefix: str = TEXT_PREFIX,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's ``num_layers`` layers (the first numbered ``layer_offset``) and the globals it
-    holds, in HF naming, each tensor whole (on the meta device with ``meta``)."""
+    holds, in HF naming (the language model's ``model.*`` under ``prefix``, as the checkpoint
+    stores it), each tensor whole (on the meta device with ``meta``)."""
     params = dict(module.named_parameters())
 
     def whole(name: str, p: torch.nn.Parameter) -> torch.Tensor:
@@ -56,14 +58,14 @@ def stage_tensors(
         if not n.startswith("decoder.layers."):
             full = whole(n, p)
             outside_layers[n] = full[:vocab] if n in VOCAB_ROWS else full
-    yield from megatron_globals_to_hf(outside_layers).items()
+    yield from megatron_globals_to_hf(outside_layers, prefix).items()
     for j in range(num_layers):
-        prefix = f"decoder.layers.{j}."
-        mine = {megatron_tp.renumber(n, layer_offset): whole(n, p) for n, p in params.items() if n.startswith(prefix)}
+        layer = f"decoder.layers.{j}."
+        mine = {megatron_tp.renumber(n, layer_offset): whole(n, p) for n, p in params.items() if n.startswith(layer)}
         per_rank = [dict(mine) for _ in range(ep_size)] if meta else every_expert_rank(mine, ep_size)
         for ep_rank, state in enumerate(per_rank):
             for name, tensor in megatron_layer_to_hf(
-                state, hf, layer_offset + j, ep_rank=ep_rank, ep_size=ep_size
+                state, hf, layer_offset + j, ep_rank=ep_rank, ep_size=ep_size, prefix=prefix
             ).items():
                 if ep_rank == 0 or ".mlp.experts." in name:  # the rest is every rank's alike
                     yield name, tensor

@@ -1,5 +1,8 @@
 """Qwen3.5-MoE (``qwen3_5_moe_text``) on the megatron backend: Gated DeltaNet linear attention
 beside gated full attention, zero-centred RMSNorms, routed experts plus a gated shared expert.
+The released checkpoints are multimodal (``qwen3_5_moe``); the functions here take their
+language model's config (its ``text_config``: `megatron_convert.language_model_config`), whose
+weights `megatron_convert` reads and writes under the checkpoint's own names.
 
 The model is built from megatron-core's own modules without Transformer Engine (`block_spec`):
 megatron-core's hybrid spec (``get_transformer_block_with_experimental_attention_variant_spec``)

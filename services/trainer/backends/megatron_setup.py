@@ -16,7 +16,7 @@ import torch
 
 from services.trainer.backends import megatron_cpu, megatron_hybrid, megatron_moe
 from services.trainer.backends.layout import Layout
-from services.trainer.backends.megatron_convert import rope_base, transformer_config_kwargs
+from services.trainer.backends.megatron_convert import language_model_config, rope_base, transformer_config_kwargs
 from services.trainer.ranks import Ranks
 from shared.config_error import ConfigError
 from shared.sections.policy import MegatronSection, PolicySection
@@ -55,7 +55,8 @@ _SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_
 
 def check_supported(policy: PolicySection, world_size: int = 1) -> None:
     """Refuse parallel sizes that do not fit ``world_size`` ranks or the checkpoint's layers, naming
-    the key, before any rank joins the others."""
+    the key, and checkpoints the backend does not build, before any rank joins the others (a
+    multimodal checkpoint is judged by its language model, which is what the backend builds)."""
     cfg = policy.megatron_cfg
     for key in _SIZES:
         value = getattr(cfg, key)
@@ -80,7 +81,7 @@ def check_supported(policy: PolicySection, world_size: int = 1) -> None:
     config = Path(policy.model_name) / "config.json"
     if not config.is_file():  # a hub id, or a path only the trainer's nodes see: checked at load
         return
-    hf = json.loads(config.read_text())
+    hf = language_model_config(json.loads(config.read_text()))  # a multimodal checkpoint's text_config
     transformer_config_kwargs(hf)  # an architecture the backend builds
     if megatron_hybrid.is_hybrid(hf):
         megatron_hybrid.check_layout(hf, tp)
