@@ -5,7 +5,7 @@
 #
 # The agent harnesses' virtualenvs and kubectl are set up in the background while the gates run
 # (they download; the gates compute). pytest runs the test files on STREAMRL_TEST_WORKERS
-# processes (pytest-xdist, default 2; 0 runs them in this process), each file whole on one worker
+# processes (pytest-xdist, default 3; 0 runs them in this process), each file whole on one worker
 # (its module fixtures start once), in collection order, so the long e2e and compose files start
 # first. Arguments pass through to pytest.
 set -euo pipefail
@@ -29,7 +29,7 @@ for pid in "${pids[@]}"; do
 done
 trap - EXIT
 
-workers=${STREAMRL_TEST_WORKERS:-2}
+workers=${STREAMRL_TEST_WORKERS:-3}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi

@@ -1,5 +1,5 @@
 """scripts/test.sh (the README's test command): set-up (the harnesses' virtualenvs and kubectl in the
-background while the gates run), the ruff and mypy gates, then pytest on two workers; a failing gate
+background while the gates run), the ruff and mypy gates, then pytest on three workers; a failing gate
 or set-up stops it before pytest. Run against stand-ins for the set-up scripts and tools, which
 record their calls."""
 
@@ -51,10 +51,10 @@ def _run(tree: Path, *args: str, **env: str) -> tuple[int, list[str]]:
 
 
 BACKGROUND = {"k8s_tools", "setup_openhands", "setup_nemo_gym"}  # set up while the gates run
-XDIST = "-n 2 --dist loadfile --no-loadscope-reorder"
+XDIST = "-n 3 --dist loadfile --no-loadscope-reorder"
 
 
-def test_set_up_then_the_gates_then_pytest_on_two_workers_with_the_arguments(tmp_path):
+def test_set_up_then_the_gates_then_pytest_on_three_workers_with_the_arguments(tmp_path):
     code, calls = _run(_tree(tmp_path), "-m", "unit", STREAMRL_TEST_WORKERS="")
     assert code == 0
     assert calls[0] == "setup" and set(calls[1:-1]) == BACKGROUND | set(GATES)
