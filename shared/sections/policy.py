@@ -65,6 +65,14 @@ class MegatronSection(Section):
     expert_model_parallel_size: Annotated[
         int, D("expert parallel ranks of MoE layers (must divide the trainer's ranks and the experts)")
     ] = 1
+    sequence_parallel: Annotated[
+        bool | None,
+        D(
+            "split the activations outside the tensor-parallel layers (norms, residual, router) along the "
+            "sequence over the tensor-parallel ranks; null: on at tensor parallelism for mixture-of-experts and "
+            "Gated DeltaNet models (megatron-core trains those at tensor parallelism only with it), off otherwise"
+        ),
+    ] = None
     context_parallel_size: Annotated[
         int,
         D(

@@ -8,16 +8,19 @@ tests/support/ranks/ranked_step.py, as ``python -m services.trainer`` wires a tr
   data-parallel), pipeline parallelism 2 (two layers a stage, megatron-core's schedule; in
   bfloat16, packed, with the pre-update and reference logprobs taken forward only through the
   stages), expert parallelism 2 on the tiny Qwen3.5-MoE (packed, two updates a step; its MTP
-  weights published unchanged) and, on four ranks, tensor x pipeline parallelism 2 x 2 each
-  train the steps one rank trains: losses and gradient norms within rel 1e-5, parameters within 1e-5 after two steps at
-  a learning rate (1e-4) that moves them 2e-4. The weights are published in HF layout by every
+  weights published unchanged), tensor parallelism 2 with sequence parallelism on the Qwen3-MoE
+  and on the Qwen3.5-MoE (packed, two updates a step) and, on four ranks, tensor x pipeline
+  parallelism 2 x 2 (dense) and tensor x pipeline x expert parallelism 2 x 2 x 2 (Qwen3.5-MoE,
+  packed: the reference recipe's layout shape) each train the steps one rank trains: losses and
+  gradient norms within rel 1e-5, parameters within 1e-5 after two steps at a learning rate
+  (1e-4) that moves them 2e-4. The weights are published in HF layout by every
   rank and transformers loads them. At tensor parallelism with top-p 1 the logprobs come from
   each rank's vocabulary columns (megatron's vocabulary-parallel cross entropy); with top-p 0.9
   from the gathered logits.
 * The tiny Qwen3.5-MoE (Gated DeltaNet and gated attention layers, routed and shared experts): its
   logprobs through the backend at pipeline parallelism 2 and expert parallelism 2 (rows packed),
-  and from its megatron model split over two tensor-parallel ranks (forward only: the backend
-  trains MoE checkpoints at tensor parallelism 1), are transformers' logprobs within 1e-5; the
+  and from its megatron model split over two tensor-parallel ranks (forward only, without
+  sequence parallelism), are transformers' logprobs within 1e-5; the
   step trained at pipeline and at expert parallelism 2 is the same (loss and gradient norm within
   rel 1e-5) and the torch backend's on one rank (1e-4); all in one launch
   (tests/support/ranks/megatron_hybrid_layouts.py).
@@ -103,8 +106,17 @@ LAYOUTS = {  # model, ranks, layout, what the one-rank run shares
     "data parallel 2, distributed optimizer, packed, two updates a step": ("dense", 2, SHARDED_ADAMW, PACKED),
     "expert parallel 2 (MoE)": ("moe", 2, EP2, []),
     "expert parallel 2 (Qwen3.5-MoE), packed, two updates a step": ("hybrid", 2, EP2, PACKED),
+    "tensor parallel 2 (MoE), sequence parallel": ("moe", 2, TP2, []),
+    "tensor parallel 2 (Qwen3.5-MoE), sequence parallel, packed, two updates a step": ("hybrid", 2, TP2, PACKED),
     "pipeline parallel 2, bfloat16, packed, two updates, reference KL, top-p 0.9": ("dense", 2, PP2, EVERY_PASS),
     "tensor parallel 2 x pipeline parallel 2 (four ranks)": ("dense", 4, [*TP2, *PP2], []),
+    # the reference recipe's layout shape, tensor x pipeline x expert
+    "tensor 2 x pipeline 2 x expert parallel 2 (Qwen3.5-MoE, four ranks), packed": (
+        "hybrid",
+        4,
+        [*TP2, *PP2, *EP2],
+        PACKED,
+    ),
 }
 
 

@@ -34,7 +34,7 @@ import torch
 pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
 
 from services.trainer.backends import build_backend, megatron_cpu, megatron_hybrid  # noqa: E402
-from services.trainer.backends.linear_attention import rows_apart, separate_rows  # noqa: E402
+from services.trainer.backends.linear_attention import rows_apart  # noqa: E402
 from services.trainer.backends.megatron_adapter import packed_mask  # noqa: E402
 from services.trainer.backends.megatron_convert import (  # noqa: E402
     hf_to_megatron,
@@ -160,7 +160,6 @@ def test_the_backend_trains_the_multimodal_checkpoint_and_publishes_it_as_it_was
 
 
 def test_packed_rows_run_apart_through_the_gated_deltanet_layers(hybrid, megatron_model):
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     hf = hybrid.hf
     lengths = (7, 12, 5)
@@ -169,10 +168,7 @@ def test_packed_rows_run_apart_through_the_gated_deltanet_layers(hybrid, megatro
     ids = torch.cat(rows, dim=1)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     starts = [0, 7, 19]
-    assert (
-        separate_rows(megatron_model, [m for m in megatron_model.modules() if isinstance(m, GatedDeltaNet)], seq_dim=0)
-        == 3
-    )
+    assert megatron_hybrid.separate_rows(megatron_model) == 3
     with torch.no_grad(), rows_apart(starts, ids.shape[1]):
         packed = megatron_model(input_ids=ids, position_ids=positions, attention_mask=packed_mask(positions))
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
@@ -182,14 +178,20 @@ def test_packed_rows_run_apart_through_the_gated_deltanet_layers(hybrid, megatro
 
 
 @pytest.mark.parametrize(
-    ("tp", "refusal"),
+    ("layout", "refusal"),
     [
-        (4, "tensor_model_parallel_size is 4; it must divide the checkpoint's 2 linear_num_key_heads"),
-        (2, "tensor_model_parallel_size is 2; the megatron backend trains mixture-of-experts checkpoints"),
+        (
+            ["tensor_model_parallel_size=4"],
+            "tensor_model_parallel_size is 4; it must divide the checkpoint's 2 linear_num_key_heads",
+        ),
+        (
+            ["tensor_model_parallel_size=2", "sequence_parallel=false"],
+            "sequence_parallel is false; model_type 'qwen3_5_moe_text' trains at tensor parallelism \\(2\\) only with",
+        ),
     ],
-    ids=["4: more than the linear key heads", "2: an MoE model"],
+    ids=["4: more than the linear key heads", "2 without sequence parallelism"],
 )
-def test_a_tensor_parallel_size_the_model_cannot_train_at_is_refused_by_key(tmp_path, tp, refusal):
+def test_a_tensor_parallel_layout_the_model_cannot_train_at_is_refused_by_key(tmp_path, layout, refusal):
     hf = {
         "model_type": "qwen3_5_moe_text",
         "num_hidden_layers": 4,
@@ -212,6 +214,10 @@ def test_a_tensor_parallel_size_the_model_cannot_train_at_is_refused_by_key(tmp_
         "policy.megatron_cfg.pipeline_model_parallel_size=2",
     ]
     check_supported(load(RunConfig, None, fits, env={}).policy, world_size=4)
-    refused = load(RunConfig, None, [*base, f"policy.megatron_cfg.tensor_model_parallel_size={tp}"], env={})
+    # tensor parallelism 2, sequence parallel by default
+    check_supported(
+        load(RunConfig, None, [*base, "policy.megatron_cfg.tensor_model_parallel_size=2"], env={}).policy, world_size=4
+    )
+    refused = load(RunConfig, None, [*base, *(f"policy.megatron_cfg.{kv}" for kv in layout)], env={})
     with pytest.raises(ConfigError, match=refusal):
         check_supported(refused.policy, world_size=4)

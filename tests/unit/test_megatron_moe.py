@@ -97,12 +97,25 @@ def test_what_the_layout_cannot_hold_is_refused_by_key(hf, ep, key):
 
 
 @pytest.mark.unit
-def test_dense_models_get_the_dense_local_spec():
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+@pytest.mark.parametrize(
+    ("hf", "experts"),
+    [
+        ({"model_type": "qwen3", "num_hidden_layers": 2}, [False, False]),
+        (_hf(mlp_only_layers=[0, 1, 2, 3]), [False] * 4),
+        (_hf(mlp_only_layers=[1]), [True, False, True, True]),
+    ],
+    ids=["dense", "MoE without experts", "MoE with a dense layer"],
+)
+def test_each_layer_gets_the_local_spec_its_experts_ask_for(one_rank, hf, experts):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dense = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    assert megatron_moe.layer_spec({"model_type": "qwen3", "num_hidden_layers": 2}) == dense
-    assert megatron_moe.layer_spec(_hf(mlp_only_layers=[0, 1, 2, 3])) == dense
+    config = TransformerConfig(num_layers=len(experts), hidden_size=64, num_attention_heads=4)
+    block = megatron_moe.layer_spec(hf, config)
+    assert [spec.submodules.mlp.module is MoELayer for spec in block.layer_specs] == experts
+    # norms megatron-core sums over the tensor-parallel ranks under sequence parallelism
+    assert block.layer_norm is megatron_moe.RMSNorm
+    assert {spec.submodules.input_layernorm for spec in block.layer_specs} == {megatron_moe.RMSNorm}
 
 
 @pytest.fixture(scope="module")

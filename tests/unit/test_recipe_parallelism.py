@@ -147,22 +147,23 @@ _QWEN3_5_397B_TEXT = {
 }
 
 
-def test_the_recipes_checkpoint_is_refused_for_its_tensor_parallel_size_alone(tmp_path):
+def test_the_recipes_checkpoint_is_refused_at_its_tensor_parallel_size_alone(tmp_path):
     """The recipe on a multimodal checkpoint of the released 397B's shape: the megatron backend
     builds its language model and the recipe's pipeline and expert sizes fit it, but its tensor
-    parallelism is refused before the ranks join: 4 does not divide the 2 key-value heads, and at
-    2 the mixture-of-experts layers train at tensor parallelism 1 only."""
+    parallelism 4 is refused before the ranks join (4 does not divide the 2 key-value heads); at 2
+    it trains with sequence parallelism, and refuses to without it."""
     (tmp_path / "config.json").write_text(json.dumps(_multimodal(**_QWEN3_5_397B_TEXT)))
 
-    def policy(tp: int):
-        sizes = [f"policy.model_name={tmp_path}", f"policy.megatron_cfg.tensor_model_parallel_size={tp}"]
+    def policy(tp: int, *more: str):
+        sizes = [f"policy.model_name={tmp_path}", f"policy.megatron_cfg.tensor_model_parallel_size={tp}", *more]
         return load(RunConfig, RECIPE, sizes, env={}).policy
 
     with pytest.raises(ConfigError, match="tensor_model_parallel_size is 4; it must divide the checkpoint's 2 num_key"):
         check_supported(policy(4), world_size=64)
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size is 2; the megatron backend trains mixture-of"):
-        check_supported(policy(2), world_size=64)
+    check_supported(policy(2), world_size=64)
     check_supported(policy(1), world_size=64)
+    with pytest.raises(ConfigError, match="sequence_parallel is false; model_type 'qwen3_5_moe_text' trains at"):
+        check_supported(policy(2, "policy.megatron_cfg.sequence_parallel=false"), world_size=64)
 
 
 def test_vllm_engine_args_carry_expert_parallel():
@@ -187,3 +188,37 @@ def test_trainer_refuses_a_layout_it_cannot_run_before_joining_the_other_ranks()
     )
     assert out.returncode == 2
     assert "policy.megatron_cfg.expert_model_parallel_size is 32; it must divide the trainer's 4 ranks" in out.stderr
+
+
+def _one_host_overrides(out: Path) -> list[str]:
+    """The overrides scripts/recipe_on_one_host.sh passes, with its output folder ``out``."""
+    text = RECIPE.with_name("qwen3_5_397b_a17b_on_one_host.overrides").read_text()
+    return [line.replace("${OUT}", str(out)) for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_the_recipe_on_one_host_keeps_its_layout_shape_and_generator(tmp_path):
+    """The recipe with its one-host overrides loads, fits four ranks on the tiny Qwen3.5-MoE's
+    config, and keeps what it does not scale: tensor x pipeline x expert parallelism each above 1
+    (sequence parallel), bfloat16, packing at the recipe's micro-batch tokens, the trajectory age,
+    the loss, and vLLM's settings (expert parallel, bfloat16, prefix caching, dummy weights)."""
+    (tmp_path / "policy-init").mkdir()
+    (tmp_path / "policy-init" / "config.json").write_text(json.dumps(_QWEN3_5_MOE_TEXT))
+    recipe = load(RunConfig, RECIPE, env={})
+    cfg = load(RunConfig, RECIPE, _one_host_overrides(tmp_path), env={})
+    m = cfg.policy.megatron_cfg
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size) == (2, 2, 2)
+    assert cfg.trainer.nproc_per_node == 4 and cfg.trainer.backend == "megatron"
+    check_supported(cfg.policy, world_size=4)
+    for kept in ("precision", "sequence_packing", "max_total_sequence_length"):
+        assert getattr(cfg.policy, kept) == getattr(recipe.policy, kept), kept
+    assert cfg.loss_fn == recipe.loss_fn and cfg.grpo.async_grpo == recipe.grpo.async_grpo
+    v, rv = cfg.policy.generation.vllm_cfg, recipe.policy.generation.vllm_cfg
+    for kept in ("dtype", "enable_expert_parallel", "enable_prefix_caching", "load_format", "max_model_len"):
+        assert getattr(v, kept) == getattr(rv, kept), kept
+    gen, rgen = cfg.policy.generation, recipe.policy.generation
+    assert (gen.temperature, gen.top_p, gen.val_temperature, gen.val_top_p) == (
+        rgen.temperature,
+        rgen.top_p,
+        rgen.val_temperature,
+        rgen.val_top_p,
+    )

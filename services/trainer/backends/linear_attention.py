@@ -13,9 +13,10 @@ run wherever flash-linear-attention cannot (CPU), ignore them.
 a wrapped module given a whole pack runs each row's slice alone, from a zero state, and joins the
 outputs, the same computation as the row's unpacked forward. Outside it, or for a batch of padded
 rows, the module runs as it was. Used by the transformers adapter
-(`services.trainer.backends.hf_adapter`) and, for megatron-core's ``GatedDeltaNet`` (sequence
-first, [T, B, H], returning an output and a bias; it reads no mask and refuses megatron's packed
-sequence parameters), by the megatron adapter (`services.trainer.backends.megatron_adapter`).
+(`services.trainer.backends.hf_adapter`). megatron-core's ``GatedDeltaNet`` is kept apart one
+level lower, at its convolution and its gated delta rule, because with sequence parallelism its
+input is only this tensor-parallel rank's part of the sequence
+(`services.trainer.backends.megatron_hybrid.separate_rows`, reading `row_bounds`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "linear_attn"]
 
 
-def separate_rows(model: torch.nn.Module, modules: Sequence[torch.nn.Module] | None = None, *, seq_dim: int = 1) -> int:
+def separate_rows(model: torch.nn.Module, modules: Sequence[torch.nn.Module] | None = None) -> int:
     """Wrap each linear-attention module's forward (``modules``, by default the model's
-    `linear_attention_modules`; their input's time dimension ``seq_dim``) to honour `rows_apart`;
-    the number wrapped. Wrapping twice changes nothing."""
+    `linear_attention_modules`; input [B, T, H]) to honour `rows_apart`; the number wrapped.
+    Wrapping twice changes nothing."""
     modules = linear_attention_modules(model) if modules is None else modules
     for module in modules:
         if not getattr(module, "_streamrl_rows_apart", False):
-            module.forward = _row_by_row(module.forward, seq_dim)
+            module.forward = _row_by_row(module.forward)
             module._streamrl_rows_apart = True
     return len(modules)
 
@@ -59,12 +60,21 @@ def rows_apart(starts: Sequence[int], total: int) -> Iterator[None]:
         _ROW_BOUNDS.reset(token)
 
 
-def _row_by_row(forward: Callable[..., Any], seq_dim: int) -> Callable[..., Any]:
+def row_bounds(length: int) -> tuple[int, ...] | None:
+    """Inside `rows_apart` for a pack of ``length`` tokens of more than one row: its row starts,
+    then its end; otherwise None (run as one sequence)."""
+    bounds = _ROW_BOUNDS.get()
+    if bounds is None or len(bounds) <= 2 or bounds[-1] != length:
+        return None
+    return bounds
+
+
+def _row_by_row(forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        bounds = _ROW_BOUNDS.get()
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        if bounds is None or len(bounds) <= 2 or hidden.shape[1 - seq_dim] != 1 or hidden.shape[seq_dim] != bounds[-1]:
+        bounds = row_bounds(hidden.shape[1])
+        if bounds is None or hidden.shape[0] != 1:
             return forward(*args, **kwargs)
         if kwargs.get("cache_params") is not None:
             raise RuntimeError("a pack cannot run with a generation cache")
@@ -73,10 +83,8 @@ def _row_by_row(forward: Callable[..., Any], seq_dim: int) -> Callable[..., Any]
         outs = []
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             row_mask = _row_mask(mask, start, end)
-            outs.append(forward(hidden.narrow(seq_dim, start, end - start), *args[1:], attention_mask=row_mask, **rest))
-        if isinstance(outs[0], tuple):  # megatron-core: (output, bias), the bias not per token
-            return (torch.cat([o[0] for o in outs], dim=seq_dim), *outs[0][1:])
-        return torch.cat(outs, dim=seq_dim)
+            outs.append(forward(hidden[:, start:end], *args[1:], attention_mask=row_mask, **rest))
+        return torch.cat(outs, dim=1)
 
     return wrapped
 

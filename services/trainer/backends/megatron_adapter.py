@@ -15,9 +15,13 @@ whole, or scored from each rank's vocabulary columns: `logprobs`);
 micro-batches through them (`megatron_pipeline`); ``expert_model_parallel_size`` ranks split the
 experts; the rest is data parallel. The `Layout` is computed once, from megatron's groups, before
 any model is built (`megatron_setup.megatron_layout`): rank 0 shares out each step's rows over the
-data ranks only, so token-level normalisation and every figure stay global. Gradients: DDP's
-buffers are reduced over the data ranks and the replicated QK-norm gradients summed over the
-tensor ranks (megatron's ``finalize_model_grads``); the clipping norm counts each tensor-parallel
+data ranks only, so token-level normalisation and every figure stay global. With sequence
+parallelism (``policy.megatron_cfg.sequence_parallel``; on at tensor parallelism for MoE and Gated
+DeltaNet models) each tensor rank holds its part of the sequence between the tensor-parallel
+layers, and a forward pass is padded to a multiple of the tensor ranks (`logits`). Gradients: DDP's
+buffers are reduced over the data ranks and the replicated QK-norm gradients (and, with sequence
+parallelism, every norm's and the router's) summed over the tensor ranks (megatron's
+``finalize_model_grads``); the clipping norm counts each tensor-parallel
 part once and every expert once (`clip_grads`). Weights are kept in float32 and computed in
 ``policy.precision`` under autocast; AdamW steps on each rank's part (`megatron_optim`). Layouts
 that cannot fit the ranks or the checkpoint are refused by name (`megatron_setup.check_supported`).
@@ -72,7 +76,7 @@ from services.trainer.backends.base import NonFiniteGradient, describe_nonfinite
 from services.trainer.backends.hf_adapter import adamw_settings, compute_dtype
 from services.trainer.backends.hf_format import read_tensors
 from services.trainer.backends.layout import Layout
-from services.trainer.backends.linear_attention import rows_apart, separate_rows
+from services.trainer.backends.linear_attention import rows_apart
 from services.trainer.backends.megatron_convert import (
     SafetensorsState,
     hf_globals_to_megatron,
@@ -88,6 +92,7 @@ from services.trainer.backends.megatron_setup import (
     init_distributed,
     megatron_layout,
     tp_size,
+    uses_sequence_parallel,
 )
 from services.trainer.backends.micro_batch import MicroBatch, sampled_logprobs_of, unpacked
 from services.trainer.ranks import Ranks
@@ -122,6 +127,7 @@ class MegatronAdapter:
                 f"policy.megatron_cfg.tensor_model_parallel_size is {cfg.tensor_model_parallel_size}; it must "
                 f"divide the padded vocabulary ({padded_vocab(self.hf_config)} rows)"
             )
+        self.sequence_parallel = uses_sequence_parallel(cfg, self.hf_config)
         init_distributed(cfg, ranks.collective_timeout_s)
         if not torch.cuda.is_available():
             megatron_cpu.apply(moe=megatron_moe.is_moe(self.hf_config), pipeline=cfg.pipeline_model_parallel_size > 1)
@@ -156,12 +162,11 @@ class MegatronAdapter:
             expert_parallel=self.layout.expert_size,
             vocab_size=padded_vocab(self.hf_config),
             compute_dtype=self.dtype,
+            sequence_parallel=self.sequence_parallel,
         ).to(self._device)
         self._load_hf(model)
         if megatron_hybrid.is_hybrid(self.hf_config):
-            from megatron.core.ssm.gated_delta_net import GatedDeltaNet
-
-            separate_rows(model, [m for m in model.modules() if isinstance(m, GatedDeltaNet)], seq_dim=0)
+            megatron_hybrid.separate_rows(model)
         ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config(self.policy), module=model)
         # Set after DDP has chosen to average gradients over the data ranks (as FSDP2 does, which the
         # update's normalisation expects): the pipeline schedule then keeps our summed losses as
@@ -237,9 +242,16 @@ class MegatronAdapter:
         if mb.pack is None:
             ids = mb.input_ids
             position_ids = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
-            mask = megatron_cpu.causal_mask(ids.shape[1], ids.device)
         else:
             ids, position_ids = mb.pack.input_ids, mb.pack.position_ids
+        width = ids.shape[1]
+        pad = -width % tp_size() if self.sequence_parallel else 0
+        if pad:  # the ranks split the sequence: pad tokens after the last row, each a row of its own
+            ids = F.pad(ids, (0, pad), value=self.pad_token_id(model))
+            position_ids = F.pad(position_ids, (0, pad))
+        if mb.pack is None:
+            mask = megatron_cpu.causal_mask(ids.shape[1], ids.device)
+        else:
             mask = packed_mask(position_ids)
             rows = rows_apart(mb.pack.starts, ids.shape[1])
         gather = not self._vocab_parallel if whole is None else whole
@@ -247,6 +259,8 @@ class MegatronAdapter:
             logits: torch.Tensor = model(
                 input_ids=ids, position_ids=position_ids, attention_mask=mask, runtime_gather_output=gather
             )
+        if pad and self.layout.last_stage:  # a stage before the last passes on its activations whole
+            logits = logits[:, :width]
         return logits
 
     def logprobs(

@@ -39,11 +39,13 @@ equal), plain rope on the first ``partial_rotary_factor`` of each head: megatron
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.trainer.backends.megatron_moe import mark_sequence_parallel
 from shared.config_error import ConfigError
 
 if TYPE_CHECKING:
@@ -136,6 +138,7 @@ class ZeroCentredRMSNorm(torch.nn.Module):  # type: ignore[misc]  # torch is ski
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
         self.eps = eps
+        mark_sequence_parallel(self.weight, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -146,13 +149,16 @@ class ZeroCentredRMSNorm(torch.nn.Module):  # type: ignore[misc]  # torch is ski
 class GatedOutputNorm(torch.nn.Module):  # type: ignore[misc]  # torch is skipped by mypy
     """The Gated DeltaNet output norm before megatron-core's gate: ``w * (x / rms(x))``, normalised
     in float32 and weighted in the input dtype, as HF's ``Qwen3_5MoeRMSNormGated`` computes it.
-    It normalises this rank's value heads, so at tensor parallelism (run forward only: the
-    backend trains MoE models at tensor parallelism 1) each rank's gradient of it is partial."""
+    It normalises this rank's value heads, so at tensor parallelism each rank's gradient of it is
+    partial: marked as a sequence-parallel weight, whose gradients megatron-core sums over the
+    tensor-parallel ranks (the backend trains these models at tensor parallelism only with
+    sequence parallelism, `megatron_setup.uses_sequence_parallel`)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.eps = eps
+        mark_sequence_parallel(self.weight, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
@@ -270,3 +276,92 @@ def attention_megatron_to_hf(state: Mapping[str, torch.Tensor], hf: dict[str, An
     out[s + "q_norm.weight"] = state[a + "q_layernorm.weight"]
     out[s + "k_norm.weight"] = state[a + "k_layernorm.weight"]
     return out
+
+
+# ---- packed rows through the Gated DeltaNet layers ------------------------------------------------
+#
+# Only two of a Gated DeltaNet layer's operations carry anything along the sequence: the short
+# causal convolution and the gated delta rule's recurrent state; its projections, norms and gate
+# are per token. Inside `linear_attention.rows_apart` those two run each row of a pack on its own
+# (from a zero state), so no row reads the end of the one before it. Kept apart there, inside the
+# layer, rather than around it: with sequence parallelism the layer's input is this rank's part of
+# the sequence, and the rows are whole only after its input projection has gathered it.
+
+_ROWS_APART = "_streamrl_rows_apart"
+
+
+def separate_rows(model: torch.nn.Module) -> int:
+    """Make the Gated DeltaNet layers of ``model`` honour `linear_attention.rows_apart` (see
+    above); the number of layers. Doing it twice changes nothing."""
+    from megatron.core.ssm import gated_delta_net
+
+    for name in ("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"):
+        rule = getattr(gated_delta_net, name)
+        if not getattr(rule, _ROWS_APART, False):
+            setattr(gated_delta_net, name, _rule_by_rows(rule))
+    fused_conv = gated_delta_net.causal_conv1d_fn  # causal-conv1d's kernel, where it is installed
+    if fused_conv is not None and not getattr(fused_conv, _ROWS_APART, False):
+        gated_delta_net.causal_conv1d_fn = _conv_by_rows(fused_conv, trim=False)
+    layers = [m for m in model.modules() if isinstance(m, gated_delta_net.GatedDeltaNet)]
+    for layer in layers:
+        if not getattr(layer.conv1d.forward, _ROWS_APART, False):
+            # nn.Conv1d pads both ends: each row's output is cut back to the row's length
+            layer.conv1d.forward = _conv_by_rows(layer.conv1d.forward, trim=True)
+    return len(layers)
+
+
+def _marked(wrapped: Any) -> Any:
+    setattr(wrapped, _ROWS_APART, True)
+    return wrapped
+
+
+def _conv_by_rows(conv: Any, *, trim: bool) -> Any:
+    """A causal convolution over [B, C, T] run row by row along T within a pack."""
+    from services.trainer.backends.linear_attention import row_bounds
+
+    @functools.wraps(conv)
+    def wrapped(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        bounds = row_bounds(x.shape[-1]) if x.shape[0] == 1 else None
+        if bounds is None:
+            return conv(x, *args, **kwargs)
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            out = conv(x[..., s:e].contiguous(), *args, **kwargs)
+            outs.append(out[..., : e - s] if trim else out)
+        return torch.cat(outs, dim=-1)
+
+    return _marked(wrapped)
+
+
+def _rule_by_rows(rule: Any) -> Any:
+    """A gated delta rule over [B, T, heads, dim] run row by row along T within a pack, each row
+    from a zero state."""
+    from services.trainer.backends.linear_attention import row_bounds
+
+    @functools.wraps(rule)
+    def wrapped(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *args: Any,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        **kwargs: Any,
+    ) -> Any:
+        bounds = row_bounds(query.shape[1]) if query.shape[0] == 1 else None
+        if bounds is None:
+            return rule(query, key, value, *args, g=g, beta=beta, **kwargs)
+        if args or kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+            raise RuntimeError("a pack runs its rows from a zero state and keeps none")
+        outs = [
+            rule(
+                *(t[:, s:e].contiguous() for t in (query, key, value)),
+                g=g[:, s:e].contiguous(),
+                beta=beta[:, s:e].contiguous(),
+                **kwargs,
+            )[0]
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        return torch.cat(outs, dim=1), None
+
+    return _marked(wrapped)

@@ -51,8 +51,8 @@ import torch
 from shared.config_error import ConfigError
 
 if TYPE_CHECKING:
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text")
 # MoE families whose shared expert is built (with its sigmoid gate); their routing always
@@ -146,26 +146,45 @@ def moe_config_kwargs(hf: dict[str, Any], *, expert_parallel: int) -> dict[str, 
     }
 
 
-def layer_spec(hf: dict[str, Any]) -> ModuleSpec | TransformerBlockSubmodules:
-    """The megatron-core local (no Transformer Engine) spec: one layer spec when every layer is
-    alike (dense models, and MoE models with experts in every layer), else the block of per-layer
-    specs that ``moe_layer_freq`` describes (one pipeline stage: the block is not sliced)."""
+class RMSNorm(torch.nn.RMSNorm):  # type: ignore[misc]  # torch is skipped by mypy
+    """torch's RMSNorm behind megatron-core's norm constructor, as its ``WrappedTorchNorm`` builds
+    it, but usable with sequence parallelism: its weight is marked ``sequence_parallel`` then, so
+    megatron-core sums its gradient over the tensor-parallel ranks (each saw part of the
+    sequence)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        mark_sequence_parallel(self.weight, config)
+
+
+def mark_sequence_parallel(weight: torch.nn.Parameter, config: TransformerConfig) -> None:
+    """Mark a weight every tensor-parallel rank holds whole and applies to its part of the sequence
+    (a norm's), as megatron-core's own norms do."""
+    weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(hf: dict[str, Any], config: TransformerConfig) -> TransformerBlockSubmodules:
+    """The megatron-core local (no Transformer Engine) layers of this pipeline stage: dense layers,
+    and MoE layers where ``moe_layer_freq`` puts experts, their norms `RMSNorm`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     qk_norm = hf.get("model_type") in _QK_NORM_MODEL_TYPES
-    pattern = moe_layer_pattern(hf)
-    dense = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
-    if 1 not in pattern:
-        return dense
-    sparse = get_gpt_layer_local_spec(
-        num_experts=num_experts(hf), moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
-    )
-    if 0 not in pattern:
-        return sparse
-    # The final norm is the one megatron-core gives a single layer spec.
-    return transformer_block.TransformerBlockSubmodules(
-        layer_specs=[sparse if moe else dense for moe in pattern], layer_norm=transformer_block.LayerNormImpl
+    specs = {}
+    for moe in set(moe_layer_pattern(hf)):
+        experts = {"num_experts": num_experts(hf), "moe_grouped_gemm": False} if moe else {}
+        spec = get_gpt_layer_local_spec(**experts, qk_layernorm=qk_norm, normalization="RMSNorm")
+        spec.submodules.input_layernorm = RMSNorm
+        spec.submodules.pre_mlp_layernorm = RMSNorm
+        if qk_norm:
+            spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+            spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+        specs[moe] = spec
+    layers = [specs[moe] for moe in moe_layer_pattern(hf)]
+    offset = get_transformer_layer_offset(config)
+    return TransformerBlockSubmodules(
+        layer_specs=layers[offset : offset + get_num_layers_to_build(config)], layer_norm=RMSNorm
     )
 
 

@@ -85,13 +85,7 @@ def check_supported(policy: PolicySection, world_size: int = 1) -> None:
     transformer_config_kwargs(hf)  # an architecture the backend builds
     if megatron_hybrid.is_hybrid(hf):
         megatron_hybrid.check_layout(hf, tp)
-    if tp > 1 and megatron_moe.is_moe(hf):
-        raise ConfigError(
-            f"policy.megatron_cfg.tensor_model_parallel_size is {tp}; the megatron backend trains "
-            f"mixture-of-experts checkpoints (model_type {hf['model_type']!r}) at 1 only: megatron-core's MoE "
-            "layer needs sequence parallelism to train at tensor parallelism, which the backend does not use "
-            "(split the experts with policy.megatron_cfg.expert_model_parallel_size instead)"
-        )
+    uses_sequence_parallel(cfg, hf)
     if pp > 1 and hf["num_hidden_layers"] % pp:
         raise ConfigError(
             f"policy.megatron_cfg.pipeline_model_parallel_size is {pp}; it must divide the model's "
@@ -102,6 +96,21 @@ def check_supported(policy: PolicySection, world_size: int = 1) -> None:
             f"policy.megatron_cfg.pipeline_model_parallel_size is {pp}; pipeline stages need untied "
             "embeddings (this checkpoint ties its output layer to the embedding)"
         )
+
+
+def uses_sequence_parallel(cfg: MegatronSection, hf: dict[str, Any]) -> bool:
+    """Whether the model is built with sequence parallelism (``policy.megatron_cfg.sequence_parallel``;
+    by default on at tensor parallelism for the models megatron-core trains there only with it:
+    its MoE layer refuses tensor parallelism without it, and a Gated DeltaNet layer's output norm
+    sums its gradient over the tensor-parallel ranks only as a sequence-parallel norm)."""
+    tp = cfg.tensor_model_parallel_size
+    needs = tp > 1 and (megatron_moe.is_moe(hf) or megatron_hybrid.is_hybrid(hf))
+    if needs and cfg.sequence_parallel is False:
+        raise ConfigError(
+            f"policy.megatron_cfg.sequence_parallel is false; model_type {hf['model_type']!r} trains at tensor "
+            f"parallelism ({tp}) only with sequence parallelism (true, or null for the default)"
+        )
+    return tp > 1 and (needs or bool(cfg.sequence_parallel))
 
 
 def init_distributed(cfg: MegatronSection, timeout_s: float | None = None) -> None:
@@ -123,6 +132,7 @@ def init_distributed(cfg: MegatronSection, timeout_s: float | None = None) -> No
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=1,  # experts whole on each expert rank (megatron_moe.moe_config_kwargs)
             distributed_timeout_minutes=max(1, math.ceil((timeout_s or 1800) / 60)),
         )
 
@@ -165,13 +175,16 @@ def build_gpt_model(
     expert_parallel: int = 1,
     vocab_size: int | None = None,
     compute_dtype: torch.dtype | None = None,
+    sequence_parallel: bool = False,
 ) -> GPTModel:
     """A megatron-core GPTModel with the architecture of ``hf`` (random weights; ``vocab_size``
     rows of embedding and output, the checkpoint's by default), split over the tensor-, pipeline-
     and expert-parallel groups already initialised (this rank's stage: its layers, the embedding
     on the first, the output layer on the last); its logits are each tensor-parallel rank's
     vocabulary columns unless a forward pass asks for them whole (``runtime_gather_output``).
-    ``compute_dtype``: the dtype the forward pass computes in (autocast), ``dtype`` by default."""
+    ``compute_dtype``: the dtype the forward pass computes in (autocast), ``dtype`` by default;
+    ``sequence_parallel``: each tensor-parallel rank holds its part of the sequence outside the
+    tensor-parallel layers (a forward pass's length must then divide over the ranks)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -187,6 +200,7 @@ def build_gpt_model(
     config = TransformerConfig(
         **kwargs,
         tensor_model_parallel_size=tp_size(),
+        sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=stages,
         # activations between stages: the residual stream, in the compute dtype (under autocast
         # megatron casts the residual to each block's output dtype)
@@ -199,7 +213,9 @@ def build_gpt_model(
     hybrid = megatron_hybrid.is_hybrid(hf)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=megatron_hybrid.block_spec(hf, config) if hybrid else megatron_moe.layer_spec(hf),
+        transformer_layer_spec=megatron_hybrid.block_spec(hf, config)
+        if hybrid
+        else megatron_moe.layer_spec(hf, config),
         vocab_size=vocab_size or hf["vocab_size"],
         max_sequence_length=hf["max_position_embeddings"],
         position_embedding_type="rope",

@@ -14,9 +14,8 @@ writes OUT/<layout>.pt, {row key: [len] token logprobs}:
 * ``tensor2``: the backend's megatron model split over two tensor-parallel ranks (built and loaded
   part by part as the adapter loads it, `megatron_tp.local_part`; each part gathers back to the
   whole tensor, `megatron_tp.gather_full`) in eval mode, its logits
-  gathered, each row on its own. The backend refuses to train an MoE model at tensor parallelism
-  (megatron-core's MoE layer needs sequence parallelism in training, which the backend does not
-  use), so this layout is taken forward only.
+  gathered, each row on its own, forward only and without sequence parallelism (the backend
+  trains at tensor parallelism with it: tests/integration/test_megatron_ranks.py).
 
 Between layouts megatron's groups are torn down and made again on the same process group.
 """
