@@ -98,7 +98,7 @@ def moe_layers(config: dict[str, Any]) -> list[int]:
     (its text part): every layer, but Qwen-MoE's ``mlp_only_layers`` and those off
     ``decoder_sparse_step``. Empty for a dense model."""
     text = config.get("text_config") or config
-    if not text.get("num_experts"):
+    if not _num_experts(text):
         return []
     skip = set(text.get("mlp_only_layers") or [])
     step = int(text.get("decoder_sparse_step") or 1)
@@ -111,4 +111,10 @@ def route_shape(config: dict[str, Any]) -> RouteShape | None:
     if not layers:
         return None
     text = config.get("text_config") or config
-    return RouteShape(layers=len(layers), top_k=int(text["num_experts_per_tok"]), num_experts=int(text["num_experts"]))
+    return RouteShape(layers=len(layers), top_k=int(text["num_experts_per_tok"]), num_experts=_num_experts(text))
+
+
+def _num_experts(text: dict[str, Any]) -> int:
+    """Routed experts a layer: Qwen's checkpoints write ``num_experts``, transformers 5 saves a
+    Qwen3-MoE's as ``num_local_experts``."""
+    return int(text.get("num_experts") or text.get("num_local_experts") or 0)

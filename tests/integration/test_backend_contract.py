@@ -5,6 +5,7 @@ and a checkpoint restores model, optimizer and schedule so the next step is the 
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -18,6 +19,7 @@ from services.trainer.batch import Row, StepBatch
 from shared.config import load
 from shared.config_error import ConfigError
 from shared.records import LearnerMetrics
+from shared.routes import RouteShape, route_shape
 from shared.run_config import RunConfig
 from tests.support.gradients import mlp_weight, poison_gradient
 
@@ -39,7 +41,9 @@ def _config(model_dir, backend: str, *extra: str) -> RunConfig:
     )
 
 
-def _batch(seed: int) -> StepBatch:
+def _batch(seed: int, routes: RouteShape | None = None) -> StepBatch:
+    """Four rows of 12 tokens; with ``routes``, random routes of all but their last position on
+    all but the last row."""
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(4):
@@ -48,6 +52,10 @@ def _batch(seed: int) -> StepBatch:
         tmask[6:] = 1.0
         gen = (rng.normal(-3.0, 0.3, size=12) * tmask).astype(np.float32)
         rows.append(Row(f"t{i}", f"g{i // 2}", ids, tmask, gen, reward=float(i % 2), advantage=1.0 - 2 * (i % 2)))
+    if routes is not None:
+        draws = np.random.default_rng(seed + 100).random((3, 11, routes.layers, routes.num_experts))
+        for i, experts in enumerate(np.argsort(draws, axis=-1)[..., : routes.top_k]):
+            rows[i].routes = experts
     return StepBatch(rows)
 
 
@@ -153,24 +161,33 @@ def test_an_unknown_backend_is_a_config_error_naming_the_key():
 
 
 @pytest.mark.parametrize(
-    "model",
-    ["tiny_model_dir", "tiny_hybrid_moe_dir", "tiny_multimodal_moe_dir"],
-    ids=["Qwen3", "Qwen3.5-MoE", "Qwen3.5-MoE multimodal"],
+    ("model", "replay"),
+    [
+        ("tiny_model_dir", False),
+        ("tiny_hybrid_moe_dir", False),
+        ("tiny_hybrid_moe_dir", True),
+        ("tiny_multimodal_moe_dir", False),
+    ],
+    ids=["Qwen3", "Qwen3.5-MoE", "Qwen3.5-MoE, routing replay", "Qwen3.5-MoE multimodal"],
 )
-def test_the_megatron_backend_trains_the_steps_the_torch_backend_does(model, request, tmp_path):
+def test_the_megatron_backend_trains_the_steps_the_torch_backend_does(model, replay, request, tmp_path):
     """The same checkpoint, rows and config through megatron-core's GPTModel (fused QKV and
     gate/up, DDP gradient buffers; on CPU through `megatron_cpu`; for Qwen3.5-MoE its Gated DeltaNet
     and gated attention layers, routed and shared experts; for the multimodal checkpoint its
     language model) and through transformers: the same loss and gradient norm at the first step,
-    and the same again at the second, after each applied its own update. Both publish the same
-    tensors, the MTP and vision weights the models do not build among them, unchanged."""
+    and the same again at the second, after each applied its own update. With routing replay the
+    rows carry routes (one row none) that both backends' routers take, gradients reaching the
+    routers through the weights at the given experts. Both publish the same tensors, the MTP and
+    vision weights the models do not build among them, unchanged."""
     from safetensors.torch import load_file
 
     model_dir = request.getfixturevalue(model)
-    megatron = build_backend(_config(model_dir, "megatron"))
-    plain = build_backend(_config(model_dir, "torch"))
+    extra = ["policy.moe_routing_replay=true"] if replay else []
+    routes = route_shape(json.loads((model_dir / "config.json").read_text())) if replay else None
+    megatron = build_backend(_config(model_dir, "megatron", *extra))
+    plain = build_backend(_config(model_dir, "torch", *extra))
     for s in (0, 1):
-        m, t = megatron.train_step(_batch(s)), plain.train_step(_batch(s))
+        m, t = megatron.train_step(_batch(s, routes)), plain.train_step(_batch(s, routes))
         assert m.loss == pytest.approx(t.loss, rel=1e-4, abs=1e-6), s
         assert m.grad_norm == pytest.approx(t.grad_norm, rel=1e-4), s
         assert (m.train_tokens, m.num_updates) == (t.train_tokens, t.num_updates)

@@ -9,6 +9,7 @@ tests/support/ranks/ranked_step.py, as ``python -m services.trainer`` wires a tr
   bfloat16, packed, with the pre-update and reference logprobs taken forward only through the
   stages), expert parallelism 2 on the tiny Qwen3.5-MoE (packed, two updates a step; its MTP
   weights published unchanged), tensor parallelism 2 with sequence parallelism on the Qwen3-MoE
+  (also with routing replay: each rank's routers take the routes of its part of the sequence)
   and on the Qwen3.5-MoE (packed, two updates a step) and, on four ranks, tensor x pipeline
   parallelism 2 x 2 (dense) and tensor x pipeline x expert parallelism 2 x 2 x 2 (Qwen3.5-MoE,
   packed: the reference recipe's layout shape) each train the steps one rank trains: losses and
@@ -66,6 +67,7 @@ EP2 = ["--set", "policy.megatron_cfg.expert_model_parallel_size=2"]
 SHARDED_ADAMW = ["--set", "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"]
 PACKED = VARIANTS["two updates, packed micro-batches"]
 TOP_P = ["--set", "policy.generation.top_p=0.9"]
+REPLAY = ["--set", "policy.moe_routing_replay=true"]  # the rows carry routes (ranked_step.batch)
 # what goes through the pipeline schedule: forward-only passes (the pre-update policy's logprobs,
 # the reference's), bfloat16 activations between the stages, packed rows
 EVERY_PASS = [
@@ -107,6 +109,7 @@ LAYOUTS = {  # model, ranks, layout, what the one-rank run shares
     "expert parallel 2 (MoE)": ("moe", 2, EP2, []),
     "expert parallel 2 (Qwen3.5-MoE), packed, two updates a step": ("hybrid", 2, EP2, PACKED),
     "tensor parallel 2 (MoE), sequence parallel": ("moe", 2, TP2, []),
+    "tensor parallel 2 (MoE), sequence parallel, routing replay": ("moe", 2, TP2, REPLAY),
     "tensor parallel 2 (Qwen3.5-MoE), sequence parallel, packed, two updates a step": ("hybrid", 2, TP2, PACKED),
     "pipeline parallel 2, bfloat16, packed, two updates, reference KL, top-p 0.9": ("dense", 2, PP2, EVERY_PASS),
     "tensor parallel 2 x pipeline parallel 2 (four ranks)": ("dense", 4, [*TP2, *PP2], []),

@@ -1,7 +1,9 @@
 """MoE routing replay (policy.moe_routing_replay) on the tiny Qwen3.5-MoE, transformers engine and
 torch backend: the generator returns the routes a forward pass of the same weights takes, a later
 call returns only the positions asked for, the trainer's forward routes a row's tokens to the
-generator's experts (not its own), and a model without experts fails at start."""
+generator's experts (not its own), and a model without experts fails at start (the trainer on
+either backend). The megatron backend's replay: tests/unit/test_megatron_moe.py, and its steps
+against the torch backend's: tests/integration/test_backend_contract.py."""
 
 import msgspec
 import numpy as np
@@ -78,10 +80,11 @@ async def test_a_model_without_experts_fails_the_generator_at_start(tiny_model_d
             pass
 
 
-def _backend(model_dir, replay: bool):
+def _backend(model_dir, replay: bool, backend: str = "torch"):
     overrides = [
         f"policy.model_name={model_dir}",
         "data.train_path=t.jsonl",
+        f"trainer.backend={backend}",
         f"policy.moe_routing_replay={'true' if replay else 'false'}",
         "run.seed=0",
         "trainer.torch_threads=1",
@@ -114,6 +117,9 @@ def test_the_trainer_routes_each_token_to_the_generators_experts(tiny_hybrid_moe
     assert not torch.allclose(with_routes, without)
 
 
-def test_a_model_without_experts_fails_the_trainer_at_start(tiny_model_dir):
-    with pytest.raises(ConfigError, match="moe_routing_replay"):
-        _backend(tiny_model_dir, replay=True)
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_a_model_without_experts_fails_the_trainer_at_start(tiny_model_dir, backend):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    with pytest.raises(ConfigError, match="moe_routing_replay is on, but the model .* has no routed experts"):
+        _backend(tiny_model_dir, replay=True, backend=backend)

@@ -14,20 +14,29 @@ Qwen3-MoE built here with transformers:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
 
-from services.trainer.backends import megatron_moe  # noqa: E402
+from services.trainer.backends import build_backend, megatron_moe  # noqa: E402
+from services.trainer.backends.backend import Backend  # noqa: E402
 from services.trainer.backends.megatron_convert import read_hf_state  # noqa: E402
+from services.trainer.backends.megatron_routing import rank_routes  # noqa: E402
+from services.trainer.backends.micro_batch import MicroBatch, micro_batch  # noqa: E402
+from services.trainer.backends.routing_replay import RouteRecorder  # noqa: E402
+from services.trainer.batch import Row  # noqa: E402
+from shared.config import load  # noqa: E402
 from shared.config_error import ConfigError  # noqa: E402
+from shared.run_config import RunConfig  # noqa: E402
 from streamrl.model_builder import build_tiny_moe  # noqa: E402
 from streamrl.redis_server import free_port  # noqa: E402
 from tests.support.ranks import megatron_moe_ep as rig  # noqa: E402
@@ -213,3 +222,107 @@ def test_two_expert_parallel_ranks_match_one(models, one_rank, ids, tmp_path):
                 gathered[name] = weight
         assert gathered.keys() == {k for k in state if ".mlp." in k}
         assert all(torch.equal(gathered[k], state[k]) for k in gathered)
+
+
+def _replaying(folder: Path, backend: str) -> Backend:
+    """The ``backend`` (torch or megatron) on ``folder``, one rank, routing replay on."""
+    overrides = [
+        f"policy.model_name={folder}",
+        "data.train_path=t.jsonl",
+        "trainer.torch_threads=1",
+        "policy.moe_routing_replay=true",
+        f"trainer.backend={backend}",
+    ]
+    return build_backend(load(RunConfig, None, overrides, env={}))
+
+
+def _megatron_pass(backend: Backend, mb: MicroBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``mb``'s logprobs on the megatron backend, and the experts each MoE router took for every
+    token ([tokens, experts] bool a layer, tokens row-major as in `MicroBatch.routes`)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    maps: list[torch.Tensor] = []
+    routers = [m for m in backend.model.modules() if isinstance(m, TopKRouter)]
+    hooks = [r.register_forward_hook(lambda _m, _a, out: maps.append(out[1])) for r in routers]
+    with torch.no_grad():
+        lp = backend.adapter.logprobs(backend.adapter.logits(backend.model, mb), mb)
+    for h in hooks:
+        h.remove()
+    rows, width = mb.ids.shape  # megatron's tokens are sequence-first
+    return lp, [m.unflatten(0, (width, rows)).transpose(0, 1).flatten(0, 1) for m in maps]
+
+
+def _as_map(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[tokens, top_k] expert ids as [tokens, experts] bool."""
+    return torch.zeros(experts.shape[0], num_experts, dtype=torch.bool).scatter(1, experts, True)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_megatron_routers_replay_the_generators_routes_as_the_torch_backend_does(models, one_rank, variant):
+    """Routing replay on the megatron backend, as rows (two, right-padded: megatron's sequence-first
+    token order) and as a pack: every router takes the given experts where a token's route is known
+    and its own choice elsewhere (a row without routes, positions past a row's routes, padding),
+    the logprobs move off the unreplayed ones, and both routing and logprobs are the torch
+    backend's on the same routes (the weights: softmax over all experts at the given ones,
+    renormalised where the model renormalises)."""
+    folder, _ = models[variant]
+    hf = _hf_config(folder)
+    experts = megatron_moe.num_experts(hf)
+    megatron, reference = _replaying(folder, "megatron"), _replaying(folder, "torch")
+    rng = np.random.default_rng(5)
+    rows = [
+        Row(f"t{n}", "g0", rng.integers(3, 512, n), np.ones(n, np.float32), np.zeros(n, np.float32), reward=1.0)
+        for n in (11, 16)
+    ]
+    plain = micro_batch(rows, megatron.pad_id, torch.device("cpu"))
+    _, own = _megatron_pass(megatron, plain)
+    # the first row's routes: for all but its last 3 positions, experts its routers do not take
+    own_first = torch.stack([m.float().topk(hf["num_experts_per_tok"]).indices for m in own], dim=1)[:8]
+    rows[0] = dataclasses.replace(rows[0], routes=((own_first + 1) % experts).numpy())
+    for packed in (False, True):
+        mb = micro_batch(rows, megatron.pad_id, torch.device("cpu"), packed=packed)
+        assert mb.routes is not None and mb.routes_known is not None
+        lp, used = _megatron_pass(megatron, mb)
+        lp_own, own = _megatron_pass(megatron, dataclasses.replace(mb, routes=None, routes_known=None))
+        recorder = RouteRecorder(reference.model)
+        with torch.no_grad():
+            lp_torch = reference.adapter.logprobs(reference.adapter.logits(reference.model, mb), mb)
+        [torch_used] = recorder.routes()
+        known = mb.routes_known
+        real = torch.ones_like(known) if packed else mb.attention_mask.flatten().bool()
+        second_row = torch.arange(len(known)) >= (11 if packed else mb.input_ids.shape[1])
+        assert len(used) == torch_used.shape[1] == mb.routes.shape[1]
+        for layer, (u, o) in enumerate(zip(used, own, strict=True)):
+            given = _as_map(mb.routes[:, layer], experts)
+            assert torch.equal(u[known], given[known])
+            assert not (o[known] == given[known]).all(dim=1).any()  # none the router would take
+            assert torch.equal(u[second_row & real], o[second_row & real])  # its own
+            assert torch.equal(u[real], _as_map(torch_used[:, layer], experts)[real])
+        assert (lp - lp_own).abs().max() > 1e-3
+        tokens = mb.attention_mask.bool()
+        torch.testing.assert_close(lp[tokens], lp_torch[tokens], rtol=0, atol=1e-4)
+
+
+@pytest.mark.unit
+def test_each_tensor_parallel_rank_gets_the_routes_of_its_part_of_the_sequence():
+    """Row-major routes of 2 rows x 5 positions, the sequence padded to 6 and split over two ranks
+    (sequence parallelism): rank r's token s * 2 + b is position 3r + s of row b; padding unknown."""
+    rows, length = 2, 5
+    routes = torch.arange(rows * length).repeat_interleave(4).view(rows * length, 2, 2)  # token id everywhere
+    known = torch.ones(rows * length, dtype=torch.bool)
+    known[3] = False
+    for rank in range(2):
+        ids, seen = rank_routes(routes, known, rows, length, 6, rank, 2)
+        assert ids.shape == (6, 2, 2) and seen.shape == (6,)
+        for s in range(3):
+            for b in range(rows):
+                position = 3 * rank + s
+                if position < length:
+                    assert (ids[s * rows + b] == b * length + position).all()
+                    assert seen[s * rows + b] == (b * length + position != 3)
+                else:
+                    assert not seen[s * rows + b]
+    whole, seen = rank_routes(routes, known, rows, length, 5)
+    assert torch.equal(whole[:, 0, 0], routes[:, 0, 0].view(rows, length).T.flatten())
+    assert torch.equal(seen, known.view(rows, length).T.flatten())

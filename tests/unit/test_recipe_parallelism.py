@@ -209,11 +209,11 @@ def test_the_recipe_on_one_host_keeps_its_layout_shape_and_generator(tmp_path):
     assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size) == (2, 2, 2)
     assert cfg.trainer.nproc_per_node == 4 and cfg.trainer.backend == "megatron"
     check_supported(cfg.policy, world_size=4)
-    for kept in ("precision", "sequence_packing", "max_total_sequence_length"):
+    for kept in ("precision", "sequence_packing"):
         assert getattr(cfg.policy, kept) == getattr(recipe.policy, kept), kept
     assert cfg.loss_fn == recipe.loss_fn and cfg.grpo.async_grpo == recipe.grpo.async_grpo
     v, rv = cfg.policy.generation.vllm_cfg, recipe.policy.generation.vllm_cfg
-    for kept in ("dtype", "enable_expert_parallel", "enable_prefix_caching", "load_format", "max_model_len"):
+    for kept in ("dtype", "enable_expert_parallel", "enable_prefix_caching", "load_format"):
         assert getattr(v, kept) == getattr(rv, kept), kept
     gen, rgen = cfg.policy.generation, recipe.policy.generation
     assert (gen.temperature, gen.top_p, gen.val_temperature, gen.val_top_p) == (

@@ -60,6 +60,9 @@ def test_moe_layers_and_route_shape_from_a_config():
     qwen3_moe = {**qwen3_5, "mlp_only_layers": [0], "decoder_sparse_step": 1}
     assert moe_layers(qwen3_moe) == [1, 2, 3]
     assert route_shape({"num_hidden_layers": 4}) is None  # dense
+    # transformers 5 saves a Qwen3-MoE's expert count as num_local_experts
+    resaved = {k: v for k, v in qwen3_moe.items() if k != "num_experts"} | {"num_local_experts": 8}
+    assert moe_layers(resaved) == [1, 2, 3] and route_shape(resaved) == RouteShape(layers=3, top_k=2, num_experts=8)
 
 
 def _trajectory(turns, shape) -> Trajectory:

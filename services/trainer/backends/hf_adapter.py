@@ -78,7 +78,8 @@ class HFAdapter:
         self.layout = layout
         self.dtype = compute_dtype(policy)
         self.read_own_shards = read_own_shards
-        self.replay: RouterReplay | None = None  # policy.moe_routing_replay, once the model is built
+        # policy.moe_routing_replay: the routes of the next forward pass, in every model built
+        self.replay = RouterReplay() if policy.moe_routing_replay else None
 
     @classmethod
     def from_config(cls, cfg: RunConfig, ranks: Ranks, *, read_own_shards: bool = True) -> HFAdapter:
@@ -90,11 +91,12 @@ class HFAdapter:
 
     def build(self) -> LoadedModel:
         """The policy on this rank's device (float32 master weights), sharded over the ranks when
-        there are several; its linear-attention layers keep a pack's rows apart."""
+        there are several; its linear-attention layers keep a pack's rows apart, its routers replay
+        the generator's routes (``policy.moe_routing_replay``)."""
         loaded = self._load()
         separate_rows(loaded.module)
-        if self.policy.moe_routing_replay:
-            self.replay = RouterReplay(loaded.module)
+        if self.replay is not None:
+            self.replay.attach(loaded.module)
         return loaded
 
     def _load(self) -> LoadedModel:

@@ -35,7 +35,9 @@ and every rank of a stage writes its deal of the HF files (`megatron_export`,
 Checkpoints are Distributed Checkpoints in a layout independent of the parallel sizes
 (`megatron_tp.CheckpointLayout`), resumable at other tensor-, pipeline-, expert- and data-parallel
 sizes. Packed rows attend within their row through a block-causal mask (`packed_mask`), and go
-through Gated DeltaNet layers one row at a time (`linear_attention.rows_apart`). Tensors of the
+through Gated DeltaNet layers one row at a time (`linear_attention.rows_apart`). With
+``policy.moe_routing_replay`` the routers take the generator's experts where a row carries routes,
+each rank those of its tokens and its stage's MoE layers (`megatron_routing`). Tensors of the
 checkpoint the model does not build (Qwen3.5's multi-token-prediction ``mtp.*``) are published
 unchanged beside the trained ones (`_untrained`). A multimodal checkpoint whose language model the
 backend builds (the released Qwen3.5-MoE, ``Qwen3_5MoeForConditionalGeneration``) is built from
@@ -68,6 +70,7 @@ from services.trainer.backends import (
     megatron_moe,
     megatron_optim,
     megatron_pipeline,
+    megatron_routing,
     megatron_tp,
     step,
 )
@@ -133,17 +136,18 @@ class MegatronAdapter:
             megatron_cpu.apply(moe=megatron_moe.is_moe(self.hf_config), pipeline=cfg.pipeline_model_parallel_size > 1)
         megatron_cpu.seed_rng(seed)
         self.layout: Layout = megatron_layout(ranks, self.hf_config["num_hidden_layers"])
+        # policy.moe_routing_replay: the routes of the next forward pass, in every model built
+        self.replay = (
+            megatron_routing.MegatronReplay(self.hf_config, self.layout, sequence_parallel=self.sequence_parallel)
+            if policy.moe_routing_replay
+            else None
+        )
         # made on first use for the policy (collective, or costly), by id of the model they describe
         self._checkpoint_layouts: dict[int, megatron_tp.CheckpointLayout] = {}
         self._stage_metadata: dict[int, list[megatron_export.Meta]] = {}
 
     @classmethod
     def from_config(cls, cfg: RunConfig, ranks: Ranks) -> MegatronAdapter:
-        if cfg.policy.moe_routing_replay:
-            raise ConfigError(
-                "policy.moe_routing_replay: the megatron backend does not replay routes; the torch backend "
-                "(trainer.backend: torch) does"
-            )
         return cls(cfg.policy, ranks, seed=cfg.run.seed)
 
     @property
@@ -153,7 +157,8 @@ class MegatronAdapter:
     def build(self) -> LoadedModel:
         """A GPTModel of this rank's stage and parts, float32 master weights (computed in
         ``policy.precision`` under autocast: `_autocast`), loaded from the HF checkpoint and
-        wrapped in megatron-core's DDP."""
+        wrapped in megatron-core's DDP; its routers replay the generator's routes
+        (``policy.moe_routing_replay``: `megatron_routing`)."""
         from megatron.core.distributed import DistributedDataParallel
 
         model = build_gpt_model(
@@ -165,6 +170,8 @@ class MegatronAdapter:
             sequence_parallel=self.sequence_parallel,
         ).to(self._device)
         self._load_hf(model)
+        if self.replay is not None:
+            self.replay.attach(model)
         if megatron_hybrid.is_hybrid(self.hf_config):
             megatron_hybrid.separate_rows(model)
         ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config(self.policy), module=model)
@@ -237,7 +244,8 @@ class MegatronAdapter:
         """[B, T, V] logits over the padded vocabulary, gathered over the tensor-parallel ranks
         unless they are scored column-wise (``whole``: force either); on a stage before the last,
         its output activations. Right padding only follows real tokens, so the causal mask alone
-        keeps real tokens exact; a pack's rows attend within their row only (`packed_mask`)."""
+        keeps real tokens exact; a pack's rows attend within their row only (`packed_mask`). With
+        routing replay the routers take ``mb``'s routes (`megatron_routing.MegatronReplay.set`)."""
         rows: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if mb.pack is None:
             ids = mb.input_ids
@@ -254,6 +262,8 @@ class MegatronAdapter:
         else:
             mask = packed_mask(position_ids)
             rows = rows_apart(mb.pack.starts, ids.shape[1])
+        if self.replay is not None:
+            self.replay.set(mb, ids.shape[1])
         gather = not self._vocab_parallel if whole is None else whole
         with self._autocast(), rows:
             logits: torch.Tensor = model(

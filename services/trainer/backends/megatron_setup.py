@@ -17,6 +17,7 @@ import torch
 from services.trainer.backends import megatron_cpu, megatron_hybrid, megatron_moe
 from services.trainer.backends.layout import Layout
 from services.trainer.backends.megatron_convert import language_model_config, rope_base, transformer_config_kwargs
+from services.trainer.backends.routing_replay import replayed_layers
 from services.trainer.ranks import Ranks
 from shared.config_error import ConfigError
 from shared.sections.policy import MegatronSection, PolicySection
@@ -55,8 +56,9 @@ _SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_
 
 def check_supported(policy: PolicySection, world_size: int = 1) -> None:
     """Refuse parallel sizes that do not fit ``world_size`` ranks or the checkpoint's layers, naming
-    the key, and checkpoints the backend does not build, before any rank joins the others (a
-    multimodal checkpoint is judged by its language model, which is what the backend builds)."""
+    the key, checkpoints the backend does not build and routing replay without routed experts,
+    before any rank joins the others (a multimodal checkpoint is judged by its language model,
+    which is what the backend builds)."""
     cfg = policy.megatron_cfg
     for key in _SIZES:
         value = getattr(cfg, key)
@@ -86,6 +88,8 @@ def check_supported(policy: PolicySection, world_size: int = 1) -> None:
     if megatron_hybrid.is_hybrid(hf):
         megatron_hybrid.check_layout(hf, tp)
     uses_sequence_parallel(cfg, hf)
+    if policy.moe_routing_replay:
+        replayed_layers(hf)
     if pp > 1 and hf["num_hidden_layers"] % pp:
         raise ConfigError(
             f"policy.megatron_cfg.pipeline_model_parallel_size is {pp}; it must divide the model's "

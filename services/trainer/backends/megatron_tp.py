@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.trainer.backends.megatron_hybrid import FUSED_PARTS
+from services.trainer.backends.megatron_hybrid import FUSED_PARTS, conv_parts, in_proj_parts
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -65,11 +65,54 @@ def local_part(full: torch.Tensor, param: torch.nn.Parameter, name: str) -> torc
     group = tp_group_of(param)
     if group is None or tuple(full.shape) == tuple(param.shape):
         return full
-    n, r, dim = dist.get_world_size(group), dist.get_rank(group), param.partition_dim
-    parts = _parts(name, param, full, dim)
+    dim = param.partition_dim
+    return _cut(full, dist.get_world_size(group), dist.get_rank(group), dim, _parts(name, param, full, dim))
+
+
+def _cut(full: torch.Tensor, n: int, r: int, dim: int, parts: list[int] | None) -> torch.Tensor:
+    """Rank ``r`` of ``n``'s part of ``full`` along ``dim``, fused ``parts`` each cut on its own."""
     if parts is not None:
         return torch.cat([part.chunk(n, dim)[r] for part in full.split(parts, dim)], dim)
     return full.chunk(n, dim)[r]
+
+
+# How the backend's tensor-parallel layers split, by megatron name, where no model is at hand (a
+# layout planned for ranks that do not exist here: `services.trainer.reshard_plan`). megatron-core
+# sets the same on the parameters it builds (``partition_dim``), which `local_part` reads; the
+# tensor-parallel tests check that `cut` agrees with it.
+_COLUMN_PARALLEL = (
+    "linear_qkv.weight",
+    "linear_fc1.weight",
+    "word_embeddings.weight",
+    "output_layer.weight",
+    "self_attention.in_proj.weight",
+    "self_attention.conv1d.weight",
+    "self_attention.A_log",
+    "self_attention.dt_bias",
+)
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")
+
+
+def cut(full: torch.Tensor, name: str, hf: dict[str, Any], n: int, r: int) -> torch.Tensor:
+    """Tensor-parallel rank ``r`` of ``n``'s part of the whole megatron tensor ``name`` of a model
+    of HF config ``hf``, as `local_part` cuts it on a live model; replicated tensors and experts
+    (expert tensor-parallel size 1) whole."""
+    if n == 1 or ".local_experts." in name:
+        return full
+    if name.endswith(_COLUMN_PARALLEL):
+        dim = 0
+    elif name.endswith(_ROW_PARALLEL):
+        dim = 1
+    else:
+        return full
+    parts: list[int] | None = None
+    if name.endswith("linear_fc1.weight"):
+        parts = [full.shape[0] // 2] * 2
+    elif name.endswith("self_attention.in_proj.weight"):
+        parts = list(in_proj_parts(hf))
+    elif name.endswith("self_attention.conv1d.weight"):
+        parts = list(conv_parts(hf))
+    return _cut(full, n, r, dim, parts)
 
 
 def gather_full(local: torch.Tensor, param: torch.nn.Parameter, name: str) -> torch.Tensor:

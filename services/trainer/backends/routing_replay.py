@@ -13,8 +13,11 @@ Qwen MoE family: Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE); anything else i
 the model is built.
 
 The routes stay set from one forward pass until the next, so activation checkpointing's
-recomputation in the backward pass routes as the forward did. Used by the transformers adapter
-(`services.trainer.backends.hf_adapter`).
+recomputation in the backward pass routes as the forward did. One `RouterReplay` serves every
+model the adapter builds (the policy and the frozen reference), whichever runs next. Used by the
+transformers adapter (`services.trainer.backends.hf_adapter`); `replayed_layers` and
+`replayed_experts` are shared with the megatron backend's replay
+(`services.trainer.backends.megatron_routing`).
 """
 
 from __future__ import annotations
@@ -30,17 +33,31 @@ from shared.config_error import ConfigError
 from shared.routes import moe_layers
 
 
-def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The router of each MoE layer, in layer order (the generator's ``layers`` axis)."""
-    config = model.config.to_dict()
+def replayed_layers(config: dict[str, Any]) -> list[int]:
+    """The decoder layers whose routes are replayed (the generator's ``layers`` axis, in order),
+    from a Hugging Face config; a model without routed experts is refused."""
     layers = moe_layers(config)
     if not layers:
         raise ConfigError(
             f"policy.moe_routing_replay is on, but the model (model_type {config.get('model_type')!r}) has no "
             "routed experts"
         )
+    return layers
+
+
+def replayed_experts(routes: torch.Tensor, known: torch.Tensor, layer: int, chosen: torch.Tensor) -> torch.Tensor:
+    """[tokens, top_k] expert ids of MoE layer ``layer`` (an index of the ``routes`` [tokens,
+    layers, top_k]): the generator's where a token's route is ``known``, the router's ``chosen``
+    elsewhere."""
+    if routes.shape[0] != chosen.shape[0]:
+        raise RuntimeError(f"routes for {routes.shape[0]} tokens, the router of layer {layer} saw {chosen.shape[0]}")
+    return torch.where(known[:, None], routes[:, layer, :].to(chosen.device), chosen)
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router of each MoE layer, in layer order (the generator's ``layers`` axis)."""
     decoder = model.model.layers
-    found = [decoder[i].mlp.gate for i in layers]
+    found = [decoder[i].mlp.gate for i in replayed_layers(model.config.to_dict())]
     for r in found:
         if not all(hasattr(r, a) for a in ("top_k", "num_experts", "weight")) or not type(r).__name__.endswith(
             "TopKRouter"
@@ -53,13 +70,16 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class RouterReplay:
-    """The generator's routes, set per forward pass, applied by every MoE layer's router."""
+    """The generator's routes, set per forward pass, applied by every MoE layer's router of the
+    models attached."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = routers(model)
+    def __init__(self) -> None:
         self._routes: torch.Tensor | None = None  # [tokens, layers, top_k]
         self._known: torch.Tensor | None = None  # [tokens] bool
-        for layer, router in enumerate(self.routers):
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Replay the routes set here in ``model``'s routers too."""
+        for layer, router in enumerate(routers(model)):
             router.forward = self._replayed(router, layer, router.forward)
 
     def set(self, routes: torch.Tensor | None, known: torch.Tensor | None) -> None:
@@ -75,11 +95,7 @@ class RouterReplay:
             routes, known = self._routes, self._known
             if routes is None or known is None:
                 return logits, scores, chosen
-            if routes.shape[0] != chosen.shape[0]:
-                raise RuntimeError(
-                    f"routes for {routes.shape[0]} tokens, the router of layer {layer} saw {chosen.shape[0]}"
-                )
-            experts = torch.where(known[:, None], routes[:, layer, :].to(chosen.device), chosen)
+            experts = replayed_experts(routes, known, layer, chosen)
             weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, experts)
             if renormalise:
                 weights = weights / weights.sum(dim=-1, keepdim=True)

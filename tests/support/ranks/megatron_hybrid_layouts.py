@@ -101,6 +101,9 @@ def _tensor_parallel(model: Path) -> dict[str, torch.Tensor]:
                 if name in megatron_export.VOCAB_ROWS:
                     full = F.pad(full, (0, 0, 0, padded_vocab(hf) - full.shape[0]))
                 params[name].copy_(megatron_tp.local_part(full, params[name], name))
+                # cut by name alone (a layout planned without a model) as the live parameter is
+                rank = parallel_state.get_tensor_model_parallel_rank()
+                assert torch.equal(megatron_tp.cut(full, name, hf, 2, rank), params[name]), name
                 # the parts gather back to the whole tensor (as the export gathers them)
                 assert torch.equal(megatron_tp.gather_full(params[name].detach(), params[name], name), full), name
     gpt.eval()

@@ -14,7 +14,8 @@ it loaded it whole). --load restores a learner checkpoint (written at any world 
 training. --kill-rank R --kill-step S: rank R
 kills itself (SIGKILL) inside step S's first forward pass. --nan-step S [--nan-rank R]: rank R
 (default every rank) puts a NaN into one parameter's gradient in step S
-(`tests.support.gradients`) and writes that parameter's name to OUT/poisoned-rankR.txt.
+(`tests.support.gradients`) and writes that parameter's name to OUT/poisoned-rankR.txt. With
+``--set policy.moe_routing_replay=true`` the rows carry routes (`batch`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from services.trainer.learner import Learner, LocalLearner  # noqa: E402
 from services.trainer.rank_learner import RankedLearner, follow  # noqa: E402
 from services.trainer.ranks import SINGLE, join, launched_world_size, leaving  # noqa: E402
 from shared.config import load  # noqa: E402
+from shared.routes import RouteShape, route_shape  # noqa: E402
 from shared.run_config import RunConfig  # noqa: E402
 from tests.support.gradients import mlp_weight, poison_gradient  # noqa: E402
 
@@ -62,8 +64,9 @@ def config(model: str, extra: list[str]) -> RunConfig:
     )
 
 
-def batch(step: int) -> StepBatch:
-    """12 rows of lengths 9..30, half of their tokens generated, advantages of both signs."""
+def batch(step: int, routes: RouteShape | None = None) -> StepBatch:
+    """12 rows of lengths 9..30, half of their tokens generated, advantages of both signs; with
+    ``routes``, random routes of all but their last position on every row but each fourth."""
     rng = np.random.default_rng(100 + step)
     rows = []
     for i in range(12):
@@ -74,14 +77,20 @@ def batch(step: int) -> StepBatch:
         glp = (-rng.uniform(0.5, 6.0, size=n) * tmask).astype(np.float32)
         adv = float(rng.normal())
         rows.append(Row(f"s{step}-t{i}", f"g{i // 4}", ids, tmask, glp, reward=adv, advantage=adv))
+    if routes is not None:
+        drawn = np.random.default_rng(200 + step)
+        for r in rows[1::4] + rows[2::4] + rows[3::4]:
+            draws = drawn.random((len(r.input_ids) - 1, routes.layers, routes.num_experts))
+            r.routes = np.argsort(draws, axis=-1)[..., : routes.top_k]
     return StepBatch(rows=rows)
 
 
-async def drive(learner: Learner, args: argparse.Namespace, out: Path) -> None:
+async def drive(learner: Learner, args: argparse.Namespace, out: Path, routes: RouteShape | None) -> None:
     await learner.start()
     if args.load:
         await learner.load(Path(args.load))
-    metrics = [await learner.train(batch(s)) for s in range(args.first_step, args.first_step + args.steps)]
+    steps = range(args.first_step, args.first_step + args.steps)
+    metrics = [await learner.train(batch(s, routes)) for s in steps]
     (out / "metrics.json").write_bytes(msgspec.json.encode(metrics))
     manifest = await asyncio.to_thread(learner.export_weights, out / "weights")
     (out / "manifest.json").write_bytes(msgspec.json.encode(manifest))
@@ -110,6 +119,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config(args.model, args.set)
+    routes = None  # the rows' routes' shape, with policy.moe_routing_replay
+    if cfg.policy.moe_routing_replay:
+        routes = route_shape(json.loads((Path(args.model) / "config.json").read_text()))
     ranks = join(cfg.trainer.collective_timeout_s) if launched_world_size() > 1 else SINGLE
 
     def build() -> Backend:
@@ -127,10 +139,10 @@ def main() -> int:
 
     with leaving(ranks):
         if not ranks.sharded:
-            asyncio.run(drive(LocalLearner(build), args, out))
+            asyncio.run(drive(LocalLearner(build), args, out, routes))
         elif ranks.is_root:
             learner = RankedLearner(build, ranks, collective_timeout_s=cfg.trainer.collective_timeout_s)
-            asyncio.run(drive(learner, args, out))
+            asyncio.run(drive(learner, args, out, routes))
         else:
             follow(build())
     return 0
