@@ -1,9 +1,10 @@
 """MoE routing replay (policy.moe_routing_replay) on the tiny Qwen3.5-MoE, transformers engine and
 torch backend: the generator returns the routes a forward pass of the same weights takes, a later
 call returns only the positions asked for, the trainer's forward routes a row's tokens to the
-generator's experts (not its own), and a model without experts fails at start (the trainer on
-either backend). The megatron backend's replay: tests/unit/test_megatron_moe.py, and its steps
-against the torch backend's: tests/integration/test_backend_contract.py."""
+generator's experts (not its own), in the policy and in the frozen reference, and a model
+without experts fails at start (the trainer on either backend). The megatron backend's replay:
+tests/unit/test_megatron_moe.py, and its steps against the torch backend's:
+tests/integration/test_backend_contract.py."""
 
 import msgspec
 import numpy as np
@@ -80,7 +81,7 @@ async def test_a_model_without_experts_fails_the_generator_at_start(tiny_model_d
             pass
 
 
-def _backend(model_dir, replay: bool, backend: str = "torch"):
+def _backend(model_dir, replay: bool, backend: str = "torch", *extra: str):
     overrides = [
         f"policy.model_name={model_dir}",
         "data.train_path=t.jsonl",
@@ -88,6 +89,7 @@ def _backend(model_dir, replay: bool, backend: str = "torch"):
         f"policy.moe_routing_replay={'true' if replay else 'false'}",
         "run.seed=0",
         "trainer.torch_threads=1",
+        *extra,
     ]
     return build_backend(load(RunConfig, None, overrides, env={}))
 
@@ -104,17 +106,21 @@ def test_the_trainer_routes_each_token_to_the_generators_experts(tiny_hybrid_moe
     row = Row("t0", "g0", ids, tmask, np.zeros(24, np.float32), reward=1.0, advantage=1.0, routes=replayed)
     plain = Row("t1", "g0", ids, tmask, np.zeros(24, np.float32), reward=1.0, advantage=1.0, routes=None)
 
-    backend = _backend(tiny_hybrid_moe_dir, replay=True)
-    recorder = RouteRecorder(backend.model)
+    # with a reference policy: the policy and the frozen reference both replay
+    backend = _backend(tiny_hybrid_moe_dir, True, "torch", "loss_fn.reference_policy_kl_penalty=0.1")
+    recorder, reference = RouteRecorder(backend.model), RouteRecorder(backend.ref_model)
     with torch.no_grad():
         with_routes = backend.logprobs([row])
         [used] = recorder.routes()
         recorder.clear()
         without = backend.logprobs([plain])
         [chosen] = recorder.routes()
+        backend.logprobs([row], reference=True)
+        [used_by_reference] = reference.routes()
     assert np.array_equal(used.numpy(), replayed)  # every position, every MoE layer
     assert np.array_equal(chosen.numpy(), own)  # a row without routes: the trainer's own routing
     assert not torch.allclose(with_routes, without)
+    assert np.array_equal(used_by_reference.numpy(), replayed)
 
 
 @pytest.mark.parametrize("backend", ["torch", "megatron"])

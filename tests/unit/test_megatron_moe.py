@@ -9,7 +9,12 @@ Qwen3-MoE built here with transformers:
   and converts back bit-exactly;
 * with two expert-parallel ranks (torchrun, gloo), each loading only its experts, the logits and
   the dense gradients are the one-rank ones, each expert's gradient is twice its one-rank gradient
-  (both ranks send it the same batch), and the experts gathered from both ranks are the checkpoint's.
+  (both ranks send it the same batch), and the experts gathered from both ranks are the checkpoint's;
+* with MoE routing replay (`services.trainer.backends.megatron_routing`), as padded rows and as a
+  pack, each router takes the given experts where a token's route is known and its own choice
+  elsewhere, in the policy and the frozen reference, with the torch backend's routing and logprobs;
+  each tensor-parallel rank gets the routes of its part of the sequence (sequence parallelism) and
+  each pipeline stage those of its MoE layers.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,11 +35,13 @@ pytest.importorskip("megatron.core", reason="the megatron extra is not installed
 
 from services.trainer.backends import build_backend, megatron_moe  # noqa: E402
 from services.trainer.backends.backend import Backend  # noqa: E402
+from services.trainer.backends.layout import Layout  # noqa: E402
 from services.trainer.backends.megatron_convert import read_hf_state  # noqa: E402
-from services.trainer.backends.megatron_routing import rank_routes  # noqa: E402
+from services.trainer.backends.megatron_routing import MegatronReplay, rank_routes  # noqa: E402
 from services.trainer.backends.micro_batch import MicroBatch, micro_batch  # noqa: E402
 from services.trainer.backends.routing_replay import RouteRecorder  # noqa: E402
 from services.trainer.batch import Row  # noqa: E402
+from services.trainer.ranks import SINGLE, Ranks  # noqa: E402
 from shared.config import load  # noqa: E402
 from shared.config_error import ConfigError  # noqa: E402
 from shared.run_config import RunConfig  # noqa: E402
@@ -225,27 +233,34 @@ def test_two_expert_parallel_ranks_match_one(models, one_rank, ids, tmp_path):
 
 
 def _replaying(folder: Path, backend: str) -> Backend:
-    """The ``backend`` (torch or megatron) on ``folder``, one rank, routing replay on."""
+    """The ``backend`` (torch or megatron) on ``folder``, one rank, routing replay on, with a
+    reference policy."""
     overrides = [
         f"policy.model_name={folder}",
         "data.train_path=t.jsonl",
         "trainer.torch_threads=1",
         "policy.moe_routing_replay=true",
+        "loss_fn.reference_policy_kl_penalty=0.1",
         f"trainer.backend={backend}",
     ]
     return build_backend(load(RunConfig, None, overrides, env={}))
 
 
-def _megatron_pass(backend: Backend, mb: MicroBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``mb``'s logprobs on the megatron backend, and the experts each MoE router took for every
-    token ([tokens, experts] bool a layer, tokens row-major as in `MicroBatch.routes`)."""
+def _megatron_pass(
+    backend: Backend, mb: MicroBatch, *, reference: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``mb``'s logprobs on the megatron backend (the policy, or the frozen ``reference``), and the
+    experts each MoE router took for every token ([tokens, experts] bool a layer, tokens row-major
+    as in `MicroBatch.routes`)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    model = backend.ref_model if reference else backend.model
+    assert model is not None
     maps: list[torch.Tensor] = []
-    routers = [m for m in backend.model.modules() if isinstance(m, TopKRouter)]
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     hooks = [r.register_forward_hook(lambda _m, _a, out: maps.append(out[1])) for r in routers]
     with torch.no_grad():
-        lp = backend.adapter.logprobs(backend.adapter.logits(backend.model, mb), mb)
+        lp = backend.adapter.logprobs(backend.adapter.logits(model, mb), mb)
     for h in hooks:
         h.remove()
     rows, width = mb.ids.shape  # megatron's tokens are sequence-first
@@ -265,7 +280,7 @@ def test_megatron_routers_replay_the_generators_routes_as_the_torch_backend_does
     and its own choice elsewhere (a row without routes, positions past a row's routes, padding),
     the logprobs move off the unreplayed ones, and both routing and logprobs are the torch
     backend's on the same routes (the weights: softmax over all experts at the given ones,
-    renormalised where the model renormalises)."""
+    renormalised where the model renormalises). The frozen reference routes as the policy."""
     folder, _ = models[variant]
     hf = _hf_config(folder)
     experts = megatron_moe.num_experts(hf)
@@ -284,6 +299,7 @@ def test_megatron_routers_replay_the_generators_routes_as_the_torch_backend_does
         mb = micro_batch(rows, megatron.pad_id, torch.device("cpu"), packed=packed)
         assert mb.routes is not None and mb.routes_known is not None
         lp, used = _megatron_pass(megatron, mb)
+        _, used_by_reference = _megatron_pass(megatron, mb, reference=True)
         lp_own, own = _megatron_pass(megatron, dataclasses.replace(mb, routes=None, routes_known=None))
         recorder = RouteRecorder(reference.model)
         with torch.no_grad():
@@ -293,6 +309,7 @@ def test_megatron_routers_replay_the_generators_routes_as_the_torch_backend_does
         real = torch.ones_like(known) if packed else mb.attention_mask.flatten().bool()
         second_row = torch.arange(len(known)) >= (11 if packed else mb.input_ids.shape[1])
         assert len(used) == torch_used.shape[1] == mb.routes.shape[1]
+        assert all(torch.equal(u, r) for u, r in zip(used, used_by_reference, strict=True))
         for layer, (u, o) in enumerate(zip(used, own, strict=True)):
             given = _as_map(mb.routes[:, layer], experts)
             assert torch.equal(u[known], given[known])
@@ -326,3 +343,34 @@ def test_each_tensor_parallel_rank_gets_the_routes_of_its_part_of_the_sequence()
     whole, seen = rank_routes(routes, known, rows, length, 5)
     assert torch.equal(whole[:, 0, 0], routes[:, 0, 0].view(rows, length).T.flatten())
     assert torch.equal(seen, known.view(rows, length).T.flatten())
+
+
+def _stage_model(moe: list[bool]) -> SimpleNamespace:
+    """A stand-in for a stage's GPTModel: a router in the MLP of each layer ``moe`` marks."""
+    layers = [SimpleNamespace(mlp=SimpleNamespace(router=SimpleNamespace()) if m else SimpleNamespace()) for m in moe]
+    return SimpleNamespace(decoder=SimpleNamespace(layers=layers))
+
+
+@pytest.mark.unit
+def test_each_pipeline_stage_replays_the_routes_of_its_own_moe_layers():
+    """Layers 0-3, layer 0 dense (routes of layers 1, 2, 3), two stages of two layers: the first
+    stage's router (layer 1) takes the routes' first layer, the second stage's (layers 2, 3) the
+    other two; a model whose MoE layers are not the routes' is refused."""
+    hf = _hf(mlp_only_layers=[0])
+    routes = np.arange(5 * 3 * 2).reshape(5, 3, 2) % 8
+    row = Row("t", "g", np.arange(5), np.ones(5, np.float32), np.zeros(5, np.float32), reward=0.0, routes=routes)
+    mb = micro_batch([row], 0, torch.device("cpu"))
+    for stage, moe, layers in ((0, [False, True], [0]), (1, [True, True], [1, 2])):
+        pipeline = Ranks(rank=stage, world_size=2, device=torch.device("cpu"))
+        layout = Layout(SINGLE, SINGLE, (0,), pipeline, SINGLE, layer_offset=2 * stage)
+        replay, model = MegatronReplay(hf, layout, sequence_parallel=False), _stage_model(moe)
+        replay.attach(model)
+        replay.set(mb, 5)
+        routers = [x.mlp.router for x in model.decoder.layers if hasattr(x.mlp, "router")]
+        for router, layer in zip(routers, layers, strict=True):
+            _, experts = router.router_replay.get_replay_topk(
+                torch.zeros(5, 8), 2, None, None, lambda s, k, _g, _t: torch.topk(s, k, dim=1)
+            )
+            assert torch.equal(experts, torch.from_numpy(routes[:, layer]))
+        with pytest.raises(ValueError, match="MoE layers"):
+            replay.attach(_stage_model([True, False]))

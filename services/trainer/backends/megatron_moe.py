@@ -163,6 +163,18 @@ def mark_sequence_parallel(weight: torch.nn.Parameter, config: TransformerConfig
     weight.sequence_parallel = config.sequence_parallel
 
 
+def mark_experts(model: torch.nn.Module) -> None:
+    """Mark every routed expert's parameters as expert parameters (``allreduce`` false), at any
+    expert-parallel size. megatron-core marks them so only under expert parallelism; without it
+    they would count as dense parameters: their gradients reduced over the data ranks alone,
+    where at tensor parallelism (experts whole on every tensor rank, `moe_config_kwargs`) each
+    tensor rank's experts saw other tokens and the gradient must be reduced over the expert data
+    ranks, tensor ranks included, as megatron-core's DDP does for expert parameters."""
+    for name, param in model.named_parameters():
+        if ".local_experts." in name:
+            param.allreduce = False
+
+
 def layer_spec(hf: dict[str, Any], config: TransformerConfig) -> TransformerBlockSubmodules:
     """The megatron-core local (no Transformer Engine) layers of this pipeline stage: dense layers,
     and MoE layers where ``moe_layer_freq`` puts experts, their norms `RMSNorm`."""

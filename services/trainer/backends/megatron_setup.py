@@ -197,6 +197,8 @@ def build_gpt_model(
         megatron_cpu.without_transformer_engine()
     if megatron_hybrid.is_hybrid(hf):
         megatron_cpu.gated_delta_net_kernels()
+    if sequence_parallel and (compute_dtype or dtype) != dtype:
+        _reduce_scatter_into_any_dtype()
     kwargs = {**transformer_config_kwargs(hf), **megatron_moe.moe_config_kwargs(hf, expert_parallel=expert_parallel)}
     stages = int(parallel_state.get_pipeline_model_parallel_world_size())
     if stages > 1:  # megatron checks the (unused) dispatcher of a dense model against variable lengths too
@@ -232,7 +234,37 @@ def build_gpt_model(
     )
     if hybrid:
         megatron_hybrid.mark_fused_parts(model, hf)
+    megatron_moe.mark_experts(model)
     return model
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+def _reduce_scatter_into_any_dtype() -> None:
+    """Let megatron-core's sequence-parallel linear layers compute in an autocast dtype over
+    float32 weights (how the backend trains in ``policy.precision``): their backward pass
+    reduce-scatters the input gradient, computed in the autocast dtype, into a buffer of the
+    input's dtype (float32), and neither gloo nor NCCL reduce-scatters across dtypes. The
+    gradient is reduce-scattered in its own dtype and copied into that buffer. Idempotent."""
+    from megatron.core.tensor_parallel import layers
+
+    original = layers.dist_reduce_scatter_func
+    if getattr(original, "_streamrl_any_dtype", False):
+        return
+
+    def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        if output.dtype == input.dtype:
+            return original(output, input, group=group, async_op=async_op)
+        part = torch.empty(output.shape, dtype=input.dtype, device=output.device)
+        original(part, input, group=group)
+        output.copy_(part)
+        return _Done() if async_op else None
+
+    reduce_scatter._streamrl_any_dtype = True  # type: ignore[attr-defined]
+    layers.dist_reduce_scatter_func = reduce_scatter
 
 
 def tp_size() -> int:

@@ -87,7 +87,7 @@ def _tensor_parallel(model: Path) -> dict[str, torch.Tensor]:
     """Each row's logprobs from the model split over two tensor-parallel ranks (forward only)."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)
     megatron_cpu.apply(moe=True, pipeline=False)
     megatron_cpu.seed_rng(0)
     hf = json.loads((model / "config.json").read_text())
