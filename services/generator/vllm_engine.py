@@ -33,7 +33,6 @@ vLLM starts worker processes, so the process that builds this engine must run un
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -301,31 +300,6 @@ class VllmEngine:
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
             log.info("vLLM engine stopped")
-        await asyncio.to_thread(stop_leftover_processes)
-
-
-def stop_leftover_processes(grace_s: float = 5.0) -> int:
-    """Stop every process this one started that is still alive once the engine is closed: vLLM's
-    engine core and workers of an engine whose construction was abandoned. A generator stopped
-    while it builds its engine cancels the bring-up, but the construction goes on in its thread,
-    and the engine core it has already spawned would outlive the generator, serving nobody and
-    holding its memory and cores (seen: SIGTERM 12 s into bring-up on the tiny Qwen3.5-MoE left
-    the engine core and its worker running). The generator starts no other processes. SIGTERM,
-    then SIGKILL after ``grace_s``; returns how many there were."""
-    import psutil
-
-    children = psutil.Process().children(recursive=True)
-    if not children:
-        return 0
-    log.warning("stopping %d engine process(es) that outlived the engine", len(children))
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=grace_s)
-    for child in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    return len(children)
 
 
 def _choice(

@@ -170,31 +170,3 @@ async def test_vllm_generator_end_to_end(
     finally:
         gen.stop(whole_group=False)
         await redis.aclose()
-
-
-def test_a_generator_stopped_while_it_builds_its_engine_leaves_no_engine_process(
-    write_config, tiny_model_dir, redis_url, tmp_path
-):
-    """SIGTERM while vLLM is still being built (its engine core spawned, the model loading): the
-    construction goes on in the bring-up's thread, so the generator stops what it has spawned on
-    its way out (`vllm_engine.stop_leftover_processes`) instead of leaving vLLM's engine core and
-    workers running without it."""
-    import time
-
-    import psutil
-
-    config, _ = write_config(tiny_model_dir, redis_url=redis_url, backend="vllm")
-    gen = Service("services.generator", config, "gen-stopped", tmp_path / "generator.log").start()
-    proc = psutil.Process(gen.pid)
-    spawned: set[psutil.Process] = set()
-    deadline = time.monotonic() + 120
-    while not spawned and time.monotonic() < deadline:  # the engine core is up, the engine not built
-        spawned = {c for c in proc.children(recursive=True) if "python" in c.name().lower() or "VLLM" in c.name()}
-        time.sleep(0.2)
-    assert spawned, "vLLM spawned no process within 120 s"
-    time.sleep(1.0)  # let it get into the model load
-    spawned |= set(proc.children(recursive=True))
-    gen.proc.send_signal(signal.SIGTERM)
-    gen.proc.wait(timeout=90)
-    _, alive = psutil.wait_procs(list(spawned), timeout=10)
-    assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}; log: {gen.log.read_text()[-2000:]}"
