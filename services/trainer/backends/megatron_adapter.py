@@ -339,30 +339,7 @@ class MegatronAdapter:
                 p.grad = p.main_grad.to(p.dtype)
 
     def clip_grads(self, model: torch.nn.Module, max_norm: float) -> float:
-        """Clip by the global norm: tensor-parallel parts summed over their group (replicated
-        parameters counted once), experts over the expert-parallel ranks."""
-        from megatron.core import parallel_state, tensor_parallel
-
-        dense = torch.zeros((), dtype=torch.float64, device=self._device)
-        experts = torch.zeros((), dtype=torch.float64, device=self._device)
-        grads = []
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            if not getattr(p, "allreduce", True):
-                experts += p.grad.double().pow(2).sum()
-            elif tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
-                dense += p.grad.double().pow(2).sum()
-        if self.layout.world.sharded:
-            dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
-            dist.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
-        norm = float((dense + experts).sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        return megatron_optim.clip_grad_norm(model, max_norm, sharded=self.layout.world.sharded, device=self._device)
 
     # ---- state and weights ----------------------------------------------------------------------
 

@@ -82,3 +82,32 @@ def owned_states(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.nn.Pa
                         exp_avg_sq=torch.zeros_like(param),
                     )
                 yield param, state
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, *, sharded: bool, device: torch.device) -> float:
+    """Clip ``model``'s gradients by their global norm, returned: tensor-parallel parts summed
+    over their group (replicated parameters counted once), experts over the expert-parallel ranks
+    (``sharded``: the ranks hold parts of the model)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    dense = torch.zeros((), dtype=torch.float64, device=device)
+    experts = torch.zeros((), dtype=torch.float64, device=device)
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        if not getattr(p, "allreduce", True):
+            experts += p.grad.double().pow(2).sum()
+        elif tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+            dense += p.grad.double().pow(2).sum()
+    if sharded:
+        dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        dist.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    norm = float((dense + experts).sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
