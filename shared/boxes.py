@@ -101,3 +101,16 @@ class Numbering:
             mask[held[lo:hi] - self.starts[i]] = True
             out[name] = mask_boxes(mask.reshape(self.shapes[name]))
         return out
+
+
+def split(box: Box, max_volume: int) -> list[Box]:
+    """``box`` cut into row-major consecutive boxes of at most ``max_volume`` elements each: whole
+    slabs along the first dimension where a slab fits, a slab cut the same way where it does not."""
+    if volume(box) <= max_volume or not box:
+        return [box]
+    (start, stop), rest = box[0], box[1:]
+    slab = volume(rest)
+    if slab <= max_volume:
+        step = max_volume // slab
+        return [((s, min(s + step, stop)), *rest) for s in range(start, stop, step)]
+    return [((s, s + 1), *part) for s in range(start, stop) for part in split(rest, max_volume)]

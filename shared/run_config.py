@@ -117,6 +117,17 @@ class RunConfig(Section):
             raise ConfigError("refit.max_attempts must be >= 1")
         if self.refit.collective.bucket_mb < 1:
             raise ConfigError("refit.collective.bucket_mb must be >= 1")
+        if self.refit.collective.method == "reshard":
+            if self.refit.collective.backend == "nccl":
+                raise ConfigError(
+                    "refit.collective.method: reshard runs over gloo only (refit.collective.backend: gloo or auto on "
+                    "CPU machines); over nccl use method broadcast"
+                )
+            if self.trainer.backend != "torch":
+                raise ConfigError(
+                    f"refit.collective.method: reshard is built for trainer.backend torch, not {self.trainer.backend}; "
+                    "use method broadcast (or auto)"
+                )
         if self.trainer.collective_timeout_s <= 0:
             raise ConfigError("trainer.collective_timeout_s must be > 0")
         if g.stop_at_validation_metric is not None:

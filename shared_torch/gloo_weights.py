@@ -328,11 +328,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self.group = None
 
 
-def transfer_backend(configured: str) -> str:
-    """The vLLM weight-transfer engine ``refit.collective.backend`` names (auto: nccl on GPUs)."""
-    if configured != "auto":
-        return configured
-    return "nccl" if torch.cuda.is_available() else BACKEND
+def transfer_backend(configured: str, method: str = "broadcast", trainer_backend: str = "torch") -> str:
+    """The vLLM weight-transfer engine ``refit.collective.backend`` and ``method`` name (backend
+    auto: nccl on GPUs, gloo elsewhere; method auto: ``gloo_reshard`` where it is built, over gloo
+    from the torch backend, a broadcast elsewhere)."""
+    backend = configured if configured != "auto" else ("nccl" if torch.cuda.is_available() else BACKEND)
+    reshard_built = backend == BACKEND and trainer_backend == "torch"
+    if method == "reshard" and not reshard_built:
+        raise ValueError(
+            f"refit.collective.method reshard runs over gloo from the torch backend, not {backend} from {trainer_backend}"
+        )
+    if method != "broadcast" and reshard_built:
+        from shared_torch.gloo_reshard import BACKEND as RESHARD
+
+        return RESHARD
+    return backend
 
 
 class TransferChecksumExtension:
@@ -357,6 +367,9 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)
+    from shared_torch import gloo_reshard
+
+    gloo_reshard.register()
 
 
 register()

@@ -63,6 +63,7 @@ class HfEngine:
         self._group: Any = None  # the weight-transfer group joined (collective refits)
         self._bucket_bytes = 256 << 20
         self._receive_buffers: list[Any] = []  # kept across transfers (`shared_torch.weight_wire`)
+        self._reshard: dict[str, Any] | None = None  # a resharding group's init info
         self._route_shape: RouteShape | None = None
         self._routed: list[Any] = []  # each MoE router's expert ids of the forward pass that just ran
 
@@ -243,6 +244,7 @@ class HfEngine:
                 "the transformers engine receives weights only over gloo (refit.collective.backend: gloo)"
             )
         self._bucket_bytes = int(info.get("bucket_bytes", self._bucket_bytes))
+        self._reshard = info if "receives" in info else None
         self._group = await asyncio.to_thread(
             open_group,
             str(info["master_address"]),
@@ -267,8 +269,10 @@ class HfEngine:
 
         if self._group is None:
             raise TransferError("no weight-transfer group joined")
-        metas = metas_from_update(update_info["names"], update_info["dtype_names"], update_info["shapes"])
         layout = self._stored_layout()
+        if self._reshard is not None:
+            return self._receive_reshard(layout)
+        metas = metas_from_update(update_info["names"], update_info["dtype_names"], update_info["shapes"])
         unknown = [m.name for m in metas if m.name not in layout.names]
         if unknown:
             raise ValueError(f"the transfer names parameters the model does not have: {unknown[:5]}")
@@ -284,6 +288,33 @@ class HfEngine:
             self._group = None
             raise
         return transfer_checksum(digests)
+
+    def _receive_reshard(self, layout: Any) -> str:
+        """A resharding transfer (`shared_torch.gloo_reshard`): one engine rank, every tensor whole."""
+        import torch
+
+        from shared_torch.reshard_wire import decode_links, engine_checksum, receive_links
+
+        info = self._reshard
+        assert info is not None
+        unknown = [name for name in info["shapes"] if name not in layout.names]
+        if unknown:
+            raise ValueError(f"the transfer names parameters the model does not have: {unknown[:5]}")
+        try:
+            with torch.no_grad():
+                checksum = receive_links(
+                    self._group,
+                    decode_links(info["receives"][0]),
+                    {n: tuple(s) for n, s in info["shapes"].items()},
+                    getattr(torch, info["dtype"]),
+                    int(info["slot_bytes"]),
+                    layout.copy_,
+                )
+        except Exception:
+            self._group.close()
+            self._group = None
+            raise
+        return engine_checksum([checksum])
 
     async def weight_checksum(self) -> str | None:
         return None  # no engine-side checksums beyond the transfer's own

@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from services.generator.vllm_bringup import EngineBuild
+
 log = logging.getLogger(__name__)
 
 
@@ -71,6 +73,7 @@ class VllmEngine:
     def __init__(self, cfg: RunConfig) -> None:
         self._cfg = cfg
         self._llm: Any = None
+        self._build: EngineBuild | None = None  # an engine construction under way, or abandoned
         self._info = EngineInfo(name="vllm", model=cfg.policy.model_name, max_model_len=0)
         self._prefix_caching = False
         self._route_shape: RouteShape | None = None  # policy.moe_routing_replay, once settled
@@ -160,7 +163,8 @@ class VllmEngine:
         from shared_torch.gloo_weights import register, transfer_backend
 
         register()  # vLLM's plugin entry point does it in the engine's processes; this covers this one
-        return WeightTransferConfig(backend=transfer_backend(self._cfg.refit.collective.backend))
+        c = self._cfg.refit.collective
+        return WeightTransferConfig(backend=transfer_backend(c.backend, c.method, self._cfg.trainer.backend))
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -169,8 +173,23 @@ class VllmEngine:
         args = await asyncio.to_thread(self._engine_args)
         # Engine construction blocks for the whole model load (tens of seconds); in a thread the
         # event loop keeps answering /health meanwhile. AsyncLLM starts its output handler lazily
-        # on the first request when built outside a running loop.
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        # on the first request when built outside a running loop. A thread goes on when its
+        # awaiter is cancelled (the generator stopped during bring-up): the construction is then
+        # abandoned, and what it built and spawned is stopped (`services.generator.vllm_bringup`).
+        from services.generator.vllm_bringup import EngineBuild
+
+        self._build = build = EngineBuild()
+        try:
+            llm = await asyncio.to_thread(build.run, functools.partial(AsyncLLM.from_engine_args, args))
+        except asyncio.CancelledError:
+            build.abandon()  # self._build stays: aclose stops what the construction left
+            raise
+        except BaseException:
+            self._build = None  # it failed by itself: vLLM stopped its processes
+            raise
+        if not build.take_over():  # closed while it was building: the construction shuts it down
+            raise RuntimeError("the vLLM engine was closed while it was starting")
+        self._llm, self._build = llm, None
         vcfg = self._llm.vllm_config
         random_weights = args.load_format == "dummy"
         if random_weights:
@@ -256,10 +275,16 @@ class VllmEngine:
     async def receive_weights(self, update_info: dict[str, Any]) -> str | None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        from shared_torch.gloo_reshard import BACKEND as RESHARD
+        from shared_torch.reshard_wire import engine_checksum
+
         await self._llm.start_weight_update()
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
         await self._llm.finish_weight_update()
         sums = await self._llm.collective_rpc("streamrl_transfer_checksum")
+        if self._weight_transfer_config().backend == RESHARD:
+            # One entry per engine rank, in rank order: each received its own slices.
+            return engine_checksum(sums) if all(s is not None for s in sums) else None
         # One entry per engine worker; with tensor parallelism each received the whole stream.
         found = {s for s in sums if s is not None}
         if len(found) > 1:
@@ -296,6 +321,9 @@ class VllmEngine:
         return EngineStats(running=running, waiting=0, generated_tokens_total=self._generated_tokens_total)
 
     async def aclose(self) -> None:
+        build, self._build = self._build, None
+        if build is not None:  # closed during bring-up: stop the construction's engine and processes
+            await asyncio.to_thread(build.close)
         llm, self._llm = self._llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)

@@ -37,6 +37,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -114,7 +115,7 @@ class WeightSync:
         async with self._lock:
             try:
                 async with asyncio.timeout(self.load_timeout_s):
-                    await self.runtime.engine.join_weight_group({**order.init_info, "rank_offset": rank})
+                    await self.runtime.engine.join_weight_group(_own_init_info(order, self.runtime.worker_id, rank))
             except Exception as exc:
                 error = f"could not join weight-transfer group {order.group_id}: {type(exc).__name__}: {exc}"
                 log.error("%s", error)
@@ -327,3 +328,13 @@ def _order(ann: WeightAnnouncement) -> LoadOrder:
         files=ann.files or None,
         collective=ann.collective,
     )
+
+
+def _own_init_info(order: CollectiveOrder, worker_id: str, rank: int) -> dict[str, Any]:
+    """This generator's init info out of ``order``'s: its first engine rank's place in the group,
+    and, in a resharding transfer, its own engine ranks' links only."""
+    info = {**order.init_info, "rank_offset": rank}
+    receives = info.get("receives")
+    if isinstance(receives, dict):
+        info["receives"] = receives[worker_id]
+    return info

@@ -45,6 +45,11 @@ class LearnerLost(RuntimeError):
 
 
 class Learner(Protocol):
+    @property
+    def backend(self) -> TrainingBackend:
+        """The training backend (rank 0's, in a trainer of many ranks); after `start`."""
+        ...
+
     async def start(self) -> None:
         """Build the backend and load the policy."""
         ...
@@ -58,7 +63,7 @@ class Learner(Protocol):
         manifest of every file written (file name -> digest, `shared.weights_format`)."""
         ...
 
-    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | None:
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | dict[str, str] | None:
         """Send the policy over the transfer group ``order`` names (called from the refit's thread;
         ``client`` reaches the generators); the checksum of what was sent, when known."""
         ...
@@ -109,7 +114,7 @@ class LocalLearner:
     def export_weights(self, out_dir: Path) -> dict[str, str]:
         return self.backend.save_weights(out_dir)
 
-    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | None:
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | dict[str, str] | None:
         if self._sender is None:
             self._sender = sender_of(self.backend, rank=0)
         return self._sender.send(order, client)
@@ -135,4 +140,4 @@ def sender_of(backend: TrainingBackend, rank: int) -> CollectiveSender:
     """The collective sender over ``backend``'s weight stream (`TrainingBackend.weight_tensors`),
     in its compute precision. Every rank makes it at once (the backend's metadata may be
     gathered)."""
-    return CollectiveSender(weight_source(backend, backend.dtype), rank)
+    return CollectiveSender(weight_source(backend, backend.dtype), rank, shards=backend.weight_shards)

@@ -144,8 +144,8 @@ class RankedLearner:
         """Every rank writes its share of the folder; the manifest of every rank's files."""
         return self._command(Command(Op.EXPORT, str(out_dir)), lambda: self.backend.save_weights(out_dir))
 
-    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | None:
-        def run() -> str | None:
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | dict[str, str] | None:
+        def run() -> str | dict[str, str] | None:
             if self._sender is None:
                 self._sender = sender_of(self.backend, rank=0)
             return self._sender.send(order, client)
@@ -206,7 +206,10 @@ def follow(backend: TrainingBackend) -> None:
             case Op.SEND:
                 assert command.order is not None
                 sender = sender or sender_of(backend, rank=ranks.rank)
-                sender.send(command.order, None)
+                try:
+                    sender.send(command.order, None)
+                except TransferError as exc:  # the generators' group failed: rank 0 reports it, names it
+                    log.warning("rank %d: weight transfer failed: %s", ranks.rank, exc)
             case Op.SAVE:
                 assert path is not None
                 backend.save_checkpoint(path)

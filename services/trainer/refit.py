@@ -330,10 +330,11 @@ class WeightPublisher:
                     continue  # an answer to an earlier, failed transfer of this version
                 if not ack.ok:
                     raise RefitError(f"generator {ack.worker_id} failed to load weight version {version}: {ack.error}")
-                if sent.checksum is not None and ack.checksum != sent.checksum:
+                want = sent.checksums.get(ack.worker_id) if sent.checksums is not None else sent.checksum
+                if want is not None and ack.checksum != want:
                     raise RefitError(
                         f"generator {ack.worker_id} received weight version {version} with checksum {ack.checksum}; "
-                        f"the trainer sent {sent.checksum}"
+                        f"the trainer sent {want}"
                     )
                 confirmed[ack.worker_id] = ack
             gone = await self._leaving(expected - set(confirmed))

@@ -13,7 +13,7 @@ id (membership changed, or the last transfer failed) closes the old one and open
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
 
     from services.trainer.backends.base import TrainingBackend
+    from shared_torch.reshard_wire import Links
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,21 @@ class SendOrder:
     world_size: int  # the sender and every generator worker
     timeout_s: float
     bucket_bytes: int
+    reshard: ReshardOrder | None = None  # a transfer along a resharding plan (backend gloo_reshard)
+
+
+@dataclass(frozen=True)
+class ReshardOrder:
+    """What the trainer's ranks need of a resharding plan (`services.trainer.reshard_order`)."""
+
+    trainer_ranks: int
+    dtype: str
+    slot_bytes: int
+    slots: int
+    links: dict[int, Links]  # trainer rank -> its links (engine group rank -> buckets)
+    generators: dict[str, list[int]]  # worker -> its engine ranks' group ranks
+    workers: dict[str, Any]  # the generators' init info
+    total_bytes: int
 
 
 def weight_source(backend: TrainingBackend, dtype: torch.dtype) -> Any:
@@ -74,24 +90,32 @@ class _NotTheSender:
 
 
 class CollectiveSender:
-    """One trainer rank's vLLM trainer engine, kept per transfer group."""
+    """One trainer rank's vLLM trainer engine, kept per transfer group. ``source``: the policy as a
+    stream of whole tensors (a broadcast); ``shards``: this rank's own shard (a resharding plan)."""
 
-    def __init__(self, source: Any, rank: int) -> None:
+    def __init__(self, source: Any, rank: int, shards: Callable[[], Any] | None = None) -> None:
         self.source = source
         self.rank = rank
+        self.shards = shards
         self._engine: Any = None
         self._group_id: str | None = None
 
-    def send(self, order: SendOrder, client: VLLMWeightSyncClient | None) -> str | None:
+    def send(self, order: SendOrder, client: VLLMWeightSyncClient | None) -> str | dict[str, str] | None:
         """Take part in one transfer; on rank 0 the checksum of what was sent (when the engine
-        reports one). Raises when the transfer failed; the group is then closed."""
+        reports one; a resharding transfer: each generator's). Raises when the transfer failed;
+        the group is then closed."""
         if self._group_id != order.group_id:
             self.close()
             try:
-                self._engine = _trainer_init(order, self.rank, client or _NotTheSender(), self.source)
+                if order.reshard is not None:
+                    assert self.shards is not None, "a resharding transfer needs the rank's shards"
+                    self._engine = _reshard_init(order, self.rank, client or _NotTheSender(), self.shards())
+                else:
+                    self._engine = _trainer_init(order, self.rank, client or _NotTheSender(), self.source)
             except BaseException:
-                for _ in self.source:  # the other ranks gather alongside: keep them in step, then fail
-                    pass
+                if order.reshard is None:
+                    for _ in self.source:  # the other ranks gather alongside: keep them in step, then fail
+                        pass
                 raise
             self._group_id = order.group_id
         try:
@@ -102,6 +126,9 @@ class CollectiveSender:
         except BaseException:
             self.close()
             raise
+        if order.reshard is not None:
+            expected: dict[str, str] = self._engine.expected
+            return expected
         checksum: str | None = getattr(self._engine, "last_checksum", None)
         return checksum
 
@@ -145,3 +172,30 @@ def _trainer_init(order: SendOrder, rank: int, client: Any, source: Any) -> Any:
     else:
         raise ValueError(f"no trainer-side weight-transfer engine {order.backend!r} (gloo or nccl)")
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+def _reshard_init(order: SendOrder, rank: int, client: Any, shards: Any) -> Any:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from shared_torch.gloo_reshard import GlooReshardTrainerInitInfo
+    from shared_torch.gloo_weights import register
+
+    register()
+    r = order.reshard
+    assert r is not None
+    info = GlooReshardTrainerInitInfo(
+        rank=rank,
+        master_address=order.master_address,
+        master_port=order.master_port,
+        world_size=order.world_size,
+        trainer_ranks=r.trainer_ranks,
+        group_id=order.group_id,
+        dtype=r.dtype,
+        slot_bytes=r.slot_bytes,
+        slots=r.slots,
+        links=r.links.get(rank, {}),
+        generators=r.generators,
+        workers=r.workers,
+        timeout_s=order.timeout_s,
+    )
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=shards)

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from services.trainer.learner import Learner
+    from services.trainer.reshard_order import EngineNeeds
+    from services.trainer.reshard_plan import Holdings
     from services.trainer.weight_send import SendOrder
     from shared.keys import RunKeys
     from shared.run_config import RunConfig
@@ -63,6 +65,7 @@ class Sent:
     num_bytes: int
     checksum: str | None = None  # what every generator's ack must report (collective transfers)
     group: str | None = None  # the transfer group acks must name (collective transfers)
+    checksums: dict[str, str] | None = None  # what each generator's ack must report (resharding transfers)
 
 
 class WeightTransport(Protocol):
@@ -230,6 +233,7 @@ class CollectiveTransport:
         snapshot_period: int,
         redis: Redis,
         keys: RunKeys,
+        engine_needs: EngineNeeds | None = None,
     ) -> None:
         self.learner = learner
         self.backend = backend
@@ -241,13 +245,15 @@ class CollectiveTransport:
         self.snapshot_period = max(1, snapshot_period)
         self.redis = redis
         self.keys = keys
+        self.engine_needs = engine_needs  # set: transfers follow a resharding plan
         self.groups_formed = 0
+        self._holdings: Holdings | None = None
         self._group: _Group | None = None
         self._last_snapshot: int | None = None
 
     async def send(self, version: int, members: list[str], announce: Announce) -> Sent:
         if self._group is None or self._group.members != members:
-            self._group = self._new_group(members)
+            self._group = await asyncio.to_thread(self._new_group, members)
         group = self._group
         group.client.bind(asyncio.get_running_loop(), announce, version)
         t0 = time.perf_counter()
@@ -256,13 +262,21 @@ class CollectiveTransport:
         except Exception as exc:
             self.forget()
             raise TransferFailed(f"{type(exc).__name__}: {exc}") from exc
-        return Sent(time.perf_counter() - t0, group.client.num_bytes, checksum, group.order.group_id)
+        move_s = time.perf_counter() - t0
+        if group.order.reshard is not None:
+            assert isinstance(checksum, dict)
+            sent = group.order.reshard.total_bytes
+            return Sent(move_s, sent, checksums=checksum, group=group.order.group_id)
+        assert not isinstance(checksum, dict)
+        return Sent(move_s, group.client.num_bytes, checksum, group.order.group_id)
 
     def _new_group(self, members: list[str]) -> _Group:
         from services.trainer.weight_send import SendOrder
 
         self.groups_formed += 1
         group_id = f"g{self.groups_formed}-{secrets.token_hex(4)}"
+        if self.engine_needs is not None:
+            return self._new_reshard_group(group_id, members)
         ranks = {m: 1 + i * self.workers_per_generator for i, m in enumerate(members)}
         order = SendOrder(
             group_id=group_id,
@@ -274,6 +288,58 @@ class CollectiveTransport:
             bucket_bytes=self.bucket_bytes,
         )
         log.info("weight-transfer group %s: %d generator(s), world size %d", group_id, len(members), order.world_size)
+        return _Group(list(members), order, _GroupClient(group_id, self.backend, ranks, self.timeout_s))
+
+    def _new_reshard_group(self, group_id: str, members: list[str]) -> _Group:
+        """A group whose transfers follow a resharding plan to ``members`` (`reshard_order`)."""
+        from services.trainer.reshard_order import reshard_order
+        from services.trainer.weight_send import SendOrder
+
+        engine = self.engine_needs
+        assert engine is not None
+        backend = self.learner.backend
+        if self._holdings is None:
+            self._holdings = backend.weight_shards().holdings()
+            engine.shapes = dict(backend.weight_metadata())
+        trainer_ranks = backend.layout.world.world_size
+        world_size = trainer_ranks + len(members) * engine.ranks
+        port = _free_port()
+        dtype = str(backend.dtype).removeprefix("torch.")
+        info = {
+            "master_address": self.master_address,
+            "master_port": port,
+            "world_size": world_size,
+            "group_id": group_id,
+            "timeout_s": self.timeout_s,
+        }
+        reshard, _ = reshard_order(
+            self._holdings,
+            engine,
+            members,
+            trainer_ranks=trainer_ranks,
+            dtype=dtype,
+            itemsize=backend.dtype.itemsize,
+            bucket_bytes=self.bucket_bytes,
+            generator_info=info,
+        )
+        order = SendOrder(
+            group_id=group_id,
+            backend=self.backend,
+            master_address=self.master_address,
+            master_port=port,
+            world_size=world_size,
+            timeout_s=self.timeout_s,
+            bucket_bytes=self.bucket_bytes,
+            reshard=reshard,
+        )
+        ranks = {m: trainer_ranks + i * engine.ranks for i, m in enumerate(members)}
+        log.info(
+            "weight-transfer group %s: %d trainer rank(s) resharding into %d generator(s), world size %d",
+            group_id,
+            trainer_ranks,
+            len(members),
+            world_size,
+        )
         return _Group(list(members), order, _GroupClient(group_id, self.backend, ranks, self.timeout_s))
 
     async def after_confirmed(self, version: int) -> None:
@@ -328,13 +394,25 @@ def build_transport(
     files = FilesystemTransport(weights_dir, learner.export_weights)
     if cfg.refit.transport == "filesystem":
         return files
+    from shared_torch.gloo_reshard import BACKEND as RESHARD
     from shared_torch.gloo_weights import transfer_backend
 
     c = cfg.refit.collective
     v = cfg.policy.generation.vllm_cfg
+    backend = transfer_backend(c.backend, c.method, cfg.trainer.backend)
+    needs = None
+    if backend == RESHARD:
+        from services.trainer.reshard_order import EngineNeeds
+
+        needs = EngineNeeds(
+            cfg.policy.model_name,
+            engine=cfg.policy.generation.backend,
+            tensor_parallel_size=v.tensor_parallel_size,
+            expert_parallel=v.enable_expert_parallel,
+        )
     return CollectiveTransport(
         learner,
-        backend=transfer_backend(c.backend),
+        backend=backend,
         master_address=c.master_address or _this_host(),
         bucket_bytes=c.bucket_mb << 20,
         timeout_s=cfg.trainer.refit_timeout_s,
@@ -343,4 +421,5 @@ def build_transport(
         snapshot_period=c.snapshot_period or cfg.checkpointing.save_period,
         redis=redis,
         keys=keys,
+        engine_needs=needs,
     )

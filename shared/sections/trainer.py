@@ -99,6 +99,15 @@ class CollectiveRefitSection(Section):
         Literal["auto", "gloo", "nccl"],
         D("vLLM weight-transfer engine; auto: nccl when the generators run on GPUs, gloo (CPU) otherwise"),
     ] = "auto"
+    method: Annotated[
+        Literal["auto", "reshard", "broadcast"],
+        D(
+            "reshard: every trainer rank sends the slices of its own shard that each engine rank keeps straight "
+            "to it, all links at once, no tensor gathered (gloo; the torch backend); broadcast: the trainer's "
+            "ranks gather each tensor and rank 0 broadcasts it whole to every engine rank; auto: reshard where "
+            "it is built (gloo, torch backend), broadcast elsewhere"
+        ),
+    ] = "auto"
     master_address: Annotated[
         str | None,
         D("address generators reach trainer rank 0 at for the transfer group; null: this host's name"),

@@ -35,17 +35,26 @@ from shared.streams import StreamClient, connect
 
 pytestmark = pytest.mark.integration
 
-# (transport, training backend)
-RIGS = [("filesystem", "torch"), ("collective", "torch"), ("collective", "megatron")]
+# (transport, training backend, refit.collective.method): the torch backend's collective refits
+# follow a resharding plan by default (every rank sends its own rows); megatron's broadcast
+RIGS = [
+    ("filesystem", "torch", "auto"),
+    ("collective", "torch", "auto"),
+    ("collective", "torch", "broadcast"),
+    ("collective", "megatron", "auto"),
+]
 
 
-def run_config(tiny_model_dir, redis_url, config_tree, transport: str, run_id: str) -> RunConfig:
+def run_config(
+    tiny_model_dir, redis_url, config_tree, transport: str, run_id: str, method: str = "auto", trainer: str = "torch"
+) -> RunConfig:
     tree = config_tree(tiny_model_dir, run_id=run_id, redis_url=redis_url, backend="transformers")
-    tree["refit"] = {"transport": transport, "collective": {"master_address": "127.0.0.1", "bucket_mb": 1}}
+    collective = {"master_address": "127.0.0.1", "bucket_mb": 1, "method": method}
+    tree["refit"] = {"transport": transport, "collective": collective}
     tree["policy"]["precision"] = "float32"
     tree["data"] = {"train_path": "unused.jsonl"}
     # bounds the transfer group too: a broadcast to a generator that stopped taking part ends then
-    tree["trainer"] = {"refit_timeout_s": 20.0, "torch_threads": 1}
+    tree["trainer"] = {"refit_timeout_s": 20.0, "torch_threads": 1, "backend": trainer}
     return decode_tree(tree, RunConfig)
 
 
@@ -61,19 +70,17 @@ async def generator(cfg: RunConfig, worker_id: str):
             yield app, client
 
 
-@pytest.fixture(params=RIGS, ids=["-".join(r) for r in RIGS])
+@pytest.fixture(params=RIGS, ids=["-".join(r).removesuffix("-auto") for r in RIGS])
 async def rig(request, tiny_model_dir, redis_url, generator_config_tree, tmp_path):
     """(cfg, learner, publisher) for one transport on a fresh run; the learner's policy is nudged
     away from the generators' initial weights, as a training step would."""
-    transport, backend = request.param
-    cfg = run_config(tiny_model_dir, redis_url, generator_config_tree, transport, f"wt-{uuid.uuid4().hex[:6]}")
+    transport, backend, method = request.param
     if backend == "megatron":
         pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
-        megatron = msgspec.structs.replace(cfg.trainer, backend="megatron")
-        learner = LocalLearner(lambda: build_backend(msgspec.structs.replace(cfg, trainer=megatron)))
         request.addfinalizer(_leave_megatron_groups)
-    else:
-        learner = LocalLearner(lambda: build_backend(cfg))
+    run_id = f"wt-{uuid.uuid4().hex[:6]}"
+    cfg = run_config(tiny_model_dir, redis_url, generator_config_tree, transport, run_id, method, backend)
+    learner = LocalLearner(lambda: build_backend(cfg))
     await learner.start()
     nudge(learner.backend.model, seed=1)
     redis = connect(redis_url)

@@ -118,3 +118,9 @@ class ModelAdapter(Protocol):
         """The policy as a safetensors folder generators load, written by every rank; the files'
         digests (every rank's on rank 0)."""
         ...
+
+    def weight_shards(self, model: torch.nn.Module) -> Any:
+        """This rank's shard of the policy as a resharding refit reads it (holdings of every rank,
+        this rank's boxes: `services.trainer.reshard_source.FsdpShards`); raises
+        NotImplementedError where the layout has none built."""
+        ...

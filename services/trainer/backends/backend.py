@@ -282,6 +282,9 @@ class Backend:
     def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.adapter.weight_tensors(self.model)
 
+    def weight_shards(self) -> Any:
+        return self.adapter.weight_shards(self.model)
+
     def save_checkpoint(self, path: Path) -> None:
         """Model and optimizer as a Distributed Checkpoint (every rank writes its part; any layout
         reads it back), the schedule and RNG from rank 0 (`dcp.LearnerCheckpoint`)."""

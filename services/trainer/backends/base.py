@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -103,6 +103,10 @@ class TrainingBackend(Protocol):
     def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's tensors whole, one at a time, in `weight_metadata`'s order, on rank 0 at
         least (what a collective refit sends; collective: every rank drains it)."""
+        ...
+
+    def weight_shards(self) -> Any:
+        """This rank's own shard as a resharding refit reads it (`ModelAdapter.weight_shards`)."""
         ...
 
     def save_checkpoint(self, path: Path) -> None:

@@ -224,6 +224,13 @@ class HFAdapter:
         """Under the checkpoint's names, from the state dict's shapes alone (no gather)."""
         return stored_names(model, _tied_keys(model))
 
+    def weight_shards(self, model: torch.nn.Module) -> Any:
+        """Each rank's FSDP2 rows (the whole model at one rank), read as the published tensors."""
+        from services.trainer.reshard_source import FsdpShards
+
+        world = self.layout.world
+        return FsdpShards(model, world.world_size, world.rank, _tied_keys(model))
+
     def weight_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Where and as they are (float32: the sender casts them as it packs them), under the
         checkpoint's names; every rank gets each tensor. The untrained ones stay where they are."""

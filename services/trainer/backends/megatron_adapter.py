@@ -390,6 +390,9 @@ class MegatronAdapter:
     def weight_metadata(self, model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
         return [item for stage in self._stages_metadata(model) for item in stage]
 
+    def weight_shards(self, model: torch.nn.Module) -> Any:
+        raise NotImplementedError("a resharding refit from the megatron backend (refit.collective.method broadcast)")
+
     def weight_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """In the compute precision, on rank 0 only (`megatron_export.to_first_rank`)."""
         from megatron.core import parallel_state
