@@ -200,14 +200,17 @@ class GlooReshardTrainerEngine(TrainerWeightTransferEngine[GlooReshardTrainerIni
             raise ValueError("the gloo reshard trainer engine needs this rank's shards as its source")
         engine = cls(client=client, source=source, is_sender=init_info.rank == 0, init_info=init_info)
         source.prepare(piece for buckets in init_info.links.values() for bucket in buckets for piece in bucket)
-        open_ = lambda: open_group(  # noqa: E731
-            init_info.master_address,
-            init_info.master_port,
-            init_info.rank,
-            init_info.world_size,
-            init_info.group_id,
-            init_info.timeout_s,
-        )
+
+        def open_() -> Group:
+            return open_group(
+                init_info.master_address,
+                init_info.master_port,
+                init_info.rank,
+                init_info.world_size,
+                init_info.group_id,
+                init_info.timeout_s,
+            )
+
         if init_info.rank != 0:
             engine.group = open_()
             return engine

@@ -336,7 +336,8 @@ def transfer_backend(configured: str, method: str = "broadcast", trainer_backend
     reshard_built = backend == BACKEND and trainer_backend == "torch"
     if method == "reshard" and not reshard_built:
         raise ValueError(
-            f"refit.collective.method reshard runs over gloo from the torch backend, not {backend} from {trainer_backend}"
+            "refit.collective.method reshard runs over gloo from the torch backend, "
+            f"not {backend} from {trainer_backend}"
         )
     if method != "broadcast" and reshard_built:
         from shared_torch.gloo_reshard import BACKEND as RESHARD

@@ -118,8 +118,8 @@ class EngineBuild:
         self.stop_spawned()
 
     def spawned(self) -> list[psutil.Process]:
-        """The processes this construction spawned and still running: the children of this
-        process that were not there when it began, created after it began, and their descendants
+        """The children of this process this construction spawned (their descendants are its
+        too): those that were not there when it began and were created after it began
         (multiprocessing's shared helpers excepted)."""
         shared = _multiprocessing_helpers()
         found: list[psutil.Process] = []
@@ -129,16 +129,20 @@ class EngineBuild:
                     continue
                 if child.create_time() < self._began_at - _CLOCK_SLACK_S:
                     continue
-                found += [child, *child.children(recursive=True)]
+                found.append(child)
             except psutil.Error:  # gone meanwhile
                 continue
         return found
 
     def stop_spawned(self) -> None:
-        """SIGTERM to what `spawned` finds, SIGKILL to what is still running `STOP_GRACE_S` later.
+        """Stop what `spawned` finds and their descendants: SIGTERM, then SIGKILL to what is
+        still running `STOP_GRACE_S` later. A process is frozen (SIGSTOP) before its children
+        are listed, so none spawns another behind the listing, and its children are listed
+        again until it ended (an engine core goes on booting, and starting workers, a while
+        after its SIGTERM): a worker orphaned as it starts would outlive it by seconds.
         Children are not waited for with ``waitpid`` (psutil's ``wait`` would reap them, under
         the feet of multiprocessing, which reaps its own): a zombie counts as stopped."""
-        procs = [p for p in self.spawned() if _running(p)]
+        procs = _freeze(self.spawned())
         if not procs:
             return
         log.warning(
@@ -146,13 +150,47 @@ class EngineBuild:
             len(procs),
             ", ".join(str(p.pid) for p in procs),
         )
-        for p in procs:
-            _send(p, "terminate")
+        _terminate(procs)
         deadline = time.monotonic() + STOP_GRACE_S
         while (left := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+            known = {p.pid for p in procs}
+            new = _freeze([c for p in left for c in _children(p) if c.pid not in known])
+            if new:
+                log.warning("stopping what they spawned since: %s", ", ".join(str(p.pid) for p in new))
+                _terminate(new)
+                procs += new
             time.sleep(_POLL_S)
-        for p in left:
+        for p in _freeze(left):  # frozen again, with what they spawned last: none is orphaned
             _send(p, "kill")
+
+
+def _freeze(roots: list[psutil.Process]) -> list[psutil.Process]:
+    """``roots`` and all their descendants, each stopped (SIGSTOP) before its children are listed."""
+    frozen: dict[int, psutil.Process] = {}
+    todo = list(roots)
+    while todo:
+        p = todo.pop()
+        if p.pid in frozen or not _running(p):
+            continue
+        _send(p, "suspend")
+        frozen[p.pid] = p
+        todo += _children(p)
+    return list(frozen.values())
+
+
+def _terminate(procs: list[psutil.Process]) -> None:
+    """SIGTERM to frozen processes, then SIGCONT: each handles its SIGTERM as it wakes."""
+    for p in procs:
+        _send(p, "terminate")
+    for p in procs:
+        _send(p, "resume")
+
+
+def _children(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return list(p.children())
+    except psutil.Error:  # gone meanwhile
+        return []
 
 
 def _key(p: psutil.Process) -> tuple[int, float]:

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
 
 @functools.cache
 def vllm_request_types() -> tuple[Any, Any, Any]:
@@ -109,6 +111,11 @@ class VllmEngine:
         )
         for note in settings.notes:
             log.info("%s", note)
+        if current_platform.is_cpu() and args.tensor_parallel_size > 1 and not os.environ.get(CPU_BIND):
+            # vLLM binds each CPU rank to a NUMA node of its own and refuses more ranks than nodes;
+            # unbound, the ranks share the host's cores (`streamrl up` binds them: cpu_cores_per_worker).
+            os.environ[CPU_BIND] = "nobind"
+            log.info("%d engine ranks on CPU without a core binding: %s=nobind", args.tensor_parallel_size, CPU_BIND)
         args.dtype = settings.dtype
         args.enable_prefix_caching = settings.enable_prefix_caching
         args.enable_chunked_prefill = settings.enable_chunked_prefill

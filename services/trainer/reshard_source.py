@@ -83,7 +83,6 @@ class FsdpShards:
         self.world_size = world_size
         self.rank = rank
         self.skip = skip
-        self._as_stored = lambda pairs: as_stored(model, pairs)
         # published name -> (parameter, the parameter's flat element index of each element)
         self._origin: dict[str, tuple[str, np.ndarray]] = {}
         self._takes: dict[Piece, _Take] = {}
@@ -95,14 +94,16 @@ class FsdpShards:
             row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
             self._rows[name] = (-(-(shape[0] if shape else 1) // world_size), row)
             index = torch.arange(int(np.prod(shape, dtype=np.int64))).view(shape)
-            for stored, elements in self._as_stored([(name, index)]):
+            for stored, elements in as_stored(model, [(name, index)]):
                 self._origin[stored] = (name, elements.numpy().astype(np.int64))
 
     def holdings(self) -> Holdings:
         """What every rank holds (the plan is made on rank 0 for all)."""
 
+        from shared_torch.stored_names import as_stored
+
         def published(pairs: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-            return self._as_stored((n, t) for n, t in pairs if n not in self.skip)
+            return as_stored(self.model, ((n, t) for n, t in pairs if n not in self.skip))
 
         return fsdp_holdings(self.model, self.world_size, published)
 

@@ -105,6 +105,9 @@ class SimBackend:
     def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError("the benchmark's runs publish weights as files (refit.transport: filesystem)")
 
+    def weight_shards(self) -> Any:
+        raise NotImplementedError("the benchmark's runs publish weights as files (refit.transport: filesystem)")
+
     def save_checkpoint(self, path: Path) -> None:
         raise NotImplementedError("the benchmark's runs keep no checkpoints")
 

@@ -103,7 +103,9 @@ def model_dir(case, request):
 @pytest.fixture(scope="module")
 async def engine(case, model_dir, generator_config_tree):
     tree = case.tree(model_dir, generator_config_tree, "contract")
-    tree["refit"] = {"transport": "collective"}  # the engine also takes weights over a transfer group
+    # The engine also takes weights over a transfer group: a broadcast one here (the resharding
+    # engine's refits into real engines: tests/integration/test_reshard_engines.py, the e2e run).
+    tree["refit"] = {"transport": "collective", "collective": {"method": "broadcast"}}
     # Real weights at start (collective runs start vLLM on random ones: test_random_start_*).
     tree["policy"]["generation"].setdefault("vllm_cfg", {})["load_format"] = "auto"
     eng = build_engine(decode_tree(tree, RunConfig))

@@ -23,8 +23,16 @@ GONE_TIMEOUT_S = 10.0  # after the generator exited, for its descendants to be g
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    # psutil.Process.is_running compares the creation time too: a reused pid is not "alive".
-    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    """Those of ``procs`` still running (a zombie has ended), each once."""
+    alive: dict[int, psutil.Process] = {}
+    for p in procs:
+        try:
+            # is_running compares the creation time too: a reused pid is not "alive".
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive[p.pid] = p
+        except psutil.Error:  # gone meanwhile
+            pass
+    return list(alive.values())
 
 
 def _describe(procs: list[psutil.Process]) -> str:

@@ -18,7 +18,6 @@ import contextlib
 import uuid
 
 import httpx
-import msgspec
 import pytest
 import torch
 
