@@ -203,6 +203,7 @@ class WeightAnnouncement(_Message, tag="weights"):
     collective: CollectiveOrder | None = None
     format: Literal["safetensors"] = "safetensors"
     mode: Literal["drain", "keep"] = "drain"
+    probe: list[int] = msgspec.field(default_factory=list)  # token ids each generator scores once loaded
     created_at: float = msgspec.field(default_factory=time.time)
 
 
@@ -220,6 +221,8 @@ class WeightAck(_Message, tag="weight_ack"):
     checksum: str | None = None
     engine_checksum: str | None = None
     group: str | None = None  # the transfer group of a collective version
+    # the announcement's probe scored at this version: token t's logprob given tokens < t, t >= 1
+    probe_logprobs: list[float] | None = None
     at: float = msgspec.field(default_factory=time.time)
 
 

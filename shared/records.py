@@ -173,6 +173,8 @@ class RefitSummary(msgspec.Struct, kw_only=True):
     transport: str = "filesystem"
     num_bytes: int = 0
     attempts: int = 1  # a transfer that lost a generator is retried without it
+    # the largest mean |logprob difference| on the probe between a generator and the trainer
+    probe_error: float | None = None
 
 
 class MeanMaxMin(msgspec.Struct, kw_only=True):

@@ -133,6 +133,11 @@ class Engine(Protocol):
         """One digest of the engine's per-parameter weight checksums (None: not computed)."""
         ...
 
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Each token's logprob given the tokens before it (``len(token_ids) - 1`` of them), from
+        the raw logits (temperature 1, no truncation): what a refit's probe compares."""
+        ...
+
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached KV block; the engine's own answer (False: refused)."""
         ...

@@ -198,6 +198,18 @@ class HfEngine:
             out = self._model(input_ids=input_ids, past_key_values=past, use_cache=True)
         return out.logits[:, -1, :].float(), out.past_key_values
 
+    async def score(self, token_ids: list[int]) -> list[float]:
+        async with self._lock:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._score, token_ids)
+
+    def _score(self, token_ids: list[int]) -> list[float]:
+        import torch
+
+        with torch.inference_mode():
+            logits = self._model(input_ids=torch.tensor([token_ids])).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(token_ids[1:]).unsqueeze(1))
+        return [float(x) for x in lp.squeeze(1)]
+
     async def load_weights(self, path: str) -> None:
         if self._active and self._running.is_set():
             raise RuntimeError("load_weights called while a generation is running; pause the engine first")

@@ -271,6 +271,18 @@ class VllmEngine:
         self._generated_tokens_total += sum(len(c.token_ids) for c in choices)
         return choices
 
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """vLLM's prompt logprobs (from the raw logits, whatever the logprobs mode)."""
+        SamplingParams, _, TokensPrompt = vllm_request_types()
+        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        final: Any = None
+        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=token_ids), sp, request_id=f"probe-{id(sp)}"):
+            final = out
+        scored = final.prompt_logprobs if final is not None else None
+        if scored is None or len(scored) != len(token_ids):
+            raise RuntimeError("the engine returned no prompt logprobs for the probe")
+        return [float(scored[i][t].logprob) for i, t in enumerate(token_ids) if i > 0]
+
     async def load_weights(self, path: str) -> None:
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
 

@@ -79,6 +79,7 @@ class LoadOrder:
     transport: WeightTransportName = "filesystem"
     files: dict[str, str] | None = None  # file -> digest; None: check ``checksum`` over the folder
     collective: CollectiveOrder | None = None
+    probe: list[int] | None = None  # token ids to score once the version serves
 
 
 class WeightSync:
@@ -167,6 +168,15 @@ class WeightSync:
                     group=group,
                 )
             load_s = time.monotonic() - t0
+            probe_logprobs = None
+            if order.probe:
+                try:
+                    async with asyncio.timeout(self.load_timeout_s):
+                        probe_logprobs = await rt.engine.score(order.probe)
+                except Exception as exc:
+                    error = f"scoring the probe at weight version {order.version}: {type(exc).__name__}: {exc}"
+                    log.error("%s", error)
+                    return WeightAck(worker_id=rt.worker_id, version=order.version, ok=False, error=error, group=group)
             rt.last_refit_s = load_s
             self.metrics.refits.labels("ok").inc()
             self.metrics.refit_seconds.observe(load_s)
@@ -180,6 +190,7 @@ class WeightSync:
                 checksum=received,
                 engine_checksum=engine_checksum,
                 group=group,
+                probe_logprobs=probe_logprobs,
             )
 
     async def _load(self, order: LoadOrder) -> tuple[bool, str | None, str | None]:
@@ -327,6 +338,7 @@ def _order(ann: WeightAnnouncement) -> LoadOrder:
         transport=ann.transport,
         files=ann.files or None,
         collective=ann.collective,
+        probe=ann.probe or None,
     )
 
 

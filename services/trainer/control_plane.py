@@ -43,6 +43,7 @@ from services.trainer.metrics_log import MetricsLog, RecordSink, plot_reward_cur
 from services.trainer.nemo_rl_metrics import nemo_rl_metrics
 from services.trainer.ranks import launched_world_size
 from services.trainer.refit import RefitReport, WeightPublisher, check_refit_fidelity
+from services.trainer.refit_probe import build_probe
 from services.trainer.reward_shaping import OverlongPenalty
 from services.trainer.scheduler import Scheduler
 from services.trainer.status_view import trainer_status
@@ -146,6 +147,7 @@ class ControlPlane:
             timeout_s=cfg.trainer.refit_timeout_s,
             in_flight_updates=g.async_grpo.in_flight_weight_updates,
             max_attempts=cfg.refit.max_attempts,
+            probe=build_probe(cfg, learner.probe),
         )
         self.heartbeat = HeartbeatTask(self.redis, self.keys, self._heartbeat)
         self.state = TrainerState.STARTING

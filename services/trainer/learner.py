@@ -68,6 +68,10 @@ class Learner(Protocol):
         ``client`` reaches the generators); the checksum of what was sent, when known."""
         ...
 
+    async def probe(self, token_ids: list[int]) -> list[float]:
+        """The policy's raw logprobs of ``token_ids`` (`TrainingBackend.probe_logprobs`)."""
+        ...
+
     async def save(self, path: Path) -> None:
         """Write the learner's part of a checkpoint into the existing folder ``path``."""
         ...
@@ -118,6 +122,9 @@ class LocalLearner:
         if self._sender is None:
             self._sender = sender_of(self.backend, rank=0)
         return self._sender.send(order, client)
+
+    async def probe(self, token_ids: list[int]) -> list[float]:
+        return await asyncio.to_thread(self.backend.probe_logprobs, token_ids)
 
     async def save(self, path: Path) -> None:
         await asyncio.to_thread(self.backend.save_checkpoint, path)

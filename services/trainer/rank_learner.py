@@ -58,6 +58,7 @@ class Op(StrEnum):
     TRAIN = "train"
     EXPORT = "export"
     SEND = "send"
+    PROBE = "probe"
     SAVE = "save"
     WAIT_SAVED = "wait_saved"
     LOAD = "load"
@@ -70,6 +71,7 @@ class Command:
     op: Op
     path: str | None = None
     order: SendOrder | None = None
+    tokens: list[int] | None = None
 
 
 def _broadcast(command: Command | None) -> Command:
@@ -152,6 +154,10 @@ class RankedLearner:
 
         return self._command(Command(Op.SEND, order=order), run)
 
+    async def probe(self, token_ids: list[int]) -> list[float]:
+        command = Command(Op.PROBE, tokens=list(token_ids))
+        return await asyncio.to_thread(self._command, command, lambda: self.backend.probe_logprobs(token_ids))
+
     async def save(self, path: Path) -> None:
         await asyncio.to_thread(self._command, Command(Op.SAVE, str(path)), lambda: self.backend.save_checkpoint(path))
 
@@ -210,6 +216,9 @@ def follow(backend: TrainingBackend) -> None:
                     sender.send(command.order, None)
                 except TransferError as exc:  # the generators' group failed: rank 0 reports it, names it
                     log.warning("rank %d: weight transfer failed: %s", ranks.rank, exc)
+            case Op.PROBE:
+                assert command.tokens is not None
+                backend.probe_logprobs(command.tokens)
             case Op.SAVE:
                 assert path is not None
                 backend.save_checkpoint(path)

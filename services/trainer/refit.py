@@ -38,6 +38,7 @@ from typing import Literal, TypeVar
 
 import msgspec
 
+from services.trainer.refit_probe import ProbeMismatch, RefitProbe
 from services.trainer.weight_transport import Sent, TransferFailed, WeightTransport
 from shared import keys as K
 from shared.pause import PauseControl, PauseReason
@@ -66,6 +67,7 @@ class RefitReport:
     transport: str = "filesystem"
     num_bytes: int = 0
     attempts: int = 1
+    probe_error: float | None = None  # `refit_probe`: the worst generator's, None when not probed
 
     def summary(self) -> RefitSummary:
         """The step record's view: per-phase durations (move, confirm = announce to the last ack)
@@ -80,6 +82,7 @@ class RefitReport:
             transport=self.transport,
             num_bytes=self.num_bytes,
             attempts=self.attempts,
+            probe_error=self.probe_error,
         )
 
 
@@ -138,6 +141,7 @@ class WeightPublisher:
         timeout_s: float,
         in_flight_updates: bool,
         max_attempts: int = 1,
+        probe: RefitProbe | None = None,
     ) -> None:
         self.streams = streams
         self.pause = pause
@@ -145,6 +149,8 @@ class WeightPublisher:
         self.timeout_s = timeout_s
         self.mode: Literal["drain", "keep"] = "keep" if in_flight_updates else "drain"
         self.max_attempts = max_attempts
+        self.probe = probe
+        self._probe_error: float | None = None
         self.dropped_total = 0  # generators dropped from a refit they did not confirm
         self._dropped: list[str] = []
         self._absence_proves_nothing_until = 0.0  # monotonic; set after a stalled Redis read
@@ -154,6 +160,9 @@ class WeightPublisher:
         the wait for the first generator to register (start-up), default the refit deadline."""
         t0 = time.perf_counter()
         self._dropped = []
+        self._probe_error = None
+        if self.probe is not None:
+            await self.probe.prepare(version)  # the trainer's own logprobs at the version it sends
         epoch = await self.pause.pause(PauseReason.REFIT)
         try:
             generators, sent, attempts = await self._move(version, wait_for_generators_s or self.timeout_s)
@@ -171,6 +180,7 @@ class WeightPublisher:
             transport=self.transport.name,
             num_bytes=sent.num_bytes,
             attempts=attempts,
+            probe_error=self._probe_error,
         )
         log.info(
             "refit to v%d (%s, %.1f MiB) confirmed by %d generator(s) (%s) in %.2fs (moving the bytes %.2fs)%s",
@@ -197,7 +207,8 @@ class WeightPublisher:
             self._note_latency(time.monotonic() - t0, asked_s)
 
     async def _announce(self, ann: WeightAnnouncement) -> None:
-        announcement = msgspec.structs.replace(ann, mode=self.mode)
+        probe = self.probe.tokens if self.probe is not None else []
+        announcement = msgspec.structs.replace(ann, mode=self.mode, probe=probe)
         await self._timed(self.streams.publish(self.streams.keys.weights, announcement, maxlen=K.WEIGHTS_MAXLEN))
 
     async def _ack_cursor(self) -> str:
@@ -344,6 +355,11 @@ class WeightPublisher:
                 if not expected and not confirmed:
                     raise RefitError(f"every generator left before confirming weight version {version}")
         _check_engine_checksums(version, confirmed)
+        if self.probe is not None:
+            try:
+                self._probe_error = self.probe.check(version, confirmed)
+            except ProbeMismatch as exc:
+                raise RefitError(str(exc)) from exc
         return sorted(confirmed)
 
 

@@ -141,6 +141,21 @@ class RefitSection(Section):
     max_attempts: Annotated[
         int, D("a transfer that lost a generator is retried without it, up to this many attempts in all")
     ] = 3
+    probe_tokens: Annotated[
+        int,
+        D(
+            "after every refit each generator scores a fixed probe sequence of this many tokens at the new version "
+            "and the trainer compares with its own logprobs at that version (0: off)"
+        ),
+    ] = 32
+    max_probe_error: Annotated[
+        float,
+        D(
+            "bound on the probe's mean absolute logprob difference between a generator and the trainer; above it "
+            "the generator serves other weights than the trainer sent and the run fails, naming the generator and "
+            "the version"
+        ),
+    ] = 0.05
     max_gen_kl_error: Annotated[
         float | None,
         D(

@@ -105,6 +105,9 @@ class SimBackend:
     def weight_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError("the benchmark's runs publish weights as files (refit.transport: filesystem)")
 
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        return [0.0] * (len(token_ids) - 1)  # no model: the benchmark's generators score nothing either
+
     def weight_shards(self) -> Any:
         raise NotImplementedError("the benchmark's runs publish weights as files (refit.transport: filesystem)")
 

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _publish(cfg, learner, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
     from services.trainer.refit import WeightPublisher
+    from services.trainer.refit_probe import build_probe
     from services.trainer.weight_transport import build_transport
     from shared.keys import RunKeys
     from shared.pause import PauseControl
@@ -94,6 +95,7 @@ async def _publish(cfg, learner, args: argparse.Namespace) -> None:  # type: ign
             timeout_s=cfg.trainer.refit_timeout_s,
             in_flight_updates=False,
             max_attempts=cfg.refit.max_attempts,
+            probe=build_probe(cfg, learner.probe),
         )
         reports = []
         for version in range(1, args.refits + 1):

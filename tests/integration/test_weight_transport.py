@@ -25,6 +25,7 @@ from services.generator.app import build_app
 from services.trainer.backends import build_backend
 from services.trainer.learner import LocalLearner
 from services.trainer.refit import RefitError, WeightPublisher
+from services.trainer.refit_probe import build_probe
 from services.trainer.weight_transport import build_transport
 from shared.config import decode_tree
 from shared.keys import RunKeys
@@ -87,7 +88,13 @@ async def rig(request, tiny_model_dir, redis_url, generator_config_tree, tmp_pat
     streams = StreamClient(redis, keys, "trainer")
     transport = build_transport(cfg, learner, tmp_path / "weights", redis, keys)
     pub = WeightPublisher(
-        streams, PauseControl(redis, keys), transport, timeout_s=60.0, in_flight_updates=False, max_attempts=2
+        streams,
+        PauseControl(redis, keys),
+        transport,
+        timeout_s=60.0,
+        in_flight_updates=False,
+        max_attempts=2,
+        probe=build_probe(cfg, learner.probe),  # every refit verified: each generator scores the probe
     )
     yield cfg, learner, pub
     await learner.close()
@@ -133,6 +140,7 @@ async def test_every_generator_serves_the_trainers_weights(rig):
         report = await pub.refit(1)
         assert report.transport == cfg.refit.transport and report.generators == ["gen-a", "gen-b"]
         assert report.num_bytes > 0 and report.attempts == 1
+        assert report.probe_error is not None and report.probe_error < 1e-3  # float32 on both sides
         for app, client in ((a, ca), (b, cb)):
             assert_same_weights(learner, app)
             assert await served_version(client) == 1
@@ -155,6 +163,34 @@ async def test_a_generator_that_starts_later_reaches_the_current_version(rig):
             assert report.generators == ["gen-a", "gen-late"]
             assert_same_weights(learner, late)
             assert await served_version(client) == 2
+
+
+async def test_a_generator_that_computes_with_other_weights_fails_the_probe_by_name(rig):
+    """The bytes arrive intact (checksums agree), but the engine does not compute with them (as
+    when a loader puts a slice in the wrong place): the probe catches it, naming generator and
+    version."""
+    cfg, _, pub = rig
+    async with generator(cfg, "gen-ok"), generator(cfg, "gen-bad") as (bad, _):
+        engine = bad.state.runtime.engine
+        loaded, received = engine.load_weights, engine.receive_weights
+
+        def spoil() -> None:
+            with torch.no_grad():
+                for p in engine._model.parameters():
+                    p.mul_(1.2)
+
+        async def load_then_spoil(*args, **kwargs):
+            await loaded(*args, **kwargs)
+            spoil()
+
+        async def receive_then_spoil(*args, **kwargs):
+            checksum = await received(*args, **kwargs)
+            spoil()
+            return checksum
+
+        engine.load_weights, engine.receive_weights = load_then_spoil, receive_then_spoil
+        with pytest.raises(RefitError, match="gen-bad at weight version 1 scores the probe"):
+            await pub.refit(1)
 
 
 async def test_a_generator_that_cannot_load_fails_the_refit_by_name(rig):

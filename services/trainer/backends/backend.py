@@ -263,6 +263,34 @@ class Backend:
         self.adapter.run(self.model if model is None else model, inputs, keep, forward_only=True)
         return out
 
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Each token's logprob given those before it under the policy, from the raw logits
+        (temperature 1, no nucleus), as an engine's prompt logprobs: a refit's probe. Every rank
+        calls it together; every rank gets the last stage's figures."""
+        import msgspec
+        import numpy as np
+
+        n = len(token_ids)
+        row = Row(
+            task_id="probe",
+            group_id="probe",
+            input_ids=np.asarray(token_ids, dtype=np.int64),
+            token_mask=np.ones(n, dtype=np.float32),
+            gen_logprobs=np.zeros(n, dtype=np.float32),
+            reward=0.0,
+        )
+        policy = self.adapter.policy  # type: ignore[attr-defined]  # both adapters keep theirs here
+        raw = msgspec.structs.replace(policy.generation, temperature=1.0, top_p=1.0)
+        self.adapter.policy = msgspec.structs.replace(policy, generation=raw)  # type: ignore[attr-defined]
+        try:
+            got = self.rows_logprobs([row], row)
+        finally:
+            self.adapter.policy = policy  # type: ignore[attr-defined]
+        values = [float(x) for x in got[row.key][1:n]] if row.key in got else None
+        found = self.layout.from_last_stage(values)
+        assert found is not None, "the last stage scored no probe"
+        return found
+
     def logprobs(self, rows: list[Row], *, reference: bool = False) -> torch.Tensor:
         """[rows, T] token logprobs of ``rows`` as one micro-batch under the policy (or the frozen
         reference), as the loss sees them; on this rank alone (one rank, no pipeline)."""

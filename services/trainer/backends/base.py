@@ -105,6 +105,11 @@ class TrainingBackend(Protocol):
         least (what a collective refit sends; collective: every rank drains it)."""
         ...
 
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Each token's logprob given those before it, from the raw logits (a refit's probe);
+        collective: every rank calls it."""
+        ...
+
     def weight_shards(self) -> Any:
         """This rank's own shard as a resharding refit reads it (`ModelAdapter.weight_shards`)."""
         ...
