@@ -30,6 +30,7 @@ HEADINGS = {
     "openhands": "## OpenHands runners",
     "trainer": "## Trainer",
     "refit": "## Refit",
+    "reshard": "## Refit without a gather",
     "pipeline": "## Pipeline efficiency",
     "routing_replay": "## MoE routing replay",
 }
