@@ -175,6 +175,8 @@ class RefitSummary(msgspec.Struct, kw_only=True):
     attempts: int = 1  # a transfer that lost a generator is retried without it
     # the largest mean |logprob difference| on the probe between a generator and the trainer
     probe_error: float | None = None
+    # resharding refits: the fraction of the sent elements that changed since the engines' version
+    changed_fraction: float | None = None
 
 
 class MeanMaxMin(msgspec.Struct, kw_only=True):

@@ -36,8 +36,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from shared.boxes import volume
+from shared_torch.reshard_delta import DeltaState
 from shared_torch.reshard_wire import (
     Links,
+    ReshardSent,
     decode_links,
     engine_checksum,
     rank_checksum,
@@ -68,6 +71,7 @@ class GlooReshardInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM
     shapes: dict[str, list[int]]
     receives: list[list[Any]]  # per engine rank: its links (`reshard_wire.encode_links`)
     timeout_s: float = 300.0
+    delta: bool = False  # changed bytes only (`shared_torch.reshard_delta`)
 
 
 @dataclass
@@ -89,12 +93,14 @@ class GlooReshardEngine(WeightTransferEngine[GlooReshardInitInfo, GlooReshardUpd
         self.info: GlooReshardInitInfo | None = None
         self.links: Links = {}
         self.last_checksum: str | None = None
+        self.delta: DeltaState | None = None
 
     def init_transfer_engine(self, init_info: GlooReshardInitInfo) -> None:
         self.shutdown()
         engine_rank = int(self.parallel_config.rank)
         self.info = init_info
         self.links = decode_links(init_info.receives[engine_rank])
+        self.delta = DeltaState() if init_info.delta else None  # a new group starts from whole payloads
         rank = init_info.rank_offset + engine_rank
         self.group = open_group(
             init_info.master_address,
@@ -141,6 +147,7 @@ class GlooReshardEngine(WeightTransferEngine[GlooReshardInitInfo, GlooReshardUpd
                 getattr(torch, self.info.dtype),
                 self.info.slot_bytes,
                 take,
+                self.delta,
             )
         except Exception:
             self.shutdown()
@@ -173,6 +180,7 @@ class GlooReshardTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]  # vLLM
     generators: dict[str, list[int]] = field(default_factory=dict)  # worker -> its engine ranks' group ranks
     workers: dict[str, Any] = field(default_factory=dict)  # the generators' init info (rank 0)
     timeout_s: float = 300.0
+    delta: bool = False
 
 
 class GlooReshardTrainerEngine(TrainerWeightTransferEngine[GlooReshardTrainerInitInfo]):  # type: ignore[misc]
@@ -188,8 +196,8 @@ class GlooReshardTrainerEngine(TrainerWeightTransferEngine[GlooReshardTrainerIni
         self.init_info = init_info
         self.group: Group | None = None
         self.transfers = 0
-        self.expected: dict[str, str] = {}  # rank 0: each generator's checksum of the last transfer
-        self.sent_bytes = 0
+        self.sent: Any = None  # rank 0: `weight_send.ReshardSent` of the last transfer
+        self.delta = DeltaState() if init_info.delta else None
         self._slots: list[torch.Tensor] = []
 
     @classmethod
@@ -238,8 +246,10 @@ class GlooReshardTrainerEngine(TrainerWeightTransferEngine[GlooReshardTrainerIni
         report: dict[str, Any]
         try:
             self._slots = slot_buffers(self._slots, info.slots, info.slot_bytes)
-            sums = send_links(self.group, info.links, self.source.reader(), dtype, self._slots)
-            report = {"sums": {str(k): v for k, v in sums.items()}}
+            if self.delta is not None:
+                self.delta.start()
+            sums = send_links(self.group, info.links, self.source.reader(), dtype, self._slots, self.delta)
+            report = {"sums": {str(k): v for k, v in sums.items()}, **self._figures(dtype)}
         except Exception as exc:
             report = {"error": f"{type(exc).__name__}: {exc}"}
         self._post(report)
@@ -252,8 +262,16 @@ class GlooReshardTrainerEngine(TrainerWeightTransferEngine[GlooReshardTrainerIni
             future.result()
         finally:
             exe.shutdown(wait=False)
-        self.expected = self._gather_expected()
+        self.sent = self._gather()
         self.client.finish_weight_update()
+
+    def _figures(self, dtype: torch.dtype) -> dict[str, int]:
+        """This rank's elements, changed elements and wire bytes of the transfer just sent."""
+        if self.delta is not None:
+            return {"elements": self.delta.elements, "changed": self.delta.changed, "wire": self.delta.wire_bytes}
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        n = sum(volume(box) for buckets in self.init_info.links.values() for b in buckets for _, box in b)
+        return {"elements": n, "changed": n, "wire": n * itemsize}
 
     def _post(self, report: dict[str, Any]) -> None:
         assert self.group is not None
@@ -264,12 +282,14 @@ class GlooReshardTrainerEngine(TrainerWeightTransferEngine[GlooReshardTrainerIni
         except Exception as exc:  # rank 0 then times out waiting for this rank's report, naming it
             log.warning("could not report transfer %d: %s", self.transfers, exc)
 
-    def _gather_expected(self) -> dict[str, str]:
-        """Every trainer rank's report of this transfer; the checksum each generator must ack."""
+    def _gather(self) -> Any:
+        """Every trainer rank's report of this transfer: the checksum each generator must ack, and
+        the transfer's figures (`weight_send.ReshardSent`)."""
         assert self.group is not None
         info = self.init_info
         link_sums: dict[int, dict[int, str]] = {}  # engine group rank -> trainer rank -> checksum
         errors = []
+        figures = {"elements": 0, "changed": 0, "wire": 0}
         for r in range(info.trainer_ranks):
             try:
                 raw = self.group.store.get(f"{info.group_id}/sent/{self.transfers}/{r}")
@@ -282,13 +302,16 @@ class GlooReshardTrainerEngine(TrainerWeightTransferEngine[GlooReshardTrainerIni
                 continue
             for dest, checksum in report["sums"].items():
                 link_sums.setdefault(int(dest), {})[r] = checksum
+            for key in figures:
+                figures[key] += int(report[key])
         if errors:
             self.shutdown()
             raise TransferError("; ".join(errors))
-        return {
+        checksums = {
             worker: engine_checksum([rank_checksum(link_sums.get(g, {})) for g in ranks])
             for worker, ranks in info.generators.items()
         }
+        return ReshardSent(checksums, figures["elements"], figures["changed"], figures["wire"])
 
     def shutdown(self) -> None:
         if self.group is not None:

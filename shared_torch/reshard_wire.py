@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 import xxhash
 
 from shared.boxes import Box, volume
+from shared_torch.reshard_delta import HEADER_BYTES, DeltaState, body_bytes
 from shared_torch.weight_wire import DIGEST_BYTES, Group, TransferError, digest
 
 Piece = tuple[str, Box]  # a box of a published tensor
@@ -92,10 +93,21 @@ def engine_checksum(rank_sums: Sequence[str]) -> str:
     return "xxh3_128:" + link_checksum(s.encode() for s in rank_sums)
 
 
+@dataclass(frozen=True)
+class ReshardSent:
+    """What rank 0 learned of a resharding transfer from every trainer rank's report."""
+
+    checksums: dict[str, str]  # generator -> the checksum its ack must carry
+    elements: int  # elements sent (whole payloads)
+    changed: int  # of them, changed since the engine's version (all of them without delta)
+    wire_bytes: int  # bytes that crossed the links
+
+
 @dataclass
 class _Slot:
     buffer: torch.Tensor
-    work: Any = None
+    work: list[Any] | None = None
+    keep: Any = None  # what a posted delta send reads from
 
 
 def send_links(
@@ -104,10 +116,12 @@ def send_links(
     fill: Callable[[Piece, torch.Tensor], None],
     dtype: torch.dtype,
     slots: list[torch.Tensor],
+    delta: DeltaState | None = None,
 ) -> dict[int, str]:
     """Send every link's buckets, round-robin over the links, through the slot buffers ``slots``
     (each at least a bucket plus its digest); ``fill(piece, out)`` writes a piece's values into
-    ``out`` (the piece's box shape, ``dtype``). Returns each link's checksum. A failed send drops
+    ``out`` (the piece's box shape, ``dtype``). With ``delta`` each bucket goes as its changed
+    elements (`shared_torch.reshard_delta`). Returns each link's checksum. A failed send drops
     every posted work (a work keeps the group connected) and raises `TransferError`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     pool = [_Slot(s) for s in slots]
@@ -118,21 +132,28 @@ def send_links(
         for i, (peer, k) in enumerate(order):
             slot = pool[i % len(pool)]
             if slot.work is not None:
-                work, slot.work = slot.work, None
-                work.wait()
+                works, slot.work = slot.work, None
+                for work in works:
+                    work.wait()
             buf, offset = slot.buffer, 0
             for name, box in links[peer][k]:
                 n = volume(box) * itemsize
                 fill((name, box), buf[offset : offset + n].view(dtype).view([e - s for s, e in box]))
                 offset += n
             d = digest(buf[:offset])
-            buf[offset : offset + DIGEST_BYTES].copy_(torch.frombuffer(bytearray(d), dtype=torch.uint8))
-            slot.work = group.pg.send([buf[: offset + DIGEST_BYTES]], peer, k)
+            if delta is not None:
+                header, body = delta.encode((peer, k), buf[:offset], itemsize, d)
+                slot.work = [group.pg.send([header], peer, 2 * k), group.pg.send([body], peer, 2 * k + 1)]
+                slot.keep = (header, body)
+            else:
+                buf[offset : offset + DIGEST_BYTES].copy_(torch.frombuffer(bytearray(d), dtype=torch.uint8))
+                slot.work = [group.pg.send([buf[: offset + DIGEST_BYTES]], peer, k)]
             digests[peer].append(d)
         for slot in pool:
             if slot.work is not None:
-                work, slot.work = slot.work, None
-                work.wait()
+                works, slot.work = slot.work, None
+                for work in works:
+                    work.wait()
     except Exception as exc:
         for slot in pool:
             slot.work = None
@@ -155,6 +176,7 @@ def receive_links(
     dtype: torch.dtype,
     slot_bytes: int,
     take: Callable[[str, torch.Tensor], None],
+    delta: DeltaState | None = None,
 ) -> str:
     """Receive every link at once (a thread each), write each piece into its published tensor
     (allocated on its first piece; on the CPU its pages are only touched where pieces land), and
@@ -179,28 +201,42 @@ def receive_links(
                 targets[name] = torch.empty(shapes[name], dtype=dtype)
             return targets[name]
 
+    def payloads(peer: int, buckets: list[Bucket]) -> Iterator[tuple[torch.Tensor, bytes]]:
+        """Each bucket's payload from ``peer`` and its digest, checked; the next bucket is on its
+        way while the caller unpacks this one."""
+        sizes = [sum(volume(box) for _, box in b) * itemsize for b in buckets]
+        if delta is not None:
+            for k, n in enumerate(sizes):
+                header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+                group.pg.recv([header], peer, 2 * k).wait()
+                body = torch.empty(body_bytes(header), dtype=torch.uint8)
+                group.pg.recv([body], peer, 2 * k + 1).wait()
+                payload = delta.decode((peer, k), header, body, itemsize, n)
+                yield payload, bytes(header[16:].numpy())
+            return
+        bufs = [torch.empty(slot_bytes + DIGEST_BYTES, dtype=torch.uint8) for _ in range(2)]
+        posted = group.pg.recv([bufs[0][: sizes[0] + DIGEST_BYTES]], peer, 0) if buckets else None
+        for k, n in enumerate(sizes):
+            assert posted is not None
+            posted.wait()
+            buf = bufs[k % 2]
+            posted = None
+            if k + 1 < len(buckets):
+                posted = group.pg.recv([bufs[(k + 1) % 2][: sizes[k + 1] + DIGEST_BYTES]], peer, k + 1)
+            d = digest(buf[:n])
+            if d != bytes(buf[n : n + DIGEST_BYTES].numpy()):
+                raise TransferError(f"a weight bucket from group rank {peer} arrived corrupted (digest mismatch)")
+            yield buf[:n], d
+
     def run(peer: int, buckets: list[Bucket]) -> None:
         try:
-            bufs = [torch.empty(slot_bytes + DIGEST_BYTES, dtype=torch.uint8) for _ in range(2)]
-            sizes = [sum(volume(box) for _, box in b) * itemsize for b in buckets]
-            posted = group.pg.recv([bufs[0][: sizes[0] + DIGEST_BYTES]], peer, 0) if buckets else None
             got: list[bytes] = []
-            for k, bucket in enumerate(buckets):
-                assert posted is not None
-                posted.wait()
-                buf, n = bufs[k % 2], sizes[k]
-                posted = None
-                if k + 1 < len(buckets):
-                    nxt = bufs[(k + 1) % 2][: sizes[k + 1] + DIGEST_BYTES]
-                    posted = group.pg.recv([nxt], peer, k + 1)
-                d = digest(buf[:n])
-                if d != bytes(buf[n : n + DIGEST_BYTES].numpy()):
-                    raise TransferError(f"a weight bucket from group rank {peer} arrived corrupted (digest mismatch)")
+            for bucket, (payload, d) in zip(buckets, payloads(peer, buckets), strict=True):
                 got.append(d)
                 offset = 0
                 for name, box in bucket:
                     m = volume(box) * itemsize
-                    piece = buf[offset : offset + m].view(dtype).view([e - s for s, e in box])
+                    piece = payload[offset : offset + m].view(dtype).view([e - s for s, e in box])
                     target(name)[slices(box)].copy_(piece)
                     offset += m
                     events.put((name, volume(box)))

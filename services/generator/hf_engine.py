@@ -64,6 +64,7 @@ class HfEngine:
         self._bucket_bytes = 256 << 20
         self._receive_buffers: list[Any] = []  # kept across transfers (`shared_torch.weight_wire`)
         self._reshard: dict[str, Any] | None = None  # a resharding group's init info
+        self._reshard_delta: Any = None  # its `shared_torch.reshard_delta.DeltaState`
         self._route_shape: RouteShape | None = None
         self._routed: list[Any] = []  # each MoE router's expert ids of the forward pass that just ran
 
@@ -245,6 +246,7 @@ class HfEngine:
                 layout.copy_(name, tensor)
 
     async def join_weight_group(self, init_info: dict[str, Any]) -> None:
+        from shared_torch.reshard_delta import DeltaState
         from shared_torch.weight_wire import open_group
 
         if self._group is not None:
@@ -257,6 +259,7 @@ class HfEngine:
             )
         self._bucket_bytes = int(info.get("bucket_bytes", self._bucket_bytes))
         self._reshard = info if "receives" in info else None
+        self._reshard_delta = DeltaState() if info.get("delta") else None  # a new group: whole payloads first
         self._group = await asyncio.to_thread(
             open_group,
             str(info["master_address"]),
@@ -321,6 +324,7 @@ class HfEngine:
                     getattr(torch, info["dtype"]),
                     int(info["slot_bytes"]),
                     layout.copy_,
+                    self._reshard_delta,
                 )
         except Exception:
             self._group.close()

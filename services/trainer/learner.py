@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.trainer.backends.base import TrainingBackend
 from services.trainer.batch import StepBatch
-from services.trainer.weight_send import CollectiveSender, SendOrder, weight_source
+from services.trainer.weight_send import CollectiveSender, ReshardSent, SendOrder, weight_source
 from shared.records import LearnerMetrics
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class Learner(Protocol):
         manifest of every file written (file name -> digest, `shared.weights_format`)."""
         ...
 
-    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | dict[str, str] | None:
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | ReshardSent | None:
         """Send the policy over the transfer group ``order`` names (called from the refit's thread;
         ``client`` reaches the generators); the checksum of what was sent, when known."""
         ...
@@ -118,7 +118,7 @@ class LocalLearner:
     def export_weights(self, out_dir: Path) -> dict[str, str]:
         return self.backend.save_weights(out_dir)
 
-    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | dict[str, str] | None:
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | ReshardSent | None:
         if self._sender is None:
             self._sender = sender_of(self.backend, rank=0)
         return self._sender.send(order, client)

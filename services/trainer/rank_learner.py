@@ -39,7 +39,7 @@ import torch.distributed as dist
 from services.trainer.batch import StepBatch
 from services.trainer.learner import LearnerLost, sender_of
 from services.trainer.ranks import Ranks
-from services.trainer.weight_send import CollectiveSender, SendOrder
+from services.trainer.weight_send import CollectiveSender, ReshardSent, SendOrder
 from shared.records import LearnerMetrics
 from shared_torch.weight_wire import TransferError
 
@@ -146,8 +146,8 @@ class RankedLearner:
         """Every rank writes its share of the folder; the manifest of every rank's files."""
         return self._command(Command(Op.EXPORT, str(out_dir)), lambda: self.backend.save_weights(out_dir))
 
-    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | dict[str, str] | None:
-        def run() -> str | dict[str, str] | None:
+    def send_weights(self, order: SendOrder, client: VLLMWeightSyncClient) -> str | ReshardSent | None:
+        def run() -> str | ReshardSent | None:
             if self._sender is None:
                 self._sender = sender_of(self.backend, rank=0)
             return self._sender.send(order, client)

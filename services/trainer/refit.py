@@ -68,6 +68,7 @@ class RefitReport:
     num_bytes: int = 0
     attempts: int = 1
     probe_error: float | None = None  # `refit_probe`: the worst generator's, None when not probed
+    changed_fraction: float | None = None  # resharding refits: elements changed since the engines' version
 
     def summary(self) -> RefitSummary:
         """The step record's view: per-phase durations (move, confirm = announce to the last ack)
@@ -83,6 +84,7 @@ class RefitReport:
             num_bytes=self.num_bytes,
             attempts=self.attempts,
             probe_error=self.probe_error,
+            changed_fraction=self.changed_fraction,
         )
 
 
@@ -181,6 +183,7 @@ class WeightPublisher:
             num_bytes=sent.num_bytes,
             attempts=attempts,
             probe_error=self._probe_error,
+            changed_fraction=sent.changed_fraction,
         )
         log.info(
             "refit to v%d (%s, %.1f MiB) confirmed by %d generator(s) (%s) in %.2fs (moving the bytes %.2fs)%s",

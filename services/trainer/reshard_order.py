@@ -77,6 +77,7 @@ def reshard_order(
     itemsize: int,
     bucket_bytes: int,
     generator_info: dict[str, Any],
+    delta: bool = False,
 ) -> tuple[ReshardOrder, Plan]:
     """The order of a resharding transfer to ``members`` (each an engine of ``engine``'s shape),
     and its plan. ``generator_info``: the group's address, port, size, id and timeout, which every
@@ -105,6 +106,7 @@ def reshard_order(
     workers = {
         **generator_info,
         "dtype": dtype,
+        "delta": delta,
         "slot_bytes": slot_bytes,
         "shapes": {name: list(shape) for name, shape in engine.shapes.items()},
         "receives": {m: [encode_links(receives[g]) for g in ranks] for m, ranks in generators.items()},
@@ -118,6 +120,7 @@ def reshard_order(
         generators=generators,
         workers=workers,
         total_bytes=plan.total_bytes,
+        delta=delta,
     )
     figures = summary(plan, sum(_volume(s) for s in engine.shapes.values()) * itemsize, len(members))
     log.info(

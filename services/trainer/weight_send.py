@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from services.trainer.weight_export import as_published
+from shared_torch.reshard_wire import ReshardSent as ReshardSent
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
@@ -56,6 +57,7 @@ class ReshardOrder:
     generators: dict[str, list[int]]  # worker -> its engine ranks' group ranks
     workers: dict[str, Any]  # the generators' init info
     total_bytes: int
+    delta: bool = False  # changed bytes only (`shared_torch.reshard_delta`)
 
 
 def weight_source(backend: TrainingBackend, dtype: torch.dtype) -> Any:
@@ -100,7 +102,7 @@ class CollectiveSender:
         self._engine: Any = None
         self._group_id: str | None = None
 
-    def send(self, order: SendOrder, client: VLLMWeightSyncClient | None) -> str | dict[str, str] | None:
+    def send(self, order: SendOrder, client: VLLMWeightSyncClient | None) -> str | ReshardSent | None:
         """Take part in one transfer; on rank 0 the checksum of what was sent (when the engine
         reports one; a resharding transfer: each generator's). Raises when the transfer failed;
         the group is then closed."""
@@ -127,8 +129,8 @@ class CollectiveSender:
             self.close()
             raise
         if order.reshard is not None:
-            expected: dict[str, str] = self._engine.expected
-            return expected
+            sent: ReshardSent = self._engine.sent
+            return sent
         checksum: str | None = getattr(self._engine, "last_checksum", None)
         return checksum
 
@@ -197,5 +199,6 @@ def _reshard_init(order: SendOrder, rank: int, client: Any, shards: Any) -> Any:
         generators=r.generators,
         workers=r.workers,
         timeout_s=order.timeout_s,
+        delta=r.delta,
     )
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=shards)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.protocol import CollectiveOrder, WeightAnnouncement, WeightSnapshot, WeightTransportName, encode
 from shared.weights_format import dir_num_bytes, folder_digests, manifest_checksum
+from shared_torch.reshard_wire import ReshardSent
 from shared_torch.weight_wire import nbytes
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class Sent:
     checksum: str | None = None  # what every generator's ack must report (collective transfers)
     group: str | None = None  # the transfer group acks must name (collective transfers)
     checksums: dict[str, str] | None = None  # what each generator's ack must report (resharding transfers)
+    changed_fraction: float | None = None  # resharding transfers: elements changed since the engines' version
 
 
 class WeightTransport(Protocol):
@@ -234,6 +236,7 @@ class CollectiveTransport:
         redis: Redis,
         keys: RunKeys,
         engine_needs: EngineNeeds | None = None,
+        delta: bool = False,
     ) -> None:
         self.learner = learner
         self.backend = backend
@@ -246,6 +249,7 @@ class CollectiveTransport:
         self.redis = redis
         self.keys = keys
         self.engine_needs = engine_needs  # set: transfers follow a resharding plan
+        self.delta = delta
         self.groups_formed = 0
         self._holdings: Holdings | None = None
         self._group: _Group | None = None
@@ -263,11 +267,15 @@ class CollectiveTransport:
             self.forget()
             raise TransferFailed(f"{type(exc).__name__}: {exc}") from exc
         move_s = time.perf_counter() - t0
-        if group.order.reshard is not None:
-            assert isinstance(checksum, dict)
-            sent = group.order.reshard.total_bytes
-            return Sent(move_s, sent, checksums=checksum, group=group.order.group_id)
-        assert not isinstance(checksum, dict)
+        if isinstance(checksum, ReshardSent):
+            changed = checksum.changed / max(1, checksum.elements)
+            return Sent(
+                move_s,
+                checksum.wire_bytes,
+                checksums=checksum.checksums,
+                group=group.order.group_id,
+                changed_fraction=changed,
+            )
         return Sent(move_s, group.client.num_bytes, checksum, group.order.group_id)
 
     def _new_group(self, members: list[str]) -> _Group:
@@ -321,6 +329,7 @@ class CollectiveTransport:
             itemsize=backend.dtype.itemsize,
             bucket_bytes=self.bucket_bytes,
             generator_info=info,
+            delta=self.delta,
         )
         order = SendOrder(
             group_id=group_id,
@@ -422,4 +431,5 @@ def build_transport(
         redis=redis,
         keys=keys,
         engine_needs=needs,
+        delta=c.delta,
     )

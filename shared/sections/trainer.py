@@ -108,6 +108,14 @@ class CollectiveRefitSection(Section):
             "it is built (gloo, torch backend), broadcast elsewhere"
         ),
     ] = "auto"
+    delta: Annotated[
+        bool,
+        D(
+            "resharding refits send each bucket as the elements that changed since the version the engine rank "
+            "holds (a bitmap and their values, when smaller), bit-exact: both ends keep their last payload of each "
+            "bucket (each rank's shard once more in memory)"
+        ),
+    ] = False
     master_address: Annotated[
         str | None,
         D("address generators reach trainer rank 0 at for the transfer group; null: this host's name"),

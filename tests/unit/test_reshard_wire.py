@@ -78,10 +78,10 @@ def sharded(tiny_hybrid_moe_dir):
     for r, s in enumerate(shards):
         s.prepare(p for buckets in order.links.get(r, {}).values() for b in buckets for p in b)
         s.model = _Rows(model.state_dict(), 2, r)  # what FSDP2 leaves each rank
-    return published, shards, order, needs
+    return published, shards, order, needs, model
 
 
-def _run(order, shards, shapes):
+def _run(order, shards, shapes, deltas=None, timeout_s: float = 30.0):
     from streamrl.redis_server import free_port
 
     port = free_port()
@@ -89,19 +89,17 @@ def _run(order, shards, shapes):
 
     def rank(r: int) -> None:
         try:
-            group = open_group("127.0.0.1", port, r, 4, "t", 30.0)
+            group = open_group("127.0.0.1", port, r, 4, "t", timeout_s)
+            delta = deltas[r] if deltas else None
             if r < 2:
-                fill = shards[r].reader()
-                results[r] = send_links(
-                    group, order.links[r], fill, torch.bfloat16, slot_buffers([], 4, order.slot_bytes)
-                )
+                slots = slot_buffers([], 4, order.slot_bytes)
+                results[r] = send_links(group, order.links[r], shards[r].reader(), torch.bfloat16, slots, delta)
             else:
                 got: dict[str, torch.Tensor] = {}
                 links = decode_links(order.workers["receives"]["gen"][r - 2])
-                results[r] = (
-                    receive_links(group, links, shapes, torch.bfloat16, order.slot_bytes, got.__setitem__),
-                    got,
-                )
+                take = got.__setitem__
+                checksum = receive_links(group, links, shapes, torch.bfloat16, order.slot_bytes, take, delta)
+                results[r] = (checksum, got)
         except Exception as exc:
             results[r] = exc
 
@@ -116,7 +114,7 @@ def _run(order, shards, shapes):
 def test_each_engine_rank_receives_exactly_what_its_loaders_read(sharded):
     from shared_torch.reshard_wire import engine_checksum, rank_checksum
 
-    published, shards, order, needs = sharded
+    published, shards, order, needs, _ = sharded
     assert encode_links(decode_links(encode_links(order.links[0]))) == encode_links(order.links[0])
     results = _run(order, shards, needs.shapes)
     assert not [r for r in results.values() if isinstance(r, Exception)], results
@@ -136,7 +134,7 @@ def test_each_engine_rank_receives_exactly_what_its_loaders_read(sharded):
 def test_a_corrupted_bucket_fails_the_receiving_rank(sharded, monkeypatch):
     import shared_torch.reshard_wire as wire
 
-    published, shards, order, needs = sharded
+    published, shards, order, needs, _ = sharded
     real = wire.digest
     calls = {"n": 0}
 
@@ -146,6 +144,45 @@ def test_a_corrupted_bucket_fails_the_receiving_rank(sharded, monkeypatch):
         return bytes([d[0] ^ 1]) + d[1:] if calls["n"] == 3 else d
 
     monkeypatch.setattr(wire, "digest", flipped)
-    results = _run(order, shards, needs.shapes)
+    results = _run(order, shards, needs.shapes, timeout_s=5.0)
     failures = [r for r in results.values() if isinstance(r, TransferError)]
     assert any("corrupted" in str(f) for f in failures), results
+
+
+def test_a_second_transfer_sends_only_what_changed_and_rebuilds_it_bit_exact(sharded):
+    """``refit.collective.delta``: the first transfer of a group goes whole, the next sends the
+    changed elements only (a bitmap and their values); every engine rank rebuilds the new values
+    exactly (its digest check would fail otherwise, and the boxes are compared here)."""
+    from shared_torch.reshard_delta import DeltaState
+    from shared_torch.stored_names import as_stored
+
+    _, shards, order, needs, model = sharded
+    deltas = {r: DeltaState() for r in range(4)}
+    first = _run(order, shards, needs.shapes, deltas)
+    assert not [r for r in first.values() if isinstance(r, Exception)], first
+    assert deltas[0].changed == deltas[0].elements  # whole payloads first
+    saved = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(3)
+    try:
+        with torch.no_grad():
+            for t in model.state_dict().values():  # a step that moves 2% of the weights
+                hit = torch.rand(t.shape, generator=gen) < 0.02
+                t.add_(hit * 0.25)
+        published = {n: t.to(torch.bfloat16) for n, t in as_stored(model, model.state_dict().items())}
+        for d in deltas.values():
+            d.start()
+        second = _run(order, shards, needs.shapes, deltas)
+    finally:
+        with torch.no_grad():
+            for n, t in model.state_dict().items():
+                t.copy_(saved[n])
+    assert not [r for r in second.values() if isinstance(r, Exception)], second
+    for engine_rank in range(2):
+        _, got = second[2 + engine_rank]
+        for name, boxes in needs.per_rank()[engine_rank].items():
+            for box in boxes:
+                assert torch.equal(got[name][slices(box)], published[name][slices(box)]), (engine_rank, name, box)
+    sent = sum(deltas[r].elements for r in range(2))
+    changed = sum(deltas[r].changed for r in range(2))
+    assert 0 < changed < 0.05 * sent
+    assert sum(deltas[r].wire_bytes for r in range(2)) < 0.25 * sent * 2
