@@ -123,11 +123,6 @@ class RunConfig(Section):
                     "refit.collective.method: reshard runs over gloo only (refit.collective.backend: gloo or auto on "
                     "CPU machines); over nccl use method broadcast"
                 )
-            if self.trainer.backend != "torch":
-                raise ConfigError(
-                    f"refit.collective.method: reshard is built for trainer.backend torch, not {self.trainer.backend}; "
-                    "use method broadcast (or auto)"
-                )
         if self.trainer.collective_timeout_s <= 0:
             raise ConfigError("trainer.collective_timeout_s must be > 0")
         if g.stop_at_validation_metric is not None:

@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from shared.boxes import volume
+from shared_torch.group_engine import GroupEngine, form_group
 from shared_torch.reshard_delta import DeltaState
 from shared_torch.reshard_wire import (
     Links,
@@ -79,7 +80,7 @@ class GlooReshardUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]  # 
     version: int = -1
 
 
-class GlooReshardEngine(WeightTransferEngine[GlooReshardInitInfo, GlooReshardUpdateInfo]):  # type: ignore[misc]
+class GlooReshardEngine(GroupEngine, WeightTransferEngine[GlooReshardInitInfo, GlooReshardUpdateInfo]):  # type: ignore[misc]
     """One engine rank's side: its links received at once, each tensor loaded once complete."""
 
     init_info_cls = GlooReshardInitInfo
@@ -118,16 +119,6 @@ class GlooReshardEngine(WeightTransferEngine[GlooReshardInitInfo, GlooReshardUpd
             len(self.links),
         )
 
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
 
@@ -152,11 +143,6 @@ class GlooReshardEngine(WeightTransferEngine[GlooReshardInitInfo, GlooReshardUpd
         except Exception:
             self.shutdown()
             raise
-
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
 
 
 # ---- trainer side --------------------------------------------------------------------------------
@@ -222,15 +208,9 @@ class GlooReshardTrainerEngine(TrainerWeightTransferEngine[GlooReshardTrainerIni
         if init_info.rank != 0:
             engine.group = open_()
             return engine
-        # The generators block in init_weight_transfer_engine until everyone joined: ask them on a
-        # side thread while this rank opens the group (and hosts its rendezvous).
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            future = exe.submit(client.init_weight_transfer_engine, init_info.workers)
-            try:
-                engine.group = open_()
-            except Exception as exc:
-                raise TransferError(f"weight-transfer group {init_info.group_id} did not form: {exc}") from exc
-            future.result()
+        engine.group = form_group(
+            open_, lambda: client.init_weight_transfer_engine(init_info.workers), init_info.group_id
+        )
         return engine
 
     def send_weights(self) -> None:

@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from shared_torch.group_engine import GroupEngine, form_group
 from shared_torch.weight_wire import (
     DEFAULT_BUCKET_BYTES,
     Group,
@@ -91,7 +92,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[mi
             )
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):  # type: ignore[misc]
+_Engine = WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]
+
+
+class GlooWeightTransferEngine(GroupEngine, _Engine):  # type: ignore[misc,valid-type]  # vLLM is untyped
     """Receives checkpoint-format weights over gloo and loads them with the model's own
     ``load_weights`` inside vLLM's layer-wise reload (as vLLM's NCCL engine does)."""
 
@@ -121,16 +125,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         )
         log.info("joined weight-transfer group %s as rank %d of %d", init_info.group_id, rank, init_info.world_size)
 
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes an accelerator; a gloo receive has finished when it returns.
         self.receive_weights(self.parse_update_info(update_info))
@@ -153,11 +147,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             self.shutdown()  # the group is unusable after a failed collective
             raise
         self.last_checksum = transfer_checksum(digests)
-
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
 
 
 # ---- trainer side --------------------------------------------------------------------------------
@@ -215,22 +204,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             timeout_s=init_info.timeout_s,
             bucket_bytes=init_info.bucket_bytes,
         )
-        # The workers block in init_weight_transfer_engine until everyone joined: ask them on a
-        # side thread while this rank opens the group.
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            future = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            try:
-                engine.group = open_group(
-                    init_info.master_address,
-                    init_info.master_port,
-                    0,
-                    init_info.world_size,
-                    init_info.group_id,
-                    init_info.timeout_s,
-                )
-            except Exception as exc:
-                raise TransferError(f"weight-transfer group {init_info.group_id} did not form: {exc}") from exc
-            future.result()
+        engine.group = form_group(
+            lambda: open_group(
+                init_info.master_address,
+                init_info.master_port,
+                0,
+                init_info.world_size,
+                init_info.group_id,
+                init_info.timeout_s,
+            ),
+            lambda: client.init_weight_transfer_engine(asdict(worker_info)),
+            init_info.group_id,
+        )
         return engine
 
     def send_weights(self) -> None:
@@ -328,17 +313,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self.group = None
 
 
-def transfer_backend(configured: str, method: str = "broadcast", trainer_backend: str = "torch") -> str:
+def transfer_backend(configured: str, method: str = "broadcast") -> str:
     """The vLLM weight-transfer engine ``refit.collective.backend`` and ``method`` name (backend
-    auto: nccl on GPUs, gloo elsewhere; method auto: ``gloo_reshard`` where it is built, over gloo
-    from the torch backend, a broadcast elsewhere)."""
+    auto: nccl on GPUs, gloo elsewhere; method auto: ``gloo_reshard`` over gloo, where it is
+    built, a broadcast over nccl)."""
     backend = configured if configured != "auto" else ("nccl" if torch.cuda.is_available() else BACKEND)
-    reshard_built = backend == BACKEND and trainer_backend == "torch"
+    reshard_built = backend == BACKEND
     if method == "reshard" and not reshard_built:
-        raise ValueError(
-            "refit.collective.method reshard runs over gloo from the torch backend, "
-            f"not {backend} from {trainer_backend}"
-        )
+        raise ValueError(f"refit.collective.method reshard runs over gloo, not {backend}")
     if method != "broadcast" and reshard_built:
         from shared_torch.gloo_reshard import BACKEND as RESHARD
 

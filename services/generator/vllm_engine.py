@@ -171,7 +171,7 @@ class VllmEngine:
 
         register()  # vLLM's plugin entry point does it in the engine's processes; this covers this one
         c = self._cfg.refit.collective
-        return WeightTransferConfig(backend=transfer_backend(c.backend, c.method, self._cfg.trainer.backend))
+        return WeightTransferConfig(backend=transfer_backend(c.backend, c.method))
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM

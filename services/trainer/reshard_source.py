@@ -49,20 +49,44 @@ def strided(index: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
 
 
 @dataclass(frozen=True)
-class _Take:
-    """Where a box's values lie in one local tensor: a strided view, or a gather."""
+class Take:
+    """Where (part of) a box's values lie in one local tensor ``key``: a strided view of it, or
+    a gather of its elements; with ``mask``, the box positions they fill (the rest come from
+    other local tensors)."""
 
     key: str
+    shape: tuple[int, ...]
     offset: int = 0
     strides: tuple[int, ...] = ()
-    shape: tuple[int, ...] = ()
     index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
     def read(self, local: torch.Tensor) -> torch.Tensor:
         flat = local.reshape(-1)
         if self.index is not None:
-            return flat[self.index].view(self.shape)
+            return flat[self.index]
         return flat.as_strided(self.shape, self.strides, flat.storage_offset() + self.offset)
+
+    def put(self, local: torch.Tensor, out: torch.Tensor) -> None:
+        """Write this take's values into ``out`` (the box's shape)."""
+        if self.mask is not None:
+            out[self.mask] = self.read(local).to(out.dtype)
+        elif self.index is not None:
+            out.copy_(self.read(local).view(self.shape))
+        else:
+            out.copy_(self.read(local))
+
+
+def take_of(key: str, index: np.ndarray, mask: np.ndarray | None = None) -> Take:
+    """The take of the box positions ``mask`` (all: None or all true) from local tensor ``key``,
+    whose flat element ``index[p]`` holds box position ``p``."""
+    shape = tuple(index.shape)
+    if mask is not None and not mask.all():
+        return Take(key, shape, index=torch.from_numpy(index[mask].copy()), mask=torch.from_numpy(mask.copy()))
+    found = strided(index)
+    if found is None:
+        return Take(key, shape, index=torch.from_numpy(index.reshape(-1).copy()))
+    return Take(key, shape, found[0], found[1])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +109,7 @@ class FsdpShards:
         self.skip = skip
         # published name -> (parameter, the parameter's flat element index of each element)
         self._origin: dict[str, tuple[str, np.ndarray]] = {}
-        self._takes: dict[Piece, _Take] = {}
+        self._takes: dict[Piece, Take] = {}
         self._rows: dict[str, tuple[int, int]] = {}  # parameter -> (rows per rank, elements per row)
         for name, t in model.state_dict().items():
             if name in skip:
@@ -97,6 +121,11 @@ class FsdpShards:
             for stored, elements in as_stored(model, [(name, index)]):
                 self._origin[stored] = (name, elements.numpy().astype(np.int64))
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The published tensors this layout sends, with their shapes."""
+        return {name: tuple(elements.shape) for name, (_, elements) in self._origin.items()}
+
     def holdings(self) -> Holdings:
         """What every rank holds (the plan is made on rank 0 for all)."""
 
@@ -107,15 +136,10 @@ class FsdpShards:
 
         return fsdp_holdings(self.model, self.world_size, published)
 
-    def _take(self, name: str, box: Box) -> _Take:
+    def _take(self, name: str, box: Box) -> Take:
         param, elements = self._origin[name]
         per_rank, row = self._rows[param]
-        index = elements[slices(box)] - self.rank * per_rank * row
-        shape = tuple(e - s for s, e in box)
-        found = strided(index)
-        if found is None:
-            return _Take(param, shape=shape, index=torch.from_numpy(index.reshape(-1).copy()))
-        return _Take(param, found[0], found[1], shape)
+        return take_of(param, elements[slices(box)] - self.rank * per_rank * row)
 
     def prepare(self, pieces: Iterable[Piece]) -> None:
         """Work out where each piece this rank sends lies in its shard (once per transfer group)."""
@@ -130,6 +154,6 @@ class FsdpShards:
 
         def fill(piece: Piece, out: torch.Tensor) -> None:
             take = takes[piece]
-            out.copy_(take.read(locals_[take.key]))
+            take.put(locals_[take.key], out)
 
         return fill

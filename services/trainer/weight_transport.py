@@ -307,8 +307,9 @@ class CollectiveTransport:
         assert engine is not None
         backend = self.learner.backend
         if self._holdings is None:
-            self._holdings = backend.weight_shards().holdings()
-            engine.shapes = dict(backend.weight_metadata())
+            shards = backend.weight_shards()
+            self._holdings = shards.holdings()
+            engine.shapes = dict(shards.shapes)
         trainer_ranks = backend.layout.world.world_size
         world_size = trainer_ranks + len(members) * engine.ranks
         port = _free_port()
@@ -408,7 +409,7 @@ def build_transport(
 
     c = cfg.refit.collective
     v = cfg.policy.generation.vllm_cfg
-    backend = transfer_backend(c.backend, c.method, cfg.trainer.backend)
+    backend = transfer_backend(c.backend, c.method)
     needs = None
     if backend == RESHARD:
         from services.trainer.reshard_order import EngineNeeds

@@ -103,9 +103,9 @@ class CollectiveRefitSection(Section):
         Literal["auto", "reshard", "broadcast"],
         D(
             "reshard: every trainer rank sends the slices of its own shard that each engine rank keeps straight "
-            "to it, all links at once, no tensor gathered (gloo; the torch backend); broadcast: the trainer's "
-            "ranks gather each tensor and rank 0 broadcasts it whole to every engine rank; auto: reshard where "
-            "it is built (gloo, torch backend), broadcast elsewhere"
+            "to it, all links at once, no tensor gathered (gloo); broadcast: the trainer's ranks gather each "
+            "tensor and rank 0 broadcasts it whole to every engine rank; auto: reshard where it is built (gloo), "
+            "broadcast elsewhere (nccl)"
         ),
     ] = "auto"
     delta: Annotated[

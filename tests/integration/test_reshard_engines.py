@@ -1,14 +1,16 @@
 """A refit without a gather into real vLLM engines of one and of two ranks.
 
-A trainer of two ranks (torchrun, FSDP2 over gloo: each rank holds half of every parameter's rows)
-refits vLLM generator processes that started on random weights (``load_format: dummy``) along the
-resharding plan (``refit.collective.method: reshard``): each trainer rank sends each engine rank
-the slices of its own rows that the engine rank keeps. Two layouts: one generator of
-``tensor_parallel_size: 2`` (each engine rank keeps half of every projection, its heads of the
-fused QKV, its half of the vocabulary), and two generators of one rank each. Afterwards each
-generator must answer exactly as a vLLM engine started cold on the trainer's exported weights:
-the same sampled tokens under a fixed seed, logprobs within float32 noise. Nothing here can pass on random weights:
-the engines started on them, so only the transfer brings the trainer's.
+A trainer of two ranks (torchrun over gloo: FSDP2, each rank holding half of every parameter's
+rows; or megatron at tensor parallel 2, each rank half of every projection) refits vLLM
+generator processes that started on random weights (``load_format: dummy``) along the resharding
+plan (``refit.collective.method: reshard``): each trainer rank sends each engine rank the slices
+of its own shard that the engine rank keeps. Layouts: one generator of ``tensor_parallel_size:
+2`` (each engine rank keeps half of every projection, its heads of the fused QKV, its half of
+the vocabulary) from either backend, and two generators of one rank each. Every refit is probed
+(`services.trainer.refit_probe`). Afterwards each generator must answer exactly as a vLLM engine
+started cold on the trainer's exported weights: the same sampled tokens under a fixed seed,
+logprobs within float32 noise. Nothing here can pass on random weights: the engines started on
+them, so only the transfer brings the trainer's.
 """
 
 from __future__ import annotations
@@ -32,11 +34,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 6]
 TOKENS = 8
 
-LAYOUTS = {"one TP2 generator": (2, 1), "two TP1 generators": (1, 2)}  # (engine ranks, generators)
+# (engine ranks, generators, training backend): FSDP2's row shards, and megatron's tensor-parallel
+# parts (each rank half of every projection's columns or rows, its heads of the fused QKV)
+LAYOUTS = {
+    "one TP2 generator": (2, 1, "torch"),
+    "two TP1 generators": (1, 2, "torch"),
+    "megatron TP2 into one TP2 generator": (2, 1, "megatron"),
+}
 
 
-def _settings(run_id: str, tp: int) -> dict:
+def _settings(run_id: str, tp: int, backend: str) -> dict:
+    megatron = {"policy.megatron_cfg.tensor_model_parallel_size": 2} if backend == "megatron" else {}
     return {
+        **megatron,
+        "trainer.backend": backend,
         "run.run_id": run_id,
         "policy.generation.backend": "vllm",
         "policy.generation.vllm_cfg.tensor_parallel_size": tp,
@@ -67,9 +78,11 @@ def _answers(base_url: str) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 async def test_engines_receive_their_shards_from_every_trainer_rank(layout, tmp_path, tiny_model_dir, redis_url):
-    tp, count = LAYOUTS[layout]
+    tp, count, backend = LAYOUTS[layout]
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
     run_id = f"reshard-{uuid.uuid4().hex[:6]}"
-    config = write_run_config(tmp_path, tiny_model_dir, redis_url, run_id, _settings(run_id, tp))
+    config = write_run_config(tmp_path, tiny_model_dir, redis_url, run_id, _settings(run_id, tp, backend))
     run = FaultRun(tmp_path, config)
     exported = tmp_path / "exported"
     try:
@@ -80,6 +93,7 @@ async def test_engines_receive_their_shards_from_every_trainer_rank(layout, tmp_
         refits = json.loads((tmp_path / "refits.json").read_text())["refits"]
         assert [r["generators"] for r in refits] == [[g.worker_id for g in gens]] * 2
         assert all(r["transport"] == "collective" and r["attempts"] == 1 for r in refits)
+        assert all(r["probe_error"] is not None and r["probe_error"] < 1e-3 for r in refits)
         served = [_answers(g.url) for g in gens]
     finally:
         run.stop_all()

@@ -53,7 +53,6 @@ parallelism 2 against one rank there, and scripts/gpu_check.sh checks it on a GP
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +70,7 @@ from services.trainer.backends import (
     megatron_optim,
     megatron_pipeline,
     megatron_routing,
+    megatron_shards,
     megatron_tp,
     step,
 )
@@ -82,8 +82,6 @@ from services.trainer.backends.layout import Layout
 from services.trainer.backends.linear_attention import rows_apart
 from services.trainer.backends.megatron_convert import (
     SafetensorsState,
-    hf_globals_to_megatron,
-    hf_layer_to_megatron,
     language_model_config,
     language_model_prefix,
     padded_vocab,
@@ -183,29 +181,12 @@ class MegatronAdapter:
 
     def _load_hf(self, model: torch.nn.Module) -> None:
         """The HF checkpoint into ``model``, one layer at a time, each rank reading only its stage's
-        layers and keeping its part of each."""
+        layers and keeping its part of each (`megatron_shards.local_parts`)."""
         params = dict(model.named_parameters())
-        state, hf, layout = SafetensorsState(self.policy.model_name), self.hf_config, self.layout
-        loaded: set[str] = set()
-        ep = {"ep_rank": layout.expert_rank, "ep_size": layout.expert_size}
-        first, count = layout.layer_offset, hf["num_hidden_layers"] // layout.pipeline.world_size
-        layers = (hf_layer_to_megatron(state, hf, i, **ep, prefix=self.prefix) for i in range(first, first + count))
-        stage_globals = hf_globals_to_megatron(
-            state, hf, first=layout.first_stage, last=layout.last_stage, prefix=self.prefix
-        )
-        for part in itertools.chain([stage_globals], layers):  # a layer at a time
-            for global_name, full in part.items():
-                name = megatron_tp.renumber(global_name, -first)
-                if name not in params:
-                    raise ValueError(f"checkpoint does not fit the Megatron model: unexpected {global_name}")
-                if name in megatron_export.VOCAB_ROWS:  # zero rows up to the padded vocabulary (sliced off the logits)
-                    full = F.pad(full, (0, 0, 0, padded_vocab(hf) - full.shape[0]))
-                with torch.no_grad():
-                    params[name].copy_(megatron_tp.local_part(full, params[name], name))
-                loaded.add(name)
-        missing = sorted(params.keys() - loaded)
-        if missing:
-            raise ValueError(f"checkpoint does not fit the Megatron model: missing {missing[:5]}")
+        state = SafetensorsState(self.policy.model_name)
+        for name, part in megatron_shards.local_parts(params, state, self.hf_config, self.layout, self.prefix):
+            with torch.no_grad():
+                params[name].copy_(part)
 
     def pad_token_id(self, model: torch.nn.Module) -> int:
         return int(self.hf_config.get("pad_token_id") or 0)
@@ -391,7 +372,9 @@ class MegatronAdapter:
         return [item for stage in self._stages_metadata(model) for item in stage]
 
     def weight_shards(self, model: torch.nn.Module) -> Any:
-        raise NotImplementedError("a resharding refit from the megatron backend (refit.collective.method broadcast)")
+        """This rank's parts, read as the published tensors (`megatron_shards.MegatronShards`)."""
+        module, model_dir = model.module, self.policy.model_name
+        return megatron_shards.MegatronShards(module, model_dir, self.checkpoint_config, self.layout)
 
     def weight_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """In the compute precision, on rank 0 only (`megatron_export.to_first_rank`)."""
