@@ -48,6 +48,7 @@ from fastapi.responses import Response
 from shared.admin_api import Readiness
 from shared.http import MsgspecJSON
 from shared.metrics import CONTENT_TYPE
+from shared.netaddr import advertise_address
 from shared.tasks import bounded, cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -234,11 +235,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def advertised_url(host: str, port: int) -> str:
-    """The URL other processes reach a service at: a wildcard bind address becomes the host name."""
+def advertised_url(host: str, port: int, redis_url: str | None = None) -> str:
+    """The URL other processes reach a service at: a wildcard bind address becomes this host's
+    advertised address (`shared.netaddr.advertise_address`: given, or the interface that reaches
+    the run's Redis)."""
     if host in ("", "0.0.0.0", "::"):
-        host = socket.gethostname()
-    return f"http://{host}:{port}"
+        host = advertise_address(redis_url)
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def run_server(

@@ -15,6 +15,7 @@ Used by the vLLM engines of `shared_torch.gloo_weights` and by the transformers 
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,6 +23,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import xxhash
+
+from shared.netaddr import ADVERTISE_ENV, this_host
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DIGEST_BYTES = 16
@@ -111,8 +114,21 @@ def open_group(address: str, port: int, rank: int, world_size: int, group_id: st
     """A gloo process group of its own (not torch's default group, which a trainer already uses),
     rendezvous through rank 0's TCP store."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(group_id, store), rank, world_size, timeout)
+    try:
+        store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:  # a peer's advertised address this host cannot reach
+        raise RuntimeError(
+            f"transfer group {group_id}: cannot reach trainer rank 0 at {address}:{port} from host {this_host()} "
+            f"within {timeout_s:.0f}s: {exc}"
+        ) from exc
+    given = os.environ.get(ADVERTISE_ENV, "").strip()
+    if given:  # gloo's connections on the address this host is reached at, not whatever its name resolves to
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=given)]
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(group_id, store), rank, world_size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(group_id, store), rank, world_size, timeout)
     return Group(pg, store)
 
 

@@ -1,6 +1,8 @@
 """The ``streamrl`` command line.
 
     streamrl up CONFIG [key=value ...]     run a job on this machine (embedded Valkey unless REDIS_URL)
+    streamrl join ROLE CONFIG [key=value]  run one role (redis, trainer, generator, gym-gateway) of a run
+                                           on this host, joining the others by the run's Redis URL
     streamrl demo                          build + warm-start the tiny model, then a short async GRPO run
     streamrl status                        services, queues and step of a run, from Redis
     streamrl pause|resume|validate         talk to a running trainer's REST API
@@ -64,6 +66,40 @@ def up(
     except JobFailed as exc:
         _fail(f"job failed: {exc}", 1)
     raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def join(
+    ctx: typer.Context,
+    role: str = typer.Argument(..., help="redis, trainer, generator or gym-gateway"),
+    config: Path = typer.Argument(..., help="run config YAML (the same on every host)"),
+    redis_url: str | None = typer.Option(None, help="the run's Redis (default REDIS_URL, else redis.url)"),
+    advertise: str | None = typer.Option(
+        None, help="address the other hosts reach this one at (default: the interface that reaches Redis)"
+    ),
+    count: int = typer.Option(1, help="generator, gym-gateway: workers on this host"),
+    port: int = typer.Option(6379, help="redis: the port"),
+    url_file: Path | None = typer.Option(None, help="redis: write the run's Redis URL (with its password) here"),
+    password_file: Path | None = typer.Option(None, help="redis: the password the run's Redis requires"),
+    connect_timeout: float = typer.Option(60.0, help="seconds to reach the run's Redis before failing"),
+) -> None:
+    """Run one role of a run on this host, joining the others by the run's Redis URL."""
+    from shared.config_error import ConfigError
+    from shared.netaddr import Unreachable
+    from streamrl.join import Joined, JoinOptions
+    from streamrl.supervisor import JobFailed
+
+    opts = JoinOptions(
+        role, config, list(ctx.args), redis_url, advertise, count, port, url_file, password_file, connect_timeout
+    )
+    try:
+        raise typer.Exit(Joined(opts).run())
+    except ConfigError as exc:
+        _fail(f"config error: {exc}")
+    except Unreachable as exc:
+        _fail(str(exc), 1)
+    except JobFailed as exc:
+        _fail(f"job failed: {exc}", 1)
 
 
 @app.command()

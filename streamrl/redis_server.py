@@ -32,7 +32,7 @@ def valkey_binary() -> str:
 
 
 class RedisServer:
-    """A Valkey/Redis server process on 127.0.0.1:<port>."""
+    """A Valkey/Redis server process on 127.0.0.1:<port> (or ``bind``, reached at ``advertise``)."""
 
     def __init__(
         self,
@@ -43,6 +43,8 @@ class RedisServer:
         appendfsync: str = "everysec",
         extra_args: list[str] | None = None,
         tied_to_parent: bool = False,
+        bind: str = "127.0.0.1",
+        advertise: str = "127.0.0.1",
     ) -> None:
         self.data_dir = Path(data_dir).resolve()  # the server chdirs into it: relative paths would break
         self.port = port or free_port()
@@ -57,17 +59,19 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
         # SIGTERM to the server when this process dies (a job's supervisor: no orphaned server)
         self.tied_to_parent = tied_to_parent
+        self.bind = bind  # the address it listens on (``streamrl join redis``: every interface)
+        self.advertise = advertise  # the address its URL names
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.advertise}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary,
             "--bind",
-            "127.0.0.1",
+            self.bind,
             "--port",
             str(self.port),
             "--dir",
@@ -79,7 +83,7 @@ class RedisServer:
             "--appendfsync",
             self.appendfsync,
             "--protected-mode",
-            "yes",
+            "yes" if self.bind == "127.0.0.1" else "no",  # off loopback: the caller sets a password
             "--logfile",
             str(self.data_dir / "server.log"),
             *self.extra_args,
@@ -104,7 +108,7 @@ class RedisServer:
 
     def _ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with socket.create_connection((self.advertise, self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
                 reply = s.recv(64)
                 # A server with a password answers -NOAUTH before AUTH: it is up all the same.

@@ -70,10 +70,11 @@ class Child:
     port: int
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # the address it is reached at (`streamrl join`: this host's advertised one)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int, engine: Engine | Non
     app = FastAPI(title="streamrl generator", lifespan=_lifespan)  # 7. the app
     s = app.state
     s.cfg, s.runtime, s.metrics, s.service, s.weights, s.renderer = cfg, runtime, metrics, service, weights, renderer
-    s.worker_id, s.url, s.started_at = worker_id, advertised_url(gen_cfg.host, port), time.time()
+    s.worker_id, s.url, s.started_at = worker_id, advertised_url(gen_cfg.host, port, cfg.redis.url), time.time()
     s.redis = s.heartbeat = None
     s.lifecycle = ServiceLifecycle("generator")
     s.lifecycle.on_failure(lambda error: _mark_failed(app, error))

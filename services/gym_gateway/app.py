@@ -68,7 +68,7 @@ def build_app(cfg: RunConfig, *, worker_id: str, port: int) -> FastAPI:
     app = FastAPI(title="streamrl gym gateway", lifespan=_lifespan)
     s = app.state
     s.cfg, s.worker_id, s.started_at = cfg, worker_id, time.time()
-    s.url = advertised_url(cfg.gym_gateway.host, port)
+    s.url = advertised_url(cfg.gym_gateway.host, port, cfg.redis.url)
     s.lifecycle = ServiceLifecycle("gym_gateway")
     s.auth = AuthPolicy.from_env(cfg.auth.protect_agent_routes)
     s.forwarder = SessionForwarder(worker_id)

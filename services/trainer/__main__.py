@@ -5,8 +5,9 @@ Parses the command line and loads the config before importing torch or transform
 policy cannot load); SIGTERM or SIGINT stops the run within ``trainer.drain_timeout_s`` (a
 restart resumes from the newest checkpoint) and the process ends by that signal.
 
-With ``trainer.nproc_per_node`` > 1 and no launcher around it, the process replaces itself with
-``torchrun --standalone --nproc-per-node N -m services.trainer`` and the same arguments. Under
+With more than one rank (``trainer.nproc_per_node`` x ``trainer.nnodes``) and no launcher around
+it, the process replaces itself with torchrun (``--standalone`` on one node, c10d rendezvous at
+``trainer.rdzv_endpoint`` on many: `services.trainer.launch`) and the same arguments. Under
 torchrun (``WORLD_SIZE`` > 1) every rank joins the trainer's process group; rank 0 serves
 the REST API and runs the control plane with a `RankedLearner`, every other rank builds its shard
 of the learner and follows rank 0's commands (`services.trainer.rank_learner`) until the run ends.
@@ -34,26 +35,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_service_config("trainer", args)
     if cfg is None:
         return 2
+    from services.trainer.launch import launcher, preflight
     from services.trainer.ranks import launched_world_size
+    from shared.config_error import ConfigError
+    from shared.netaddr import Unreachable
 
-    nproc = cfg.trainer.nproc_per_node
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:  # not started by a launcher: become one
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        command = [*launcher, "-m", "services.trainer", *(sys.argv[1:] if argv is None else argv)]
-        log.info("trainer.nproc_per_node is %d: %s", nproc, " ".join(command[1:]))
+    launched = "LOCAL_RANK" in os.environ
+    world = launched_world_size() if launched else cfg.trainer.nproc_per_node * cfg.trainer.nnodes
+    try:  # a layout that cannot fit, or a rendezvous out of reach, is refused before any rank starts
+        preflight(cfg, world, launched=launched)
+    except (ConfigError, Unreachable) as exc:
+        log.error("%s", exc)
+        return 2
+    if world > 1 and not launched:  # not started by a launcher: become one
+        command = [*launcher(cfg), "-m", "services.trainer", *(sys.argv[1:] if argv is None else argv)]
+        log.info(
+            "trainer ranks: %d node(s) x %d: %s", cfg.trainer.nnodes, cfg.trainer.nproc_per_node, " ".join(command)
+        )
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(sys.executable, command)
+        os.execv(sys.executable, [sys.executable, *command])
     if launched_world_size() > 1:
-        if cfg.trainer.backend == "megatron":  # refuse a layout that cannot fit before joining the others
-            from services.trainer.backends.megatron_setup import check_supported
-            from shared.config_error import ConfigError
-
-            try:
-                check_supported(cfg.policy, launched_world_size())
-            except ConfigError as exc:
-                log.error("%s", exc)
-                return 2
         return _ranked(cfg, args.port, args.worker_id)
     return _serve(cfg, args.port, args.worker_id)
 
@@ -69,7 +71,10 @@ def _serve(cfg: RunConfig, port: int | None, worker_id: str | None, learner: Lea
     sock = bind(t.host, t.port if port is None else port)
     bound = sock.getsockname()[1]
     app = build_app(
-        cfg, worker_id=worker_id or default_worker_id("trainer"), url=advertised_url(t.host, bound), learner=learner
+        cfg,
+        worker_id=worker_id or default_worker_id("trainer"),
+        url=advertised_url(t.host, bound, cfg.redis.url),
+        learner=learner,
     )
     config = uvicorn.Config(app, log_level="warning", lifespan="on")
     return run_server(app, config, drain=lambda: stop_run(app), drain_timeout_s=t.drain_timeout_s, sockets=[sock])

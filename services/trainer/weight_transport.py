@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from shared.netaddr import advertise_address
 from shared.protocol import CollectiveOrder, WeightAnnouncement, WeightSnapshot, WeightTransportName, encode
 from shared.weights_format import dir_num_bytes, folder_digests, manifest_checksum
 from shared_torch.reshard_wire import ReshardSent
@@ -387,16 +388,6 @@ def _free_port() -> int:
         return port
 
 
-def _this_host() -> str:
-    """This host's name when it resolves (generators on other hosts reach it), else loopback."""
-    name = socket.gethostname()
-    try:
-        socket.gethostbyname(name)
-    except OSError:
-        return "127.0.0.1"
-    return name
-
-
 def build_transport(
     cfg: RunConfig, learner: Learner, weights_dir: Path, redis: Redis, keys: RunKeys
 ) -> WeightTransport:
@@ -423,7 +414,7 @@ def build_transport(
     return CollectiveTransport(
         learner,
         backend=backend,
-        master_address=c.master_address or _this_host(),
+        master_address=c.master_address or advertise_address(cfg.redis.url),
         bucket_bytes=c.bucket_mb << 20,
         timeout_s=cfg.trainer.refit_timeout_s,
         workers_per_generator=v.tensor_parallel_size,

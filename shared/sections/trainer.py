@@ -30,6 +30,21 @@ class TrainerSection(Section):
             "every rank a shard of the learner"
         ),
     ] = 1
+    nnodes: Annotated[
+        int,
+        D(
+            "nodes the trainer's ranks span (torchrun's multi-node mode, c10d rendezvous at trainer.rdzv_endpoint); "
+            "world size = nnodes x nproc_per_node, which must fit the backend's parallel layout"
+        ),
+    ] = 1
+    rdzv_endpoint: Annotated[
+        str | None,
+        D("HOST:PORT of the trainer's c10d rendezvous (a port on one of its nodes); required when nnodes > 1"),
+    ] = None
+    rdzv_timeout_s: Annotated[
+        float,
+        D("deadline for every node of the trainer to reach the rendezvous (each node fails naming the endpoint)"),
+    ] = 600.0
     drain_timeout_s: Annotated[
         float,
         D(

@@ -18,18 +18,28 @@ every host and deletes the namespaces and their /etc/netns entries.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 SUBNET = "10.77.0"
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 class HostsUnavailable(RuntimeError):
@@ -88,6 +98,28 @@ class Host:
 
     def run(self, cmd: Sequence[str], *, timeout_s: float = 60.0, **kw: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.argv(cmd), capture_output=True, text=True, timeout=timeout_s, **kw)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on a thread inside this host's network namespace: the sockets it opens are this
+        host's (names still resolve as the calling process's do: use addresses)."""
+        result: list[Any] = []
+
+        def inside() -> None:
+            try:
+                with open(f"/run/netns/{self.ns}") as f:
+                    if _libc().setns(f.fileno(), CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {self.ns}")
+                result.append((True, fn()))
+            except BaseException as exc:  # re-raised on the caller's thread
+                result.append((False, exc))
+
+        thread = threading.Thread(target=inside, name=f"in-{self.name}")
+        thread.start()
+        thread.join()
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
     def pids(self) -> list[int]:
         proc = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True, timeout=30)
