@@ -29,6 +29,7 @@ from shared.records import read_records, step_records
 from streamrl.bench.cluster_run import ClusterRun, link_bytes
 from streamrl.bench.hosts import SimCluster, available
 from tests.e2e.test_learning import MARGIN, WINDOW
+from tests.support.runs import assert_every_step_trained_once, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = os.environ.get("CI", "") not in ("", "0", "false") or os.environ.get("STREAMRL_REQUIRE_ENGINE") == "1"
@@ -128,3 +129,74 @@ def test_the_demo_learns_across_four_hosts(cluster_run):
     model_bytes = sum(f.stat().st_size for f in (run.out / "policy-init").glob("*.safetensors"))
     assert rx > STEPS * model_bytes * 0.5, (rx, model_bytes)
     assert tx1 > STEPS * model_bytes * 0.25, (tx1, model_bytes)
+
+
+def wait_for_steps(run: ClusterRun, n: int, timeout_s: float) -> int:
+    """Until the run has recorded ``n`` training steps (its trainer still running)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = len(step_records(read_records(run.out / "metrics.jsonl")))
+        if done >= n:
+            return done
+        assert run.procs[("h0", "trainer")].poll() is None, run.logs()
+        time.sleep(1)
+    raise AssertionError(f"fewer than {n} steps within {timeout_s:.0f}s:\n{run.logs()}")
+
+
+FAULT_HOSTS = [*HOSTS, "h4"]
+FAULT_STEPS = 14
+
+
+@pytest.fixture
+def fault_run(prepared, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(prepared, out)
+    with SimCluster(FAULT_HOSTS) as cluster:
+        run = ClusterRun(cluster, ROOT / "deploy" / "configs" / "demo.yaml", out, [])
+        yield run
+        run.stop()
+
+
+def test_a_lost_host_heals_or_resumes_and_nothing_is_trained_twice(fault_run):
+    """Gateway workers on h3 and h4. h4's link is cut for longer than every deadline that
+    concerns it (its tasks are reclaimed by h3 meanwhile) and restored; h3 loses every process at
+    once and its join is started again; then h1, the trainer's second node, loses every process:
+    the trainer's first node fails naming h1's address, its join restarts it, h1's join is started
+    again, and the trainer resumes from its newest checkpoint. The run ends with every step
+    trained once and no trajectory trained twice."""
+    run = fault_run
+    cut_s = 25.0
+    start_demo(
+        run,
+        "mh-faults",
+        FAULT_STEPS,
+        "gym_gateway.reclaim_idle_s=10",
+        "gym_gateway.rollout_timeout_s=20",
+        "checkpointing.save_period=2",
+        "trainer.collective_timeout_s=30",
+        "trainer.refit_timeout_s=30",
+    )
+    run.join("h4", "gym-gateway")
+    h0, h1, h3, h4 = (run.cluster[h] for h in ("h0", "h1", "h3", "h4"))
+
+    wait_for_steps(run, 2, 600)
+    h4.link(False)
+    time.sleep(cut_s)  # past the gateway's reclaim deadline and the registry's heartbeat TTL
+    h4.link(True)
+
+    at = wait_for_steps(run, 4, 600)
+    assert h3.kill_all() > 0
+    run.join("h3", "gym-gateway")  # the host is back: a restart of its join resumes its worker
+
+    wait_for_steps(run, at + 3, 600)
+    assert h1.kill_all() > 0
+    time.sleep(5)
+    run.join("h1", "trainer")  # the node is back: both trainers meet again and resume
+
+    assert run.wait("h0", "trainer", 900) == 0, run.logs()
+    h0_log = (run.out / "logs" / "trainer-h0.log").read_text(errors="replace")
+    assert h1.address in h0_log, "the trainer's first node should name the host it lost"
+    records = read_metrics(run.out)
+    steps = {r["step"] for r in records if r.get("kind") == "train"}
+    assert steps == set(range(FAULT_STEPS))
+    assert_every_step_trained_once(records, FAULT_STEPS, 64)  # the demo's 8 prompts x 8 rollouts
