@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from services.trainer.batch import StepBatch
 from services.trainer.learner import LearnerLost, sender_of
-from services.trainer.ranks import Ranks
+from services.trainer.ranks import Ranks, lost_hosts
 from services.trainer.weight_send import CollectiveSender, ReshardSent, SendOrder
 from shared.records import LearnerMetrics
 from shared_torch.weight_wire import TransferError
@@ -126,7 +126,9 @@ class RankedLearner:
                 raise  # the generators' transfer group failed, not the trainer's ranks
             except Exception as exc:
                 if isinstance(exc, (RuntimeError, dist.DistBackendError)) and _is_comm_error(exc):
-                    raise RankLost(f"trainer ranks lost during {command.op}: {exc}") from exc
+                    raise RankLost(
+                        f"trainer ranks lost during {command.op} ({lost_hosts(self.ranks, exc)}): {exc}"
+                    ) from exc
                 raise
             finally:
                 self._last_command = time.monotonic()

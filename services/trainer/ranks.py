@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from shared.netaddr import advertise_address, this_host
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -45,6 +47,8 @@ class Ranks:
     group: Any = None
     # the bound of every collective (None: the process group's default)
     collective_timeout_s: float | None = None
+    # each rank's (host name, address), in rank order: errors name the host a lost rank ran on
+    hosts: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_root(self) -> bool:
@@ -65,6 +69,7 @@ class Ranks:
             checkpoint_group=self.checkpoint_group,
             group=group,
             collective_timeout_s=self.collective_timeout_s,
+            hosts=self.hosts,
         )
 
     def mesh(self) -> DeviceMesh:
@@ -99,6 +104,16 @@ class Ranks:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
 
+def lost_hosts(ranks: Ranks, error: BaseException) -> str:
+    """Which of the trainer's hosts ``error`` (a failed collective) names, as "host h1 (10.0.0.2:
+    rank 1)"; every rank's host when it names none."""
+    text = str(error)
+    named = [f"{name} ({addr}: rank {r})" for r, (name, addr) in enumerate(ranks.hosts) if r and addr in text]
+    if named:
+        return "lost host " + ", ".join(named)
+    return "ranks on hosts " + ", ".join(f"{r}: {name} ({addr})" for r, (name, addr) in enumerate(ranks.hosts))
+
+
 SINGLE = Ranks(rank=0, world_size=1, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
@@ -113,12 +128,16 @@ def join(collective_timeout_s: float) -> Ranks:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
     timeout = datetime.timedelta(seconds=collective_timeout_s)
+    checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+    hosts: list[tuple[str, str]] = [("", "")] * dist.get_world_size()
+    dist.all_gather_object(hosts, (this_host(), advertise_address()), group=checkpoint_group)
     ranks = Ranks(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         device=device,
-        checkpoint_group=dist.new_group(backend="gloo", timeout=timeout),
+        checkpoint_group=checkpoint_group,
         collective_timeout_s=collective_timeout_s,
+        hosts=tuple(tuple(h) for h in hosts),  # type: ignore[misc]
     )
     log.info("trainer rank %d of %d on %s (%s)", ranks.rank, ranks.world_size, device, backend)
     return ranks

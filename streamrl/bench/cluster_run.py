@@ -43,8 +43,9 @@ class ClusterRun:
         return self.out / "hosts" / f"{host}-{role}.log"
 
     def join(self, host: str, role: str, *extra: str) -> subprocess.Popen[bytes]:
-        """``streamrl join ROLE`` on ``host`` (replacing an earlier one of the same role there)."""
-        cmd = [sys.executable, "-m", "streamrl.cli", "join", role, str(self.config), *extra, *self.overrides]
+        """``streamrl join ROLE`` on ``host`` (replacing an earlier one of the same role there); ``extra``
+        options and overrides come last (an override there wins)."""
+        cmd = [sys.executable, "-m", "streamrl.cli", "join", role, str(self.config), *self.overrides, *extra]
         proc = self.cluster[host].popen(cmd, env=self.env, log=self.log(host, role), cwd=ROOT)
         self.procs[(host, role)] = proc
         return proc

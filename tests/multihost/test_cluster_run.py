@@ -161,9 +161,10 @@ def test_a_lost_host_heals_or_resumes_and_nothing_is_trained_twice(fault_run):
     """Gateway workers on h3 and h4. h4's link is cut for longer than every deadline that
     concerns it (its tasks are reclaimed by h3 meanwhile) and restored; h3 loses every process at
     once and its join is started again; then h1, the trainer's second node, loses every process:
-    the trainer's first node fails naming h1's address, its join restarts it, h1's join is started
-    again, and the trainer resumes from its newest checkpoint. The run ends with every step
-    trained once and no trajectory trained twice."""
+    the trainer's first node fails naming h1, and its join restarts it to wait for h1 at the
+    rendezvous. h1 stays gone: the trainer's join on h0 is stopped and started again with one
+    node, and the trainer resumes the two nodes' sharded checkpoint at that node count. The run
+    ends with every step trained once and no trajectory trained twice."""
     run = fault_run
     cut_s = 25.0
     start_demo(
@@ -190,12 +191,19 @@ def test_a_lost_host_heals_or_resumes_and_nothing_is_trained_twice(fault_run):
 
     wait_for_steps(run, at + 3, 600)
     assert h1.kill_all() > 0
-    time.sleep(5)
-    run.join("h1", "trainer")  # the node is back: both trainers meet again and resume
+    h0_log = run.out / "logs" / "trainer-h0.log"
+    deadline = time.monotonic() + 300
+    while "trainer died (code 1); restarting it" not in run.tail("h0", "trainer"):
+        assert time.monotonic() < deadline, run.logs()
+        time.sleep(1)
+    assert f"lost host h1 ({h1.address}: rank 1)" in h0_log.read_text(errors="replace"), "it names the lost host"
+    run.procs[("h0", "trainer")].terminate()  # h1 stays gone: go on with one node
+    assert run.wait("h0", "trainer", 120) in (0, 130), run.logs()
+    run.join("h0", "trainer", "trainer.nnodes=1")
 
     assert run.wait("h0", "trainer", 900) == 0, run.logs()
-    h0_log = (run.out / "logs" / "trainer-h0.log").read_text(errors="replace")
-    assert h1.address in h0_log, "the trainer's first node should name the host it lost"
+    resumed = h0_log.read_text(errors="replace").split("lost host h1")[-1]  # the one-node trainer's lines
+    assert "one rank" in resumed and "resumed from" in resumed and "2 ranks" not in resumed
     records = read_metrics(run.out)
     steps = {r["step"] for r in records if r.get("kind") == "train"}
     assert steps == set(range(FAULT_STEPS))
