@@ -20,7 +20,9 @@
    against raw baselines of the same bytes, and those costs scaled to a 397B-parameter run.
 9. Pipeline efficiency (`streamrl.bench.pipeline`): the real trainer, buffer, streams and gateways
    with simulated rollout and training times against an ideal zero-overhead schedule; packing.
-10. MoE routing replay (`streamrl.bench.routing_replay`): the trainer-vs-engine logprob mismatch
+10. Beyond one host (`streamrl.bench.multihost`): the demo across simulated hosts, links shaped,
+    against the same run on one host: step and refit time, bytes per link.
+11. MoE routing replay (`streamrl.bench.routing_replay`): the trainer-vs-engine logprob mismatch
     at equal weights on the MoE demo's policy with replay off and on.
 
 Every figure is reported against a baseline measured in the same run on the same machine, as a
@@ -46,6 +48,7 @@ from streamrl.bench import (
     gateway,
     gateway_scale,
     generator,
+    multihost,
     openhands,
     refit,
     reshard,
@@ -90,6 +93,7 @@ REPORT = (
     Section("trainer", TrainerResults, trainer.render_section),
     Section("refit", RefitResults, refit.render_section, redis=True),
     Section("reshard", reshard.ReshardResults, reshard.render_section, redis=True),
+    Section("multihost", multihost.MultihostResults, multihost.render_section),
     Section("pipeline", PipelineResults, render_pipeline),
     Section("routing_replay", routing_replay.RoutingReplayResults, routing_replay.render_section),
 )
@@ -103,6 +107,7 @@ SECTIONS = (
     "pipeline",
     "refit",
     "reshard",
+    "multihost",
     "demo_variants",
     "openhands",
     "routing_replay",
@@ -116,6 +121,7 @@ MEASURED = (
     "gateway",
     "refit",
     "reshard",
+    "multihost",
     "trainer",
     "gateway_scale",
     "openhands",
@@ -187,6 +193,7 @@ def measure(name: str, valkey: _Valkey, machine: str) -> tuple[Results, list[int
         "openhands": lambda: openhands.openhands_benchmark(work, machine),
         "trainer": lambda: trainer.trainer_benchmark(work, machine),
         "routing_replay": lambda: routing_replay.routing_replay_benchmark(work, machine),
+        "multihost": lambda: multihost.multihost_benchmark(work, machine),
     }
     return measures[name](), []
 

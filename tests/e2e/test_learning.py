@@ -1,11 +1,11 @@
 """Training learns: the demo (`streamrl demo`: warm start, the crossing tool-use task, the tiny
 Qwen3, vLLM, asynchronous GRPO at lag 1), run as the README's `bash scripts/demo.sh` and shortened
 to STEPS steps, must raise the mean reward of
-its last three steps over its first three by at least MARGIN. It runs with each weight transport:
-as shipped (the filesystem: generators load each published folder), and collective (generators
-start on dummy, random weights and receive every version, the first included, over the transfer
-group), so a transport that delivers wrong or no weights cannot pass. The two runs share one
-prepared model, data and warm-started policy.
+its last three steps over its first three by at least MARGIN, with the weight transport as
+shipped (the filesystem: generators load each published folder). The collective transport
+(generators start on dummy, random weights and receive every version, the first included, over
+the transfer group, so wrong or missing weights cannot pass) is held to the same MARGIN by the
+demo across four simulated hosts, its trainer on two nodes (tests/multihost).
 
 The margin's basis (measured on 2 cores, 2026-12-01, the demo config and seed as shipped): see
 MEASURED below. Every run rose by far more than MARGIN; MARGIN is a fraction of the smallest
@@ -59,8 +59,7 @@ def prepared(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("transport", ["filesystem", "collective"])
-def test_the_shortened_demo_raises_the_reward(prepared, tmp_path, transport):
+def test_the_shortened_demo_raises_the_reward(prepared, tmp_path):
     out = tmp_path / "demo"
     shutil.copytree(prepared, out)
     cmd = [  # the README's first command (set-up, then `streamrl demo`), shortened
@@ -74,7 +73,6 @@ def test_the_shortened_demo_raises_the_reward(prepared, tmp_path, transport):
         "grpo.val_at_start=false",
         "grpo.val_at_end=false",
         "logger.plot=false",
-        f"refit.transport={transport}",
     ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -31,6 +31,7 @@ HEADINGS = {
     "trainer": "## Trainer",
     "refit": "## Refit",
     "reshard": "## Refit without a gather",
+    "multihost": "## Beyond one host",
     "pipeline": "## Pipeline efficiency",
     "routing_replay": "## MoE routing replay",
 }
