@@ -9,6 +9,8 @@ tests/e2e, tests/faults), the code behind them in tests/support.
   same in the released checkpoints' multimodal format (a vision tower beside the language model).
   A child pytest session started by a test reuses its parent's builds when given their folders
   (`tests.support.generator.build_tiny`).
+* ``demo_prepared``: the demo's model, data and warm-started policy, built once per test run for
+  every pytest worker (tests/e2e/test_learning.py, tests/multihost, tests/slurm copy it).
 * ``write_config``: ``write_config(model_dir, *, redis_url=None, backend="transformers",
   **generation)`` writes a generator's run config for a model and returns (path, RunConfig).
 * ``perturbed_model``, ``logprob_reference``: `tests.support.generator.perturbed_copy` and
@@ -79,6 +81,26 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def demo_prepared(tmp_path_factory) -> Path:
+    """The demo's model, data and warm-started policy (`streamrl demo --prepare-only`), built once
+    per test run and shared by every pytest worker (the first to ask builds it under a file lock
+    in the run's temporary folder, which xdist's workers share). Read-only: copy it."""
+    import subprocess
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = shared / "demo-prepared"
+    with FileLock(str(shared / "demo-prepared.lock")):
+        if not (out / "policy-init" / "config.json").is_file():
+            cmd = [sys.executable, "-m", "streamrl.cli", "demo", "--out", str(out), "--prepare-only"]
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
 
 
 @pytest.fixture

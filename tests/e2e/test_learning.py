@@ -20,7 +20,6 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,19 +48,9 @@ MEASURED: list[tuple[float, float]] = [
 MARGIN = 0.11
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    """The demo's model, data and warm-started policy, built once (`streamrl demo --prepare-only`)."""
-    out = tmp_path_factory.mktemp("demo-prepared")
-    cmd = [sys.executable, "-m", "streamrl.cli", "demo", "--out", str(out), "--prepare-only"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
-
-
-def test_the_shortened_demo_raises_the_reward(prepared, tmp_path):
+def test_the_shortened_demo_raises_the_reward(demo_prepared, tmp_path):
     out = tmp_path / "demo"
-    shutil.copytree(prepared, out)
+    shutil.copytree(demo_prepared, out)
     cmd = [  # the README's first command (set-up, then `streamrl demo`), shortened
         "bash",
         "scripts/demo.sh",

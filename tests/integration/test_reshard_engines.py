@@ -6,7 +6,9 @@ generator processes that started on random weights (``load_format: dummy``) alon
 plan (``refit.collective.method: reshard``): each trainer rank sends each engine rank the slices
 of its own shard that the engine rank keeps. Layouts: one generator of ``tensor_parallel_size:
 2`` (each engine rank keeps half of every projection, its heads of the fused QKV, its half of
-the vocabulary) from either backend, and two generators of one rank each. Every refit is probed
+the vocabulary) from either backend. (Generators of one rank: the demo across hosts,
+tests/multihost, from two trainer nodes; two of them, one killed mid-transfer:
+tests/faults/test_refit_generator_kill.py.) Every refit is probed
 (`services.trainer.refit_probe`). Afterwards each generator must answer exactly as a vLLM engine
 started cold on the trainer's exported weights: the same sampled tokens under a fixed seed,
 logprobs within float32 noise. Nothing here can pass on random weights: the engines started on
@@ -38,7 +40,6 @@ TOKENS = 8
 # parts (each rank half of every projection's columns or rows, its heads of the fused QKV)
 LAYOUTS = {
     "one TP2 generator": (2, 1, "torch"),
-    "two TP1 generators": (1, 2, "torch"),
     "megatron TP2 into one TP2 generator": (2, 1, "megatron"),
 }
 

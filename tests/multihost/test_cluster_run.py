@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -42,16 +40,6 @@ HOSTS = ["h0", "h1", "h2", "h3"]
 STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    """The demo's model, data and warm-started policy (`streamrl demo --prepare-only`)."""
-    out = tmp_path_factory.mktemp("demo-prepared")
-    cmd = [sys.executable, "-m", "streamrl.cli", "demo", "--out", str(out), "--prepare-only"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
-
-
 def demo_overrides(out: Path, run_id: str, steps: int) -> list[str]:
     return [
         f"run.run_id={run_id}",
@@ -70,9 +58,9 @@ def demo_overrides(out: Path, run_id: str, steps: int) -> list[str]:
 
 
 @pytest.fixture
-def cluster_run(prepared, tmp_path):
+def cluster_run(demo_prepared, tmp_path):
     out = tmp_path / "run"
-    shutil.copytree(prepared, out)
+    shutil.copytree(demo_prepared, out)
     with SimCluster(HOSTS) as cluster:
         run = ClusterRun(cluster, ROOT / "deploy" / "configs" / "demo.yaml", out, [])
         yield run
@@ -148,9 +136,9 @@ FAULT_STEPS = 14
 
 
 @pytest.fixture
-def fault_run(prepared, tmp_path):
+def fault_run(demo_prepared, tmp_path):
     out = tmp_path / "run"
-    shutil.copytree(prepared, out)
+    shutil.copytree(demo_prepared, out)
     with SimCluster(FAULT_HOSTS) as cluster:
         run = ClusterRun(cluster, ROOT / "deploy" / "configs" / "demo.yaml", out, [])
         yield run
