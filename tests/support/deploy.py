@@ -9,6 +9,7 @@ rejected. `unknown_env` names variables no service reads.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -136,4 +137,126 @@ def launch(argv: list[str], env: dict[str, str], *, cwd: Path = ROOT, where: str
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     out.args = result["args"]
     out.cfg = msgspec.convert(result["cfg"], RunConfig)
+    return out
+
+
+# One process answers every engine-worker check of a test session: importing vLLM and the generator
+# takes seconds, parsing a command line milliseconds. A request is one JSON line (run config,
+# argv after `vllm`, environment); the answer is one JSON line.
+_VLLM_PROBE = """
+import contextlib, dataclasses, io, json, os, sys, traceback
+import msgspec
+from services.generator.vllm_env import apply_env_defaults
+apply_env_defaults()
+# The model folder is on the pod's shared volume, absent here; offline, vLLM would resolve its path
+# in the hub's cache while building the arguments. Nothing is downloaded either way (no config read).
+os.environ["HF_HUB_OFFLINE"] = "0"
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from services.generator.vllm_engine import VllmEngine
+from shared.run_config import RunConfig
+
+def parse(argv):
+    parser = FlexibleArgumentParser(prog="vllm")
+    serve = ServeSubcommand()
+    serve.subparser_init(parser.add_subparsers(dest="subparser"))
+    ns = parser.parse_args(argv)
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    serve.validate(ns)
+    return ns
+
+def check(cfg, argv):
+    ns = parse(argv)
+    worker = AsyncEngineArgs.from_cli_args(ns)
+    unset = AsyncEngineArgs.from_cli_args(parse(["serve", ns.model]))
+    leader = VllmEngine(msgspec.convert(cfg, RunConfig))._configured_engine_args()
+    differ = []
+    for f in dataclasses.fields(AsyncEngineArgs):
+        mine, theirs = getattr(leader, f.name), getattr(worker, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name != "node_rank" and mine != theirs and not (mine == default and theirs == getattr(unset, f.name)):
+            differ.append([f.name, repr(mine), repr(theirs)])
+    keys = ("headless", "nnodes", "node_rank", "master_addr", "master_port", "model")
+    return {"args": {k: getattr(ns, k) for k in keys}, "differ": differ}
+
+for line in sys.stdin:
+    req = json.loads(line)
+    saved = dict(os.environ)
+    os.environ.update({k: v for k, v in req["env"].items() if k != "HF_HUB_OFFLINE"})
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            answer = check(req["cfg"], req["argv"])
+    except SystemExit:
+        answer = {"error": err.getvalue().strip().splitlines()[-1:]}
+    except Exception:
+        answer = {"error": traceback.format_exc().strip().splitlines()[-1:]}
+    os.environ.clear()
+    os.environ.update(saved)
+    print(json.dumps(answer), flush=True)
+"""
+_VLLM_PROCESS: list[subprocess.Popen] = []
+
+
+def _ask_vllm(request: dict) -> dict:
+    if not _VLLM_PROCESS or _VLLM_PROCESS[0].poll() is not None:
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/")}
+        _VLLM_PROCESS[:] = [
+            subprocess.Popen(
+                [sys.executable, "-c", _VLLM_PROBE],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                cwd=ROOT,
+                env=env,
+            )
+        ]
+        atexit.register(_VLLM_PROCESS[0].kill)
+    proc = _VLLM_PROCESS[0]
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(request) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    return json.loads(line) if line else {"error": ["the vLLM probe process exited"]}
+
+
+@dataclass
+class EngineWorker:
+    """What vLLM made of a `vllm serve --headless` command: a few parsed arguments, and the engine
+    arguments that differ from the ones the generator builds from the run config (name, the
+    generator's, the worker's)."""
+
+    args: dict[str, Any] = field(default_factory=dict)
+    differ: list[tuple[str, str, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+_WORKERS: dict[str, dict] = {}
+
+
+def engine_worker(argv: list[str], env: dict[str, str], cfg: RunConfig, *, where: str) -> EngineWorker:
+    """Parse ``vllm serve ...`` with vLLM's own parser (and its checks of the parsed arguments) and
+    compare the engine arguments with those `services.generator.vllm_engine` builds from ``cfg``
+    (the configured ones; node_rank aside). Needs vllm."""
+    out = EngineWorker()
+    if argv[:2] != ["vllm", "serve"]:
+        out.problems.append(f"{where}: {argv[:2]} is not `vllm serve`")
+        return out
+    # The engine's arguments come from these keys only (policy.model_name, tokenizer_name and
+    # generation, run.seed, refit): a change elsewhere in the config asks vLLM nothing new.
+    tree = msgspec.to_builtins(cfg)
+    policy = {k: tree["policy"][k] for k in ("model_name", "tokenizer_name", "generation")}
+    request = {"cfg": {"policy": policy, "run": {"seed": cfg.run.seed}, "refit": tree["refit"]}, "argv": argv[1:]}
+    request["env"] = env
+    key = json.dumps(request, sort_keys=True)
+    if key not in _WORKERS:
+        _WORKERS[key] = _ask_vllm(request)
+    result = _WORKERS[key]
+    if "error" in result:
+        out.problems.append(f"{where}: vllm serve rejects {argv[2:]}: {' | '.join(result['error'])[:500]}")
+        return out
+    out.args, out.differ = result["args"], [tuple(d) for d in result["differ"]]
     return out
