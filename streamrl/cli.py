@@ -13,7 +13,7 @@
     streamrl bench [--only SECTION]        run the benchmarks and rewrite BENCHMARKS.md (or one section:
                                            generator, gateway, trainer, pipeline, refit, demo_variants,
                                            openhands)
-    streamrl scale generator=N gym-gateway=M  resize a run's workers (--backend local|compose|k8s)
+    streamrl scale generator=N gym-gateway=M  resize a run's workers (--backend local|compose|k8s|slurm)
 
 Heavy libraries are imported inside the commands, so ``streamrl --help`` is instant. Calls to
 control routes send ``Authorization: Bearer`` with the API token when STREAMRL_API_TOKEN or
@@ -277,7 +277,7 @@ def validate(
 @app.command(name="scale")
 def scale_cmd(
     targets: list[str] | None = typer.Argument(None, help="SERVICE=COUNT, SERVICE: generator or gym-gateway"),
-    backend: str = typer.Option("local", help="local (a `streamrl up` job), compose or k8s"),
+    backend: str = typer.Option("local", help="local (a `streamrl up` job), compose, k8s or slurm"),
     run_dir: Path | None = RUN_DIR,
     redis_url: str | None = typer.Option(None, help="local: the run's Redis (default REDIS_URL, else run.json)"),
     timeout: float = typer.Option(900.0, help="seconds to wait for new workers to be ready and removed ones gone"),
@@ -295,6 +295,7 @@ def scale_cmd(
     selector: str = typer.Option("app.kubernetes.io/name=streamrl", help="k8s: labels of the run's Deployments"),
     generator_deployment: str | None = typer.Option(None, help="k8s: generator Deployment (default: found by label)"),
     gateway_deployment: str | None = typer.Option(None, help="k8s: gateway Deployment (default: found by label)"),
+    job: str | None = typer.Option(None, help="slurm: the run's job id (the job's comment names its run folder)"),
 ) -> None:
     """Scale a run's generators and gym-gateway workers; waits until new ones are ready and removed ones drained."""
     from streamrl.scale import ScaleError, make_backend, parse_targets
@@ -313,6 +314,7 @@ def scale_cmd(
             context=context,
             selector=selector,
             deployments=deployments,
+            job=job,
         )
         if show:
             typer.echo(", ".join(f"{k}: {v}" for k, v in be.counts().items()))

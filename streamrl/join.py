@@ -234,8 +234,11 @@ class Joined:
             return 0
         except KeyboardInterrupt:
             return 130
-        finally:
+        finally:  # one SIGTERM each (a second would cut a drain short), then a kill past the deadline
+            deadline = time.monotonic() + section.drain_timeout_s + STOP_MARGIN_S
             for c in pool.children():
                 c.terminate()
             for c in pool.children():
-                c.stop(section.drain_timeout_s + STOP_MARGIN_S)
+                while c.alive() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                c.kill()

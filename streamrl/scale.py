@@ -10,6 +10,8 @@ Backends (`ScaleBackend`, chosen with ``--backend``):
     (`streamrl.scale_compose`), checked through the Docker Engine API.
   * ``k8s``: the ``scale`` subresource of the generator and gateway Deployments through the
     kubernetes client (`streamrl.scale_k8s`).
+  * ``slurm``: the worker job steps of a running Slurm job (deploy/slurm/streamrl.sbatch;
+    `streamrl.scale_slurm`): new steps started, removed ones drained, checked with ``squeue``.
 
 Every backend waits until the new workers are ready (or the deadline passes) and reports the
 counts before and after. Removing workers always drains them: a generator leaves routing before it
@@ -100,6 +102,7 @@ def make_backend(
     context: str | None = None,
     selector: str | None = None,
     deployments: dict[str, str] | None = None,
+    job: str | None = None,
 ) -> ScaleBackend:
     """The backend ``name`` with its options (each backend ignores the others' options)."""
     if name == "local":
@@ -122,4 +125,8 @@ def make_backend(
             selector=selector,
             deployments=deployments or {},
         )
-    raise ScaleError(f"--backend must be local, compose or k8s, not {name!r}")
+    if name == "slurm":
+        from streamrl.scale_slurm import SlurmBackend
+
+        return SlurmBackend(job=job, run_dir=run_dir, redis_url=redis_url)
+    raise ScaleError(f"--backend must be local, compose, k8s or slurm, not {name!r}")

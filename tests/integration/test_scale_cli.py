@@ -116,4 +116,4 @@ def test_errors_exit_1_with_the_reason(tmp_path):
     no_run = CliRunner().invoke(app, ["scale", "--run-dir", str(tmp_path), "generator=2"])
     assert no_run.exit_code == 1 and "run.json" in no_run.output
     wrong = CliRunner().invoke(app, ["scale", "--backend", "nomad", "generator=2"])
-    assert wrong.exit_code == 1 and "--backend must be local, compose or k8s" in wrong.output
+    assert wrong.exit_code == 1 and "--backend must be local, compose, k8s or slurm" in wrong.output

@@ -28,7 +28,7 @@ def _tree(tmp_path: Path, failing: str | None = None) -> Path:
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
     log = tmp_path / "calls.log"
-    stubs = {f"scripts/{s}.sh": s for s in ("setup", "k8s_tools", "setup_openhands", "setup_nemo_gym")}
+    stubs = {f"scripts/{s}.sh": s for s in ("setup", "k8s_tools", "setup_slurm", "setup_openhands", "setup_nemo_gym")}
     stubs.update({f".venv/bin/{t}": t for t in ("ruff", "mypy", "python")})
     for rel, name in stubs.items():
         path = tmp_path / rel
@@ -50,7 +50,7 @@ def _run(tree: Path, *args: str, **env: str) -> tuple[int, list[str]]:
     return proc.returncode, [line.rstrip() for line in log.read_text().splitlines()] if log.exists() else []
 
 
-BACKGROUND = {"k8s_tools", "setup_openhands", "setup_nemo_gym"}  # set up while the gates run
+BACKGROUND = {"k8s_tools", "setup_slurm", "setup_openhands", "setup_nemo_gym"}  # set up while the gates run
 XDIST = "-n 3 --dist loadfile --no-loadscope-reorder"
 
 
