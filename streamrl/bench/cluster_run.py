@@ -92,6 +92,22 @@ class ClusterRun:
                 proc.kill()
 
 
+def demo_overrides(out: Path, run_id: str, steps: int) -> list[str]:
+    """The demo's config (deploy/configs/demo.yaml) on the model, data and warm start prepared in
+    ``out`` (`streamrl demo --prepare-only`), shortened to ``steps`` steps without validations or
+    plots."""
+    return [
+        f"run.run_id={run_id}",
+        f"data.train_path={out / 'data' / 'train.jsonl'}",
+        f"data.val_path={out / 'data' / 'val.jsonl'}",
+        f"policy.model_name={out / 'policy-init'}",
+        f"grpo.max_num_steps={steps}",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "logger.plot=false",
+    ]
+
+
 def link_bytes(host: Host) -> tuple[int, int]:
     """(received, sent) bytes of ``host``'s link so far."""
     out = host.run(["cat", "/sys/class/net/eth0/statistics/rx_bytes", "/sys/class/net/eth0/statistics/tx_bytes"])

@@ -18,6 +18,7 @@ to the refit. This kernel has no netem, so links are shaped in rate only (no add
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import statistics
 import time
@@ -73,24 +74,14 @@ def _median(xs: list[float]) -> float:
 
 
 def run_layout(work: Path, prepared: Path, name: str, spread: bool, rate_mbit: float | None) -> LayoutRun:
-    from streamrl.bench.cluster_run import ClusterRun, link_bytes
+    from streamrl.bench.cluster_run import ClusterRun, demo_overrides, link_bytes
     from streamrl.bench.hosts import SimCluster
 
-    out = work / name / "run"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")  # a folder and a run id
+    out = work / slug / "run"
     shutil.rmtree(out.parent, ignore_errors=True)
     shutil.copytree(prepared, out)
-    overrides = [
-        f"run.run_id=bench-{name}",
-        f"run.output_dir={out}",
-        f"data.train_path={out / 'data' / 'train.jsonl'}",
-        f"data.val_path={out / 'data' / 'val.jsonl'}",
-        f"policy.model_name={out / 'policy-init'}",
-        f"grpo.max_num_steps={STEPS}",
-        "grpo.val_at_start=false",
-        "grpo.val_at_end=false",
-        "logger.plot=false",
-        "refit.transport=collective",
-    ]
+    overrides = [*demo_overrides(out, f"bench-{slug}", STEPS), f"run.output_dir={out}", "refit.transport=collective"]
     if spread:
         overrides += ["trainer.nnodes=2", "trainer.rdzv_endpoint=h0:29400"]
     else:

@@ -24,7 +24,7 @@ import redis
 from shared import keys as K
 from shared.protocol import Heartbeat, decode
 from shared.records import read_records, step_records
-from streamrl.bench.cluster_run import ClusterRun, link_bytes
+from streamrl.bench.cluster_run import ClusterRun, demo_overrides, link_bytes
 from streamrl.bench.hosts import SimCluster, available
 from tests.e2e.test_learning import MARGIN, WINDOW
 from tests.support.runs import assert_every_step_trained_once, read_metrics
@@ -40,23 +40,6 @@ HOSTS = ["h0", "h1", "h2", "h3"]
 STEPS = 12
 
 
-def demo_overrides(out: Path, run_id: str, steps: int) -> list[str]:
-    return [
-        f"run.run_id={run_id}",
-        f"run.output_dir={out}",
-        f"data.train_path={out / 'data' / 'train.jsonl'}",
-        f"data.val_path={out / 'data' / 'val.jsonl'}",
-        f"policy.model_name={out / 'policy-init'}",
-        f"grpo.max_num_steps={steps}",
-        "grpo.val_at_start=false",
-        "grpo.val_at_end=false",
-        "logger.plot=false",
-        "refit.transport=collective",
-        "trainer.nnodes=2",
-        "trainer.rdzv_endpoint=h0:29400",
-    ]
-
-
 @pytest.fixture
 def cluster_run(demo_prepared, tmp_path):
     out = tmp_path / "run"
@@ -68,7 +51,14 @@ def cluster_run(demo_prepared, tmp_path):
 
 
 def start_demo(run: ClusterRun, run_id: str, steps: int, *extra: str) -> None:
-    run.overrides = [*demo_overrides(run.out, run_id, steps), *extra]
+    run.overrides = [
+        *demo_overrides(run.out, run_id, steps),
+        f"run.output_dir={run.out}",
+        "refit.transport=collective",
+        "trainer.nnodes=2",
+        "trainer.rdzv_endpoint=h0:29400",
+        *extra,
+    ]
     run.start_redis("h0")
     run.join("h2", "generator")
     run.join("h3", "gym-gateway")

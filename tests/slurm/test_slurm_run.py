@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from shared.records import read_records, step_records
+from streamrl.bench.cluster_run import demo_overrides
 from streamrl.bench.hosts import SimCluster
 from streamrl.slurm_workers import SLURM_FILE, read_slurm_file
 from tests.e2e.test_learning import MARGIN, WINDOW
@@ -58,19 +59,6 @@ def slurm(tmp_path):
     with SimCluster(HOSTS) as hosts, SlurmCluster(hosts, tmp_path / "slurm") as cluster:
         print(f"slurm cluster of {len(HOSTS)} nodes up in {cluster.bringup_s:.1f}s")
         yield cluster
-
-
-def demo_overrides(out: Path) -> list[str]:
-    return [
-        f"run.run_id={RUN_ID}",
-        f"data.train_path={out / 'data' / 'train.jsonl'}",
-        f"data.val_path={out / 'data' / 'val.jsonl'}",
-        f"policy.model_name={out / 'policy-init'}",
-        f"grpo.max_num_steps={STEPS}",
-        "grpo.val_at_start=false",
-        "grpo.val_at_end=false",
-        "logger.plot=false",
-    ]
 
 
 SCALE = ("--backend", "slurm", "--timeout", "300")
@@ -146,7 +134,9 @@ def test_the_demo_learns_on_two_trainer_nodes_and_scales_its_gateway_steps(demo_
     }
     t0 = time.monotonic()
     argv = ["--nodes=3", f"--chdir={ROOT}", f"--output={out / 'job.out'}", str(ROOT / "deploy/slurm/streamrl.sbatch")]
-    job = slurm.sbatch("h0", [*argv, str(ROOT / "deploy/configs/demo.yaml"), *demo_overrides(out)], env=env)
+    job = slurm.sbatch(
+        "h0", [*argv, str(ROOT / "deploy/configs/demo.yaml"), *demo_overrides(out, RUN_ID, STEPS)], env=env
+    )
 
     # The worker steps are up and answer scale requests; the job's comment names the run's folder.
     wait_until(
