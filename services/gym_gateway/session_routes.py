@@ -45,6 +45,7 @@ from services.gym_gateway.forwarding import SessionForwarder
 from services.gym_gateway.proxy import Session, SessionProxy
 from services.gym_gateway.responses import build_response, chat_request
 from shared.http import HTTPError, MsgspecJSON, decode_body, read_body
+from shared.netaddr import this_host
 from shared.openai_api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, TokenizeRequest
 from shared.openapi import json_body
 from shared.responses_api import ResponsesRequest
@@ -95,7 +96,9 @@ async def _to_generator(proxy: SessionProxy, s: Session, method: str, path: str,
         ) as resp:
             return Response(await resp.read(), status_code=resp.status, media_type="application/json")
     except (TimeoutError, aiohttp.ClientError) as exc:
-        raise HTTPError(502, f"generator {s.generator_id} unreachable: {type(exc).__name__}: {exc}") from exc
+        raise HTTPError(
+            502, f"generator {s.generator_id} unreachable from host {this_host()}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 async def _chat(proxy: SessionProxy, session_id: str, req: ChatCompletionRequest) -> bytes:

@@ -153,7 +153,7 @@ def multihost_benchmark(work: Path, machine: str) -> MultihostResults:
         date=time.strftime("%Y-%m-%d"),
         machine=machine,
         load_avg_start=la,
-        model="the demo's tiny Qwen3 (1.0M parameters, float32)",
+        model="tiny Qwen3, 1.0M parameters, float32",
         layouts=layouts,
         section_s=time.perf_counter() - t0,
     )
