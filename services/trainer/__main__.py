@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.config_error import ConfigError
     from shared.netaddr import Unreachable
 
-    launched = "LOCAL_RANK" in os.environ
+    launched = "LOCAL_RANK" in os.environ or launched_world_size() > 1  # torchrun, or a cluster launcher
     world = launched_world_size() if launched else cfg.trainer.nproc_per_node * cfg.trainer.nnodes
     try:  # a layout that cannot fit, or a rendezvous out of reach, is refused before any rank starts
         preflight(cfg, world, launched=launched)
