@@ -36,13 +36,13 @@ from pathlib import Path
 import pytest
 
 from streamrl.scale_compose import DockerAPI, find_compose
+from tests.support.ci import REQUIRED
 from tests.support.docker_host import NoEngine, docker_engine
 
 pytestmark = pytest.mark.compose
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "streamrl-smoke"
-REQUIRED = os.environ.get("CI", "") not in ("", "0", "false") or os.environ.get("STREAMRL_REQUIRE_ENGINE") == "1"
 RUN_TIMEOUT_S = 2400.0  # a cold image build (about 4 min here) plus the run
 SWE_IMAGE = "localhost/streamrl-swe-py:1"
 

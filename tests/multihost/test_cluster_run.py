@@ -12,10 +12,10 @@ set) they fail.
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,10 +27,10 @@ from shared.records import read_records, step_records
 from streamrl.bench.cluster_run import ClusterRun, demo_overrides, link_bytes
 from streamrl.bench.hosts import SimCluster, available
 from tests.e2e.test_learning import MARGIN, WINDOW
+from tests.support.ci import REQUIRED
 from tests.support.runs import assert_every_step_trained_once, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-REQUIRED = os.environ.get("CI", "") not in ("", "0", "false") or os.environ.get("STREAMRL_REQUIRE_ENGINE") == "1"
 WHY = available()
 pytestmark = [
     pytest.mark.multihost,
@@ -40,14 +40,18 @@ HOSTS = ["h0", "h1", "h2", "h3"]
 STEPS = 12
 
 
-@pytest.fixture
-def cluster_run(demo_prepared, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(demo_prepared, out)
-    with SimCluster(HOSTS) as cluster:
+def on_hosts(prepared: Path, out: Path, hosts: list[str]) -> Iterator[ClusterRun]:
+    """A run of the demo prepared in ``prepared`` (copied to ``out``) on simulated ``hosts``."""
+    shutil.copytree(prepared, out)
+    with SimCluster(hosts) as cluster:
         run = ClusterRun(cluster, ROOT / "deploy" / "configs" / "demo.yaml", out, [])
         yield run
         run.stop()
+
+
+@pytest.fixture
+def cluster_run(demo_prepared, tmp_path):
+    yield from on_hosts(demo_prepared, tmp_path / "run", HOSTS)
 
 
 def start_demo(run: ClusterRun, run_id: str, steps: int, *extra: str) -> None:
@@ -127,12 +131,7 @@ FAULT_STEPS = 14
 
 @pytest.fixture
 def fault_run(demo_prepared, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(demo_prepared, out)
-    with SimCluster(FAULT_HOSTS) as cluster:
-        run = ClusterRun(cluster, ROOT / "deploy" / "configs" / "demo.yaml", out, [])
-        yield run
-        run.stop()
+    yield from on_hosts(demo_prepared, tmp_path / "run", FAULT_HOSTS)
 
 
 def test_a_lost_host_heals_or_resumes_and_nothing_is_trained_twice(fault_run):

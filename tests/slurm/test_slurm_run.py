@@ -36,11 +36,11 @@ from streamrl.bench.cluster_run import demo_overrides
 from streamrl.bench.hosts import SimCluster
 from streamrl.slurm_workers import SLURM_FILE, read_slurm_file
 from tests.e2e.test_learning import MARGIN, WINDOW
+from tests.support.ci import REQUIRED
 from tests.support.runs import read_metrics
 from tests.support.slurm import SlurmCluster, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
-REQUIRED = os.environ.get("CI", "") not in ("", "0", "false") or os.environ.get("STREAMRL_REQUIRE_ENGINE") == "1"
 WHY = unavailable()
 pytestmark = [
     pytest.mark.slurm,
