@@ -124,6 +124,18 @@ class RunKeys:
         return self._k("registry:info")
 
     @property
+    def generator_calls(self) -> str:
+        """Hash: ``<gateway id>|<generator id>`` -> encoded CallSummary, the model calls one
+        gateway made to one generator in its sliding window (`shared.fleet_health`)."""
+        return self._k("generators:calls")
+
+    @property
+    def generator_health(self) -> str:
+        """Hash: generator id -> encoded GeneratorHealth, the fleet's memory of each generator's
+        health state and since when (hysteresis, lost generators; `shared.fleet_health`)."""
+        return self._k("generators:health")
+
+    @property
     def pause(self) -> str:
         """Hash: pause reason -> epoch (the protocol: `shared.pause`)."""
         return self._k("pause")

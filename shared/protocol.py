@@ -76,6 +76,9 @@ class Task(_Message, tag="task"):
     deadline_s: float
     issued_at: float = msgspec.field(default_factory=time.time)
     attempt: int = 0
+    # W3C trace context of the trajectory's trace (`shared.tracing`); empty when tracing is off.
+    traceparent: str = ""
+    tracestate: str = ""
 
 
 class Turn(msgspec.Struct, kw_only=True):
@@ -147,6 +150,8 @@ class Trajectory(_Message, tag="trajectory"):
     route_shape: RouteShape | None = None  # the turns' routes (policy.moe_routing_replay)
     started_at: float = 0.0
     finished_at: float = 0.0
+    traceparent: str = ""  # W3C trace context of its publish span (`shared.tracing`); empty: not traced
+    tracestate: str = ""
 
     @property
     def num_generated_tokens(self) -> int:

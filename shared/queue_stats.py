@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -22,6 +23,9 @@ from shared import keys as K
 from shared.pause import read_pauses
 from shared.protocol import Heartbeat, ProtocolError, decode
 from shared.redis_replies import as_bytes, scored_members
+
+if TYPE_CHECKING:
+    from shared.fleet_health import GeneratorHealth
 
 STREAMS = ("tasks", "trajectories", "weights", "weight_acks", "deadletter")
 GROUPS = (("tasks", K.GATEWAYS_GROUP), ("trajectories", K.TRAINER_GROUP))
@@ -57,6 +61,7 @@ class RunSnapshot:
     workers: list[WorkerView]
     step: int | None
     pause: dict[str, int]
+    health: dict[str, GeneratorHealth] = field(default_factory=dict)  # by generator; filled by `streamrl status`
 
 
 def _s(raw: bytes | str) -> str:

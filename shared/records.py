@@ -2,7 +2,8 @@
 and the one body it reads.
 
     metrics.jsonl   one `StepRecord` (``"kind": "train"``) per step, one `ValidationRecord`
-                    (``"kind": "validation"``) per validation, as JSON lines
+                    (``"kind": "validation"``) per validation, one `AutoscaleRecord`
+                    (``"kind": "autoscale"``) per autoscaler decision, as JSON lines
     GET  /status            `TrainerStatus` (its ``last`` is the last StepRecord without the id ledger)
     POST /validate          `ValidationAccepted`;  GET /validations/<id>: `ValidationStatus`
     POST /pause, /resume    `PauseAnswer`, `ResumeAnswer` (the body of /resume: `ResumeRequest`)
@@ -264,6 +265,13 @@ class StepRecord(msgspec.Struct, kw_only=True, tag="train", tag_field="kind", om
     trajectories_per_s: float
     dynamic_sampling: DynamicSamplingStats | None = None  # with grpo.use_dynamic_sampling
     nemo_rl: NemoRLMetrics | None = None  # the figures under NeMo-RL's names (absent in older records)
+    # Where the step's time went, how busy the trainer's devices were (absent in older records)
+    wait_fraction: float | None = None  # timing.wait_data_s / timing.step_s
+    model_tflops: float | None = None  # model TFLOP/s per trainer device (services.trainer.flops)
+    mfu: float | None = None  # model_tflops / the device's peak; None: peak unknown (a CPU, unconfigured)
+    rollout_s: float | None = None  # mean wall time of the step's rollouts, start to publish (overlaps steps)
+    generation_s: float | None = None  # of rollout_s, the mean seconds in model calls
+    workers: dict[str, int] = {}  # live workers by kind at the step's end: generator, gym_gateway
     consumed_ids: list[str] = []  # the ledger; left out of /status
     evicted_ids: list[str] = []
     filtered_ids: list[str] = []  # rollouts of groups dynamic sampling filtered (never trained)
@@ -299,7 +307,24 @@ class ValidationRecord(msgspec.Struct, kw_only=True, tag="validation", tag_field
         return sorted(fields + [f"env/{k}" for k in self.env])
 
 
-Record = StepRecord | ValidationRecord
+class AutoscaleRecord(msgspec.Struct, kw_only=True, tag="autoscale", tag_field="kind", omit_defaults=True):
+    """One autoscaler decision (`services.trainer.autoscaler`): a role's count from ``before`` to
+    ``after`` and why, from the figures it read; written once the backend answered."""
+
+    step: int  # steps done when it was decided
+    time: float  # unix time it was decided
+    role: str  # generator | gym_gateway
+    before: int
+    after: int
+    reason: str
+    signals: dict[str, float]  # what it read: wait_fraction, tasks_lag, gateway_utilization, ...
+    outcome: Literal["done", "failed"]
+    backend: str
+    apply_s: float = 0.0  # from the request to the backend's answer (new workers ready)
+    error: str | None = None
+
+
+Record = StepRecord | ValidationRecord | AutoscaleRecord
 
 ValidationState = Literal["queued", "running", "done", "failed", "dropped"]
 
@@ -344,6 +369,8 @@ class WorkerSummary(msgspec.Struct, kw_only=True):
     state: str
     weight_version: int
     in_flight: int
+    health: str | None = None  # generators: serving, degraded, draining or lost (`shared.fleet_health`)
+    health_reason: str | None = None  # why, in words
 
 
 class TrainerStatus(msgspec.Struct, kw_only=True):
@@ -403,3 +430,7 @@ def step_records(records: list[Record]) -> list[StepRecord]:
 
 def validation_records(records: list[Record]) -> list[ValidationRecord]:
     return sorted((r for r in records if isinstance(r, ValidationRecord)), key=lambda r: r.step)
+
+
+def autoscale_records(records: list[Record]) -> list[AutoscaleRecord]:
+    return sorted((r for r in records if isinstance(r, AutoscaleRecord)), key=lambda r: r.time)

@@ -17,12 +17,14 @@ import msgspec
 from msgspec import Meta
 
 from shared.config_error import ConfigError
+from shared.sections.autoscale import AutoscaleSection, check_autoscale
 from shared.sections.base import Section
 from shared.sections.gateway import EnvSection, GatewaySection
 from shared.sections.generator import GeneratorSection, VllmSection
 from shared.sections.grpo import GrpoSection, LossSection, check_loss_fn
 from shared.sections.policy import PolicySection
 from shared.sections.run import AuthSection, RedisSection, RunSection, SupervisorSection
+from shared.sections.tracing import TracingSection, check_tracing
 from shared.sections.trainer import CheckpointSection, DataSection, LoggerSection, RefitSection, TrainerSection
 
 ServiceName = Literal["generator", "gym_gateway", "trainer"]  # a service's config section and module name
@@ -45,6 +47,8 @@ class RunConfig(Section):
     gym_gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     auth: AuthSection = msgspec.field(default_factory=AuthSection)
+    autoscale: AutoscaleSection = msgspec.field(default_factory=AutoscaleSection)
+    tracing: TracingSection = msgspec.field(default_factory=TracingSection)
 
     def check(self) -> None:
         """Cross-field checks every service runs (`shared.config.load` calls this); each error names
@@ -107,6 +111,8 @@ class RunConfig(Section):
         if g.val_num_generations_per_prompt < 1:
             raise ConfigError("grpo.val_num_generations_per_prompt must be >= 1")
         self._check_dapo()
+        check_autoscale(self)
+        check_tracing(self.tracing)
         if self.trainer.stream_retention_s < 0:
             raise ConfigError("trainer.stream_retention_s must be >= 0")
         if self.supervisor.max_restarts < 0 or self.supervisor.restart_backoff_s < 0:

@@ -6,7 +6,8 @@
     streamrl demo                          build + warm-start the tiny model, then a short async GRPO run
     streamrl status                        services, queues and step of a run, from Redis
     streamrl pause|resume|validate         talk to a running trainer's REST API
-    streamrl report RUN_DIR                plot reward, validation, staleness and timing to PNG
+    streamrl report RUN_DIR                plot reward, validation, staleness, timing and the pipeline to
+                                           PNG; print where each step's time went
     streamrl model init DIR [--arch A]     build a tiny model (qwen3, qwen3_5_moe) + tokenizer
     streamrl data make ENV OUT             write a JSONL dataset of a built-in environment
     streamrl config check|explain          validate a config / list every key with its description
@@ -212,18 +213,23 @@ def status(
 def report(
     run_dir: Path = typer.Argument(..., help="output folder of a run (holds metrics.jsonl)"),
     out: Path | None = typer.Option(None, help="folder for the PNG files (default: RUN_DIR/report)"),
+    rows: int = typer.Option(50, min=0, help="steps in the printed pipeline table (the last N; 0: all)"),
 ) -> None:
-    """Plot reward, validation, staleness and timing curves of a run to PNG files."""
-    from streamrl.report import ReportError, build_report
+    """Plot reward, validation, staleness, timing and pipeline figures of a run to PNG files (their
+    paths printed), then print where each step's time went, its MFU and the workers."""
+    from streamrl.report import ReportError, build_report, pipeline_text
 
     try:
         written, skipped = build_report(run_dir, out)
+        table = pipeline_text(run_dir, rows)
     except ReportError as exc:
         _fail(str(exc), 1)
     for path in written.values():
         typer.echo(str(path))
     for name in skipped:
         typer.echo(f"{name}: no data in this run, skipped", err=True)
+    if "pipeline" in written:
+        typer.echo(f"\npipeline per step, in seconds (drawn in {written['pipeline'].name}):\n{table}")
 
 
 @app.command()

@@ -36,6 +36,15 @@ def _offsets(depth: dict[str, int], step: int) -> str:
     return " ".join(f"{'+' if int(t) - step >= 0 else ''}{int(t) - step}:{n}" for t, n in depth.items())
 
 
+def utilisation(last: StepRecord) -> str:
+    """The share of the step spent waiting for data and the trainer's MFU (with its TFLOP/s per
+    device); "-" for a figure the record lacks (no MFU without a known peak: a CPU)."""
+    wait = "-" if last.wait_fraction is None else f"{last.wait_fraction:.0%}"
+    mfu = "-" if last.mfu is None else f"{last.mfu:.1%}"
+    tflops = "" if last.model_tflops is None else f" ({last.model_tflops:.3g} TFLOP/s per device)"
+    return f"waited {wait}  mfu {mfu}{tflops}"
+
+
 class Progress:
     def __init__(self, trainer_url: str, cfg: RunConfig, *, enabled: bool = True) -> None:
         self.url = trainer_url
@@ -90,7 +99,7 @@ class Progress:
             f"loss {last.learner.loss:+.4f}  staleness {last.staleness.mean:.2f}  "
             f"buffer {_offsets(last.buffer.depth, last.step + 1)}  "
             f"wait {last.timing.wait_data_s:.1f}s train {last.timing.train_s:.1f}s "
-            f"refit {last.refit.total_s:.2f}s"
+            f"refit {last.refit.total_s:.2f}s  {utilisation(last)}"
         )
 
     def _table(self) -> Table:
@@ -114,6 +123,7 @@ class Progress:
                 "step time: wait/train/refit",
                 f"{last.timing.wait_data_s:.1f}s / {last.timing.train_s:.1f}s / {last.refit.total_s:.2f}s",
             )
+            t.add_row("waited for data / MFU", utilisation(last))
             t.add_row("loss / grad norm", f"{last.learner.loss:+.4f} / {last.learner.grad_norm:.3f}")
             t.add_row("trajectories/s", f"{last.trajectories_per_s:.1f}")
         t.add_row("workers", ", ".join(f"{w.id}[{w.state} v{w.weight_version}]" for w in s.workers) or "-")

@@ -6,6 +6,9 @@
                     with the mean and max group staleness
     timing.png      step time per phase, stacked: waiting for data, training, and the refit's
                     write, checksum and confirm phases
+    pipeline.png    the pipeline: each step's time by phase beside the rollouts' duration, the
+                    wait fraction and MFU, the workers and the autoscaler's decisions
+                    (`streamrl.report_pipeline`, which also gives it as text: `pipeline_text`)
 
 A plot whose data the run does not have (no validation ran) is skipped and reported as such.
 Reads only metrics.jsonl (`shared.records.read_records`); called by `streamrl.cli`.
@@ -19,7 +22,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from shared.records import StepRecord, ValidationRecord, read_records, step_records, validation_records
+from shared.records import (
+    Record,
+    StepRecord,
+    ValidationRecord,
+    autoscale_records,
+    read_records,
+    step_records,
+    validation_records,
+)
+from streamrl.report_pipeline import pipeline_table, plot_pipeline
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -142,17 +154,29 @@ def plot_timing(train: list[StepRecord], out: Path) -> Path | None:
     return _save(plt, fig, ax, out)
 
 
-def build_report(run_dir: Path, out_dir: Path | None = None) -> tuple[dict[str, Path], list[str]]:
-    """Write every plot the metrics allow; ({name: png path}, [names skipped for lack of data])."""
+def _records(run_dir: Path) -> list[Record]:
     records = read_records(find_metrics(run_dir))
     if not records:
         raise ReportError(f"{find_metrics(run_dir)} is empty")
+    return records
+
+
+def pipeline_text(run_dir: Path, max_rows: int = 50) -> str:
+    """The pipeline per step as a table (`streamrl.report_pipeline.pipeline_table`)."""
+    records = _records(run_dir)
+    return pipeline_table(step_records(records), autoscale_records(records), max_rows)
+
+
+def build_report(run_dir: Path, out_dir: Path | None = None) -> tuple[dict[str, Path], list[str]]:
+    """Write every plot the metrics allow; ({name: png path}, [names skipped for lack of data])."""
+    records = _records(run_dir)
     train, vals = step_records(records), validation_records(records)
     plots: dict[str, Callable[[Path], Path | None]] = {
         "reward": lambda p: plot_reward(train, p),
         "validation": lambda p: plot_validation(vals, p),
         "staleness": lambda p: plot_staleness(train, p),
         "timing": lambda p: plot_timing(train, p),
+        "pipeline": lambda p: plot_pipeline(train, autoscale_records(records), p, _pyplot()),
     }
     out = out_dir or (run_dir if run_dir.is_dir() else run_dir.parent) / "report"
     out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
     Redis URL:  --redis-url, else REDIS_URL, else the run file (run.json of ``streamrl up``)
     run id:     --run-id, else the run file, else the only run found in that Redis
     -> snapshot (shared.queue_stats): services with state, weight version, in flight, heartbeat
-       age; stream lengths; pending entries per group and consumer; the trainer's step and pauses
+       age; stream lengths; pending entries per group and consumer; the trainer's step and pauses;
+       each generator's health (shared.fleet_health: serving, degraded, draining, lost, and why)
     -> the trainer's GET /status (bearer token sent when set) for the step budget, buffer and
        reward, if it answers within 2 s (at --url / STREAMRL_TRAINER_URL / run.json, else its
        registered URL)
@@ -26,7 +27,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from shared import keys as K
 from shared.auth import client_headers, load_api_token, redact_url
+from shared.fleet_health import fleet_health
 from shared.protocol import RUN_FILE, ProtocolError, RunFile, read_run_file
 from shared.queue_stats import RunSnapshot, find_runs, snapshot
 from shared.records import TrainerStatus, read_records, step_records
@@ -102,7 +105,10 @@ async def gather(redis_url: str, run_id: str | None) -> RunSnapshot:
                 found = ", ".join(runs) if runs else "none"
                 raise StatusError(f"pass --run-id: runs in Redis at {redact_url(redis_url)}: {found}")
             run_id = runs[0]
-        return await snapshot(redis, run_id)
+        snap = await snapshot(redis, run_id)
+        gens = [w.heartbeat for w in snap.workers if w.heartbeat.kind == "generator"]
+        snap.health = await fleet_health(redis, K.RunKeys(run_id), heartbeats=gens, record=False)
+        return snap
     except StatusError:
         raise
     except Exception as exc:
@@ -151,10 +157,11 @@ def render_trainer_only(trainer: TrainerStatus, console: Console | None = None) 
         + (f"\npaused by the trainer: {trainer.pause_detail}" if trainer.pause_detail else "")
     )
     t = Table(title="services")
-    for col in ("kind", "id", "state", "weight version", "in flight"):
+    for col in ("kind", "id", "state", "weight version", "in flight", "health"):
         t.add_column(col)
     for w in trainer.workers:
-        t.add_row(w.kind, w.id, w.state, str(w.weight_version), str(w.in_flight))
+        health = f"{w.health}: {w.health_reason}" if w.health else ""
+        t.add_row(w.kind, w.id, w.state, str(w.weight_version), str(w.in_flight), health)
     console.print(t)
     _trainer_line(trainer, console)
 
@@ -167,7 +174,8 @@ def current_step(snap: RunSnapshot, trainer: TrainerStatus | None) -> int:
 
 
 def to_json(snap: RunSnapshot, trainer: TrainerStatus | None) -> str:
-    data = dataclasses.asdict(snap)
+    data = dataclasses.asdict(dataclasses.replace(snap, health={}))
+    data["health"] = msgspec.to_builtins(snap.health)
     data["step"] = current_step(snap, trainer)
     data["workers"] = [{**msgspec.to_builtins(w.heartbeat), "heartbeat_age_s": w.age_s} for w in snap.workers]
     data["trainer"] = msgspec.to_builtins(trainer) if trainer else None
@@ -186,7 +194,7 @@ def render(snap: RunSnapshot, trainer: TrainerStatus | None, console: Console | 
     if trainer and trainer.pause_detail:
         console.print(f"paused by the trainer: {trainer.pause_detail}")
     services = Table(title="services")
-    for col in ("kind", "id", "url", "state", "weight version", "in flight", "heartbeat age"):
+    for col in ("kind", "id", "url", "state", "weight version", "in flight", "heartbeat age", "health"):
         services.add_column(col)
     for w in snap.workers:
         hb = w.heartbeat
@@ -198,7 +206,11 @@ def render(snap: RunSnapshot, trainer: TrainerStatus | None, console: Console | 
             "-" if hb.kind == "gym_gateway" else str(hb.weight_version),
             str(hb.in_flight),
             f"{w.age_s:.1f}s",
+            _health(snap, hb.worker_id),
         )
+    live = {w.heartbeat.worker_id for w in snap.workers}
+    for gid in sorted(set(snap.health) - live):  # lost: known to the fleet, no heartbeat any more
+        services.add_row("generator", gid, "-", "gone", "-", "-", "-", _health(snap, gid))
     console.print(services)
     queues = Table(title="queues")
     for col in ("stream", "length", "group", "pending", "lag", "pending per consumer"):
@@ -218,6 +230,11 @@ def render(snap: RunSnapshot, trainer: TrainerStatus | None, console: Console | 
     console.print(queues)
     if trainer:
         _trainer_line(trainer, console)
+
+
+def _health(snap: RunSnapshot, worker_id: str) -> str:
+    h = snap.health.get(worker_id)
+    return f"{h.state}: {h.reason}" if h else ""
 
 
 def _trainer_line(trainer: TrainerStatus, console: Console) -> None:

@@ -175,6 +175,17 @@ class Supervisor:
                 f"generator.num_workers is {cfg.generator.num_workers} but this node has device slots for "
                 f"{len(self.devices.slots)} ({self.devices.env_var}: {'; '.join(self.devices.slots)})"
             )
+        a = cfg.autoscale
+        if (
+            a.enabled
+            and a.backend == "local"
+            and self.devices is not None
+            and len(self.devices.slots) < a.generator.max
+        ):
+            raise ConfigError(
+                f"autoscale.generator.max is {a.generator.max} but this node has device slots for "
+                f"{len(self.devices.slots)} generators: `streamrl up` cannot scale that far (lower it)"
+            )
         self.channel: ScaleChannel | None = None
         self.budgets: dict[str, RestartBudget] = {}  # per service: how many restarts are left
         self.restarts: dict[str, int] = {}  # per service: restarts so far (reported at the end)

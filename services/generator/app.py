@@ -4,7 +4,7 @@
 runtime, metrics, service, weight sync, app) without I/O and keeps them on ``app.state``, with a
 `ServiceLifecycle`. The lifespan starts, in this order::
 
-    loop-lag probe, Redis client + heartbeat (state "starting")
+    tracing (`shared.tracing`, when on), loop-lag probe, Redis client + heartbeat (state "starting")
     bring-up task: engine.start -> load the newest announced weights -> freeze the start-up heap
                    (no garbage collection pauses over it) -> state "ready"
                    -> weight watcher task (follows the weights stream)
@@ -17,7 +17,7 @@ with code 1 so a restart policy acts. A failed weight *load* is not a dead task:
 generator failed (503 for generation) until a later load succeeds, and the process stays up.
 Shutdown: state "draining" (set at SIGTERM by `begin_drain`), wait up to
 generator.drain_timeout_s for in-flight requests, stop the tasks, deregister, close the engine
-and Redis, each with a time limit.
+and Redis, each with a time limit, and write the spans still queued.
 
 Without ``redis.url`` the generator serves alone: no heartbeat, no weight stream (admin loads
 still work). Called by `services.generator.__main__` and by tests.
@@ -42,6 +42,7 @@ from services.generator.routes_openai import router as openai_router
 from services.generator.runtime import Runtime
 from services.generator.serving import GenerationService
 from services.generator.weights import WeightSync
+from shared import tracing
 from shared.admin_api import Readiness
 from shared.auth import AuthPolicy
 from shared.http import install_error_handlers, require_agent_token
@@ -216,6 +217,7 @@ def freeze_startup_heap() -> None:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     s = app.state
+    s.traced = tracing.setup(s.cfg.tracing, service="generator", worker_id=s.worker_id, output_dir=s.cfg.run.output_dir)
     s.metrics.start_loop_lag_probe()
     if s.cfg.redis.url:
         s.redis = connect(s.cfg.redis.url)
@@ -252,4 +254,6 @@ async def _shutdown(app: FastAPI) -> None:
     if s.redis is not None:
         await bounded(s.redis.aclose(), "redis close", _CLOSE_TIMEOUT_S)
     await s.metrics.aclose()
+    if s.traced:
+        tracing.shutdown()  # the spans still queued are written
     log.info("generator %s stopped after %d request(s)", s.worker_id, s.runtime.requests_total)

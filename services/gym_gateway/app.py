@@ -6,13 +6,15 @@ the auth policy, the metrics (`services.gym_gateway.metrics`), the session forwa
 session API for external agents (`services.gym_gateway.external_routes`, control routes) and the
 probes. The lifespan then runs, in this order::
 
-    open:      Redis client, HTTP client, generator pool + session proxy (``app.state.proxy``),
-               task worker (``app.state.worker``), heartbeat, loop-lag probe
-    supervise: the worker loop, "gateway-worker" (ends_service: its return ends the service), and
-               the keep-alive of the external tasks it holds, "external-keepalive"
+    open:      tracing (`shared.tracing`, when on), Redis client, HTTP client, generator pool +
+               session proxy (``app.state.proxy``), task worker (``app.state.worker``), heartbeat,
+               loop-lag probe
+    supervise: the worker loop, "gateway-worker" (ends_service: its return ends the service),
+               the keep-alive of the external tasks it holds, "external-keepalive", and the
+               generators' health (publish this worker's calls, read the fleet's), "generator-health"
     yield      (the server drains the worker at SIGTERM or at the run's end, `__main__`)
     close:     the worker's drain (gym_gateway.drain_timeout_s), the tasks, the heartbeat
-               (deregisters), the probe, the HTTP client, Redis; each bounded in time
+               (deregisters), the probe, the HTTP client, Redis; each bounded in time; spans flushed
 
 A worker loop that raises fails the service: the heartbeat says "failed" with the error at once,
 ``/ready`` answers 503, and the server drains and exits with code 1. A loop that returns (the run
@@ -40,6 +42,7 @@ from services.gym_gateway.session_calls import SessionCalls
 from services.gym_gateway.session_routes import router as session_router
 from services.gym_gateway.worker import GatewayWorker
 from shared import keys as K
+from shared import tracing
 from shared.admin_api import Readiness
 from shared.auth import AuthPolicy, client_headers
 from shared.http import install_error_handlers, require_agent_token
@@ -60,6 +63,7 @@ log = logging.getLogger(__name__)
 
 WORKER_TASK = "gateway-worker"
 KEEPALIVE_TASK = "external-keepalive"
+HEALTH_TASK = "generator-health"
 _CLOSE_TIMEOUT_S = 10.0
 
 
@@ -138,7 +142,7 @@ def _build_worker(app: FastAPI, clients: _Clients) -> GatewayWorker:
     s, gw = app.state, app.state.cfg.gym_gateway
     keys = K.RunKeys(s.cfg.run.run_id)
     proxy = SessionProxy(
-        GeneratorPool(clients.redis, keys),
+        GeneratorPool(clients.redis, keys, gateway_id=s.worker_id),
         clients.http,
         request_timeout_s=gw.request_timeout_s,
         max_failovers=gw.max_failovers,
@@ -178,6 +182,7 @@ def _heartbeat(app: FastAPI) -> Heartbeat:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     s = app.state
     lifecycle: ServiceLifecycle = s.lifecycle
+    traced = tracing.setup(s.cfg.tracing, service="gym_gateway", worker_id=s.worker_id, output_dir=s.cfg.run.output_dir)
     clients = _open_clients(s.cfg, s.auth)  # 1. clients
     worker = _build_worker(app, clients)  # 2. proxy and worker
     s.proxy, s.worker = worker.proxy, worker
@@ -187,6 +192,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     s.metrics.start_loop_lag_probe()
     lifecycle.supervise(WORKER_TASK, worker.run(), ends_service=True)
     lifecycle.supervise(KEEPALIVE_TASK, worker.keep_external_tasks())
+    lifecycle.supervise(HEALTH_TASK, worker.proxy.pool.keep_health())
     frozen = freeze_startup_objects()
     log.info(
         "gym gateway %s serving sessions at %s (%d start-up objects out of the collector)", s.worker_id, s.url, frozen
@@ -201,4 +207,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await bounded(heartbeat.aclose(s.worker_id), "deregistering", _CLOSE_TIMEOUT_S)
         await bounded(s.metrics.aclose(), "stopping the loop-lag probe", _CLOSE_TIMEOUT_S)
         await clients.aclose()
+        if traced:
+            tracing.shutdown()  # the spans still queued are written
         log.info("gym gateway %s stopped (%d trajectories published)", s.worker_id, worker.completed)

@@ -10,6 +10,7 @@
     streamrl_gateway_rollouts_retried_total{reason}      attempts run again by reason
     streamrl_gateway_tool_call_errors_total{reason}      tool calls the model wrote that cannot be used
     streamrl_gateway_external_waiting                    external tasks waiting for an agent to claim them
+    streamrl_gateway_generator_health{generator,state}   1 for each generator's health state (`shared.fleet_health`)
     streamrl_stream_deadlettered_total{stream}, streamrl_event_loop_lag_seconds, ...  (`shared.metrics`)
 
 The worker and the proxy keep plain counts; `GatewayMetrics.render` copies them into the gauges and
@@ -83,6 +84,12 @@ class GatewayMetrics(ServiceMetrics):
         self.external_waiting = Gauge(
             "streamrl_gateway_external_waiting", "External tasks waiting for an agent to claim them", registry=r
         )
+        self.generator_health = Gauge(
+            "streamrl_gateway_generator_health",
+            "1 for each generator's health state (serving, degraded, draining, lost) as this gateway last read it",
+            ["generator", "state"],
+            registry=r,
+        )
 
     async def render_text(self) -> bytes:
         """The exposition, with the gauges set from the worker and its proxy first."""
@@ -95,4 +102,7 @@ class GatewayMetrics(ServiceMetrics):
         self.failovers.set(proxy.failovers_total)
         self.released.set(worker.released)
         self.external_waiting.set(worker.external.waiting)
+        self.generator_health.clear()  # a generator's old state, or a forgotten generator, is no series
+        for gid, h in proxy.pool.health.items():
+            self.generator_health.labels(generator=gid, state=h.state).set(1)
         return self.render()

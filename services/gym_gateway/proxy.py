@@ -9,9 +9,13 @@ can use a session without knowing about token ids. For each call the proxy
   * fills the rollout's sampling profile and request tag (train or validation),
   * attaches the session's exact token history (``required_prefix_token_ids``) once the agent
     replays an assistant turn, so the generator splices the model's own tokens back in,
-  * forwards to the session's generator, chosen once per session for prefix-cache locality; when
+  * forwards to the session's generator, chosen once per session for prefix-cache locality by the
+    generator pool (`services.gym_gateway.pool`, healthy generators first); when
     that generator is gone (connection refused or dropped, or 503: failed or draining) the session
-    fails over to another serving one, at most ``max_failovers`` times per call,
+    fails over to another serving one, at most ``max_failovers`` times per call; each POST is a
+    ``model_call`` span of the rollout's trace, its W3C context in the headers (`shared.tracing`);
+    each call's outcome and latency per token go into the pool's window of calls, on which the
+    fleet's health is judged (`services.gym_gateway.call_window`, `shared.fleet_health`),
   * records the call as a `Turn`: the prompt tokens new relative to the session's context, the
     generated ids and logprobs, the weight versions, the generator, latency; and counts prefix
     breaks (a prompt that does not continue the session's context) per environment. What a break
@@ -31,27 +35,28 @@ trajectory from the recorded turns when the rollout ends.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import msgspec
-import redis.asyncio as aioredis
 
+from services.gym_gateway.call_window import ErrorKind
 from services.gym_gateway.nonfinite_logprobs import NAN_GENERATION_LOGPROBS, finite, undecodable_nonfinite
+from services.gym_gateway.pool import GeneratorPool, NoGenerator
 from services.gym_gateway.token_history import RecordedChat, RecordedCompletion, TokenHistory, common_prefix_len
 from services.gym_gateway.tool_call_errors import find_tool_call_errors
-from shared import keys as K
 from shared import routes as routes_wire
+from shared import tracing
 from shared.http import HTTPError
 from shared.openai_api import ChatCompletionRequest, CompletionRequest, RequestTag
-from shared.protocol import Heartbeat, SamplingParams, TaskKind, Turn, make_turn
-from shared.registry import live_workers
+from shared.protocol import SamplingParams, TaskKind, Turn, make_turn
 from shared.routes import RouteShape
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
 
 log = logging.getLogger(__name__)
 
@@ -76,75 +81,11 @@ class Session:
     tool_call_errors: dict[str, int] = field(default_factory=dict)  # reason -> tool calls the model got wrong
     nan_logprob_calls: int = 0  # calls answered with a generation logprob that is not a number: refused
     route_shape: RouteShape | None = None  # the MoE routes' geometry, once a call returned routes
-
-
-class NoGenerator(RuntimeError):
-    """No generator can take a session: an infrastructure failure."""
+    trace: Context | None = None  # the rollout's trace context (`shared.tracing`): its model calls' parent
 
 
 def unknown_session(session_id: str) -> HTTPError:
     return HTTPError(404, f"unknown or finished session {session_id!r}", param="session_id")
-
-
-class GeneratorPool:
-    """Ready generators from the registry, refreshed at most every ``refresh_s``."""
-
-    def __init__(self, redis: aioredis.Redis, run_keys: K.RunKeys, refresh_s: float = 1.0) -> None:
-        self.redis = redis
-        self.keys = run_keys
-        self.refresh_s = refresh_s
-        self._ready: list[Heartbeat] = []
-        self._at = 0.0
-        self._rr = itertools.count()
-        self._refresh_lock = asyncio.Lock()
-        self._dead: dict[str, tuple[float, float]] = {}  # worker id -> (monotonic, wall) when found dead
-
-    # A generator mid-refit queues requests until it resumes, so it still takes sessions.
-    SERVING_STATES = ("ready", "loading", "paused")
-
-    # A generator found dead stays out of routing this long, unless its heartbeat says it restarted.
-    SUSPECT_S = 30.0
-
-    async def pick(self, wait_s: float = 30.0, exclude: frozenset[str] = frozenset()) -> tuple[str, str, int]:
-        """(worker id, base url, weight version) of a serving generator, round robin, other than
-        ``exclude`` and the ones recently found dead; waits up to ``wait_s`` for one to appear,
-        then raises NoGenerator."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            now = time.monotonic()
-            if now - self._at > self.refresh_s or not self._ready:
-                await self._refresh(now)
-            usable = [g for g in self._ready if g.worker_id not in exclude and not self._suspect(g, now)]
-            if usable:
-                g = usable[next(self._rr) % len(usable)]
-                return g.worker_id, g.url, g.weight_version
-            if now > deadline:
-                raise NoGenerator(f"no serving generator registered within {wait_s:.0f}s")
-            await asyncio.sleep(self.refresh_s / 2)
-
-    def mark_dead(self, worker_id: str) -> None:
-        """Keep ``worker_id`` out of routing for SUSPECT_S (a later heartbeat from a restarted
-        process with a newer start time brings it back at once)."""
-        self._dead[worker_id] = (time.monotonic(), time.time())
-
-    def _suspect(self, g: Heartbeat, now: float) -> bool:
-        mark = self._dead.get(g.worker_id)
-        if mark is None:
-            return False
-        if now - mark[0] > self.SUSPECT_S or g.started_at > mark[1]:
-            del self._dead[g.worker_id]
-            return False
-        return True
-
-    async def _refresh(self, stale_before: float) -> None:
-        """One registry read for a burst of sessions: callers that waited on the lock find the
-        view refreshed after ``stale_before`` and return without reading again."""
-        async with self._refresh_lock:
-            if self._at > stale_before and self._ready:
-                return
-            gens = await live_workers(self.redis, self.keys, "generator")
-            self._ready = [g for g in gens if g.state in self.SERVING_STATES and g.weight_version >= 0]
-            self._at = time.monotonic()
 
 
 class SessionProxy:
@@ -172,9 +113,11 @@ class SessionProxy:
         self._chat_decoder = msgspec.json.Decoder(RecordedChat)
         self._completion_decoder = msgspec.json.Decoder(RecordedCompletion)
 
-    async def open(self, session_id: str, kind: TaskKind, sampling: SamplingParams, env: str = "") -> Session:
+    async def open(
+        self, session_id: str, kind: TaskKind, sampling: SamplingParams, env: str = "", trace: Context | None = None
+    ) -> Session:
         gid, url, version = await self.pool.pick(wait_s=self.generator_wait_s)
-        s = Session(session_id, kind, sampling, gid, url, version, env=env)
+        s = Session(session_id, kind, sampling, gid, url, version, env=env, trace=trace)
         self.sessions[session_id] = s
         return s
 
@@ -215,9 +158,10 @@ class SessionProxy:
     async def chat(self, session_id: str, req: ChatCompletionRequest) -> bytes:
         s = self.session(session_id)
         t0 = time.perf_counter()
-        body = await self._post(s, "/v1/chat/completions", msgspec.json.encode(self._prepare(s, req)))
+        body, call_s = await self._post(s, "/v1/chat/completions", msgspec.json.encode(self._prepare(s, req)))
         out = self._decode(s, body, self._chat_decoder)
         c = out.choices[0]
+        self._timed(s, call_s, len(c.message.generation_token_ids), out.weight_version, out.weight_version_end)
         self._record(
             s,
             out.prompt_token_ids,
@@ -240,9 +184,10 @@ class SessionProxy:
         s = self.session(session_id)
         fwd = msgspec.structs.replace(req, **self._sampling_updates(s, req))
         t0 = time.perf_counter()
-        body = await self._post(s, "/v1/completions", msgspec.json.encode(fwd))
+        body, call_s = await self._post(s, "/v1/completions", msgspec.json.encode(fwd))
         out = self._decode(s, body, self._completion_decoder)
         c = out.choices[0]
+        self._timed(s, call_s, len(c.generation_token_ids), out.weight_version, out.weight_version_end)
         self._record(
             s,
             out.prompt_token_ids,
@@ -276,21 +221,25 @@ class SessionProxy:
             type_=NAN_GENERATION_LOGPROBS,
         )
 
-    async def _post(self, s: Session, path: str, payload: bytes) -> bytes:
-        """POST to the session's generator; on a dead one, move the session to another and retry."""
+    async def _post(self, s: Session, path: str, payload: bytes) -> tuple[bytes, float]:
+        """POST to the session's generator; on a dead one, move the session to another and retry.
+        The answer, and the seconds the generator that gave it took. Every failed call goes into
+        the pool's window of calls (`services.gym_gateway.call_window`)."""
         tried: set[str] = set()
         while True:
+            t0 = time.perf_counter()
             try:
-                async with self.http.post(
-                    f"{s.generator_url}{path}",
-                    data=payload,
-                    headers=_JSON_HEADERS,
-                    timeout=self._timeout,
-                ) as resp:
-                    status, body = resp.status, await resp.read()
+                call = {"streamrl.generator_id": s.generator_id, "url.path": path}
+                with tracing.client_call("model_call", s.trace, _JSON_HEADERS, call) as headers:
+                    async with self.http.post(
+                        f"{s.generator_url}{path}", data=payload, headers=headers, timeout=self._timeout
+                    ) as resp:
+                        status, body = resp.status, await resp.read()
             except aiohttp.ClientConnectionError as exc:  # refused, reset or dropped mid-request
                 status, body, gone = 0, b"", f"{type(exc).__name__}: {exc}"
+                self._failed(s, "connection")
             except TimeoutError as exc:
+                self._failed(s, "timeout")
                 raise HTTPError(
                     504,
                     f"generator {s.generator_id} did not answer within {self.request_timeout_s:.0f}s",
@@ -298,12 +247,21 @@ class SessionProxy:
                 ) from exc
             else:
                 if status == 200:
-                    return body
+                    return body, time.perf_counter() - t0
+                if status >= 500:
+                    self._failed(s, "http")
                 if status != 503:
                     # Pass the generator's error through unchanged (4xx: the agent's request was refused).
                     raise HTTPError(status, _error_message(status, body), type_="upstream_error")
                 gone = _error_message(status, body)
             await self._fail_over(s, tried, gone)
+
+    def _failed(self, s: Session, kind: ErrorKind) -> None:
+        self.pool.calls.error(s.generator_id, kind)
+
+    def _timed(self, s: Session, call_s: float, tokens: int, version: int, version_end: int) -> None:
+        """An answered call, timed unless a refit ran under it (its latency is the refit's)."""
+        self.pool.calls.ok(s.generator_id, call_s, tokens, timed=version == version_end)
 
     async def _fail_over(self, s: Session, tried: set[str], why: str) -> None:
         tried.add(s.generator_id)

@@ -8,6 +8,8 @@
     env "external": the rollout first waits, outside its deadline, for an agent to claim it through
         the session API (`services.gym_gateway.external`); its entry is kept fresh meanwhile
     the run's stop key set -> `run` returns (the app then stops the service, draining first)
+    traces (`shared.tracing`, when on): a rollout span, child of the task's context, holds the
+        session's model calls and the trajectory.published span, whose context the trajectory carries
     drain (SIGTERM or the run's end): stop reading -> running rollouts finish within
         gym_gateway.drain_timeout_s -> the rest, and tasks read but not started (external ones no
         agent claimed included), are released to the group at once (re-added, old entry acked)
@@ -49,6 +51,7 @@ from services.gym_gateway.proxy import NoGenerator, Session, SessionProxy
 from services.gym_gateway.session_client import SessionClient
 from services.gym_gateway.tool_call_errors import failure_reason
 from shared import keys as K
+from shared import tracing
 from shared.pause import launch_gate_closed
 from shared.protocol import RolloutStatus, Task, Trajectory
 from shared.sections.gateway import EnvSection
@@ -272,6 +275,13 @@ class GatewayWorker:
 
     async def _rollout(self, d: Delivery[Task]) -> None:
         task = d.msg
+        with tracing.active_span("rollout", tracing.context_of(task), tracing.task_attributes(task)) as span:
+            traj = await self._run(task)
+            tracing.set_attributes(span, tracing.trajectory_attributes(traj))
+            await self._publish(d, traj)
+
+    async def _run(self, task: Task) -> Trajectory:
+        """The task's attempts (run again per ``env.failure_policy``), assembled into its trajectory."""
         started = time.time()
         attempt = 0
         while True:
@@ -284,7 +294,7 @@ class GatewayWorker:
         if failure:
             self.failed[failure.reason] = self.failed.get(failure.reason, 0) + 1
             log.warning("rollout %s failed after %d attempt(s): %s", task.task_id, attempt, failure.fallback_reason)
-        traj = assemble(
+        return assemble(
             task,
             session,
             outcome,
@@ -294,20 +304,28 @@ class GatewayWorker:
             carry_mask_flag=self.carry_mask_flag,
             attempts=attempt,
         )
+
+    async def _publish(self, d: Delivery[Task], traj: Trajectory) -> None:
+        """Publish ``traj`` and ack its task at once, while this worker owns the task; a
+        trajectory.published span whose context the trajectory carries to the trainer."""
         keys = self.streams.keys
-        try:
-            published = await self.streams.publish_and_ack(
-                keys.trajectories, traj, keys.tasks, K.GATEWAYS_GROUP, d.entry_id
-            )
-        except Exception as exc:
-            # Not acked: the task stays pending and is reclaimed.
-            log.error("could not publish trajectory %s: %s", task.task_id, exc)
-            return
-        if published is None:
-            log.warning(
-                "rollout %s finished after its task was taken over by another worker; result dropped", task.task_id
-            )
-            return
+        with tracing.span("trajectory.published", tracing.current(), {"streamrl.task_id": traj.task_id}) as span:
+            tracing.stamp(traj, span)
+            try:
+                published = await self.streams.publish_and_ack(
+                    keys.trajectories, traj, keys.tasks, K.GATEWAYS_GROUP, d.entry_id
+                )
+            except Exception as exc:
+                # Not acked: the task stays pending and is reclaimed.
+                log.error("could not publish trajectory %s: %s", traj.task_id, exc)
+                tracing.set_attributes(span, {"streamrl.publish_error": f"{type(exc).__name__}: {exc}"})
+                return
+            if published is None:
+                log.warning(
+                    "rollout %s finished after its task was taken over by another worker; result dropped", traj.task_id
+                )
+                tracing.set_attributes(span, {"streamrl.publish_error": "the task was taken over by another worker"})
+                return
         self.completed += 1
 
     async def _attempt(self, task: Task) -> tuple[Session, Outcome | None, Failure | None]:
@@ -321,7 +339,7 @@ class GatewayWorker:
         try:
             if external:
                 await self.external.wait_claim(task, session_id)
-            session = await self.proxy.open(session_id, task.kind, task.sampling, env=task.env)
+            session = await self.proxy.open(session_id, task.kind, task.sampling, env=task.env, trace=tracing.current())
             env = self.external if external else self._env(task.env)
             client = SessionClient(
                 self.proxy,

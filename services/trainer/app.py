@@ -2,12 +2,13 @@
 
     build_app(cfg):  learner (the backend from the `services.trainer.backends` registry) ->
                      control plane -> Prometheus metrics -> app with the routes and the probes
-    lifespan:        loop-lag probe -> supervised task "run": control.open() (loads the policy,
-                     restores the newest checkpoint) then control.run(); supervised task "learner":
+    lifespan:        tracing (`shared.tracing`, when on) -> loop-lag probe -> supervised task "run":
+                     control.open() (loads the policy, restores the newest checkpoint) then
+                     control.run(); supervised task "learner":
                      the learner's watch (a lost trainer rank fails the service)
                      ... the run ends: the service stops with exit code 0; it fails: exit code 1
     shutdown:        the run task is stopped (SIGTERM: `stop_run` cancels it first; the process
-                     then ends by the signal), heartbeat and Redis closed
+                     then ends by the signal), heartbeat and Redis closed, spans flushed
 
 The REST API answers while the loop trains (training runs in a worker thread). Tests and
 benchmarks pass a control plane of their own (``control=``), built around a learner and hooks of
@@ -27,6 +28,7 @@ from services.trainer.control_plane import ControlPlane, TrainerHooks
 from services.trainer.learner import Learner, LocalLearner
 from services.trainer.observe import TrainerMetrics
 from services.trainer.routes import router
+from shared import tracing
 from shared.admin_api import Readiness
 from shared.auth import AuthPolicy
 from shared.http import install_error_handlers
@@ -91,6 +93,9 @@ async def _open_and_run(control: ControlPlane) -> None:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     s = app.state
+    traced = tracing.setup(
+        s.cfg.tracing, service="trainer", worker_id=s.control.worker_id, output_dir=s.cfg.run.output_dir
+    )
     s.metrics.start_loop_lag_probe()
     if s.run_loop:
         s.lifecycle.supervise("run", _open_and_run(s.control), ends_service=True)
@@ -101,6 +106,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await s.lifecycle.stop_tasks()
         await bounded(s.control.aclose(), "trainer close", _CLOSE_TIMEOUT_S)
         await s.metrics.aclose()
+        if traced:
+            tracing.shutdown()  # the spans still queued are written
 
 
 async def stop_run(app: FastAPI) -> None:

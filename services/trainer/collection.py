@@ -10,6 +10,11 @@
     lookahead_barrier(s0):  at start-up and resume, wait for complete batches of targets s0 and
                             s0 + 1 (when the lag allows it)
     hold_while_paused():    a user pause holds the run at a step boundary
+    trained(step, sample, training):  the step's training, inside its trajectories' consumed spans
+
+Traces (`services.trainer.tracing_spans`, while ``tracing.enabled``): every task issued opens its
+trajectory's trace; a trajectory's trace ends in the step that trains it, or where it is evicted
+(stale, or filtered by dynamic sampling) with the reason.
 
 With dynamic sampling every wait also takes the groups the buffer filtered (rewards all tie): their
 ids are in the ledger, their entries are acked with the step's once a checkpoint covers it, they
@@ -29,8 +34,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+from services.trainer import tracing_spans
 from services.trainer.buffer import Group, ReplayBuffer, SampleResult
 from services.trainer.intake import RunFailed, TrajectoryIntake
 from services.trainer.scheduler import Scheduler
@@ -42,6 +49,8 @@ from shared.run_config import RunConfig
 from shared.streams import StreamClient
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 WAIT_S = 1.0  # longest sleep of a waiting loop between checks
 
@@ -112,7 +121,8 @@ class Collector:
         if not tasks:
             return
         try:
-            await self.streams.publish_many(self.streams.keys.tasks, tasks)
+            with tracing_spans.issued(tasks):  # each task carries its trace's context
+                await self.streams.publish_many(self.streams.keys.tasks, tasks)
         except Exception:
             self.scheduler.unissue(tasks)
             raise
@@ -125,6 +135,12 @@ class Collector:
             sorted({t.target_step for t in tasks}),
         )
 
+    async def trained(self, step: int, sample: SampleResult, training: Awaitable[T]) -> T:
+        """``training`` (the step's learner call on ``sample``) awaited inside the trajectory.consumed
+        spans of the batch's trajectories (`services.trainer.tracing_spans`; nothing while tracing is off)."""
+        with tracing_spans.consumed(step, sample):
+            return await training
+
     async def wait_for_batch(self, step: int, on_hold: Callable[[bool], None] | None = None) -> SampleResult:
         """The step's batch once its groups are in. A pause that lands while it waits closes the
         launch gate, so the step may wait for rollouts that start only after the resume:
@@ -134,10 +150,10 @@ class Collector:
         self.evicted_ids = []
         while True:
             self.intake.raise_if_failed()
-            self._take_filtered()
+            self._take_filtered(step)
             sample = self.buffer.sample(step, n)
             if sample.evicted:
-                await self._evicted(sample.evicted)
+                await self._evicted(step, sample.evicted)
             if sample.groups:
                 sample.filtered, self.filtered = self.filtered, []
                 return sample
@@ -151,18 +167,20 @@ class Collector:
                 raise RunFailed(f"step {step}: no {n} usable groups within {self._timeout_hint()}")
             await self.intake.wait(WAIT_S)
 
-    async def _evicted(self, groups: list[Group]) -> None:
+    async def _evicted(self, step: int, groups: list[Group]) -> None:
         # Acknowledged with the step's trained entries, once a checkpoint covers the step (whose
         # record lists these ids): a crash before it delivers them again, to be judged anew.
         self.hold_acks([e for g in groups for e in g.entry_ids])
+        tracing_spans.evicted(step, groups, max_age=self.buffer.max_age)
         for g in groups:  # never trained on: the prompt is used again
             self.scheduler.source.give_back(g.prompt_index)
             self.evicted_ids += [t.task_id for t in g.rows.values()]
 
-    def _take_filtered(self) -> None:
+    def _take_filtered(self, step: int) -> None:
         groups = self.buffer.take_filtered()
         if not groups:
             return
+        tracing_spans.evicted(step, groups, "filtered: the group's rewards all tie (grpo.use_dynamic_sampling)")
         # Acknowledged with the step's entries once a checkpoint covers it (the ledger in that
         # checkpoint holds their ids). No give_back: the prompt was used; the scheduler sees the
         # target short and issues a new prompt at its next top-up.
@@ -212,7 +230,7 @@ class Collector:
         deadline = DataDeadline(self.cfg.trainer.data_timeout_s, self.pause, on_hold)
         while not all(self.buffer.count_usable(t) >= n for t in targets):
             self.intake.raise_if_failed()
-            self._take_filtered()
+            self._take_filtered(s0)
             self._check_refill_cap(f"start-up (targets {targets})", targets=len(targets))
             await self.issue(s0)  # what a pause held back goes out once it ends (a no-op otherwise)
             if await deadline.passed():

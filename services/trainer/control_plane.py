@@ -14,6 +14,7 @@ coordination, checkpoints with their acknowledgements, and the metrics records; 
                 (stale ones evicted, their prompts reused; with dynamic sampling, groups whose
                 rewards all tie filtered and replaced) -> batch -> learner.train -> refit to
                 v=s+1 -> checkpoint, then ack what it made durable -> record -> validations due
+                -> the autoscaler's decision (`autoscaler`, with autoscale.enabled)
            -> end: hold while paused -> validations still queued -> [validation at end] -> stop key
     close: intake stopped, records closed and plotted, heartbeat removed, Redis closed
 
@@ -32,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.trainer.autoscaler import Autoscaler
 from services.trainer.batch import StepBatch, build_step_batch
 from services.trainer.buffer import ReplayBuffer, SampleResult
 from services.trainer.checkpoint import Checkpointer, ControlState, checkpoint_meta
@@ -47,7 +49,7 @@ from services.trainer.refit_probe import build_probe
 from services.trainer.reward_shaping import OverlongPenalty
 from services.trainer.scheduler import Scheduler
 from services.trainer.status_view import trainer_status
-from services.trainer.step_record import StepClock, build_step_record
+from services.trainer.step_record import PipelineMeter, StepClock, build_step_record
 from services.trainer.validation import ValidationRunner
 from services.trainer.validation_control import ValidationController
 from services.trainer.weight_transport import build_transport
@@ -150,6 +152,10 @@ class ControlPlane:
             probe=build_probe(cfg, learner.probe),
         )
         self.heartbeat = HeartbeatTask(self.redis, self.keys, self._heartbeat)
+        self.pipeline = PipelineMeter(cfg, self.redis, self.keys, devices=launched_world_size())  # MFU, workers
+        self.autoscaler = Autoscaler.from_config(
+            cfg, self.redis, self.keys, write_record=self.metrics.write, busy=self._refitting_or_validating
+        )
         self.state = TrainerState.STARTING
         self.error: str | None = None
         self.step = 0  # steps done
@@ -164,6 +170,8 @@ class ControlPlane:
     # ---- open and close -----------------------------------------------------------------------
 
     async def open(self) -> None:
+        if self.autoscaler is not None:  # refused before the policy loads when its backend cannot be had
+            self.autoscaler.start()
         await self.streams.ensure_group(self.keys.tasks, K.GATEWAYS_GROUP)
         await self.streams.ensure_group(self.keys.trajectories, K.TRAINER_GROUP)
         await self.redis.delete(self.keys.stop)
@@ -184,6 +192,8 @@ class ControlPlane:
         self.heartbeat.start()
 
     async def aclose(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.aclose()
         await _safe(self.publisher.transport.aclose())
         await _safe(self.learner.close())
         self.metrics.close()  # already closed when the loop ran (`_finish`); not when it never started
@@ -275,7 +285,7 @@ class ControlPlane:
         batch = self._batch(sample)
         await self._within_infra_budget(step, sample, batch)
         t_batch = time.perf_counter()
-        learner_metrics = await self._train(step, batch)
+        learner_metrics = await self.collector.trained(step, sample, self._train(step, batch))
         self._check_refit_fidelity(learner_metrics)
         t_train = time.perf_counter()
         report = await self._refit(step + 1)
@@ -285,7 +295,7 @@ class ControlPlane:
         t_save = time.perf_counter()
         saved = await self._checkpoint(force=False)
         clock = StepClock(t0, t_data, t_batch, t_train, checkpoint_s=time.perf_counter() - t_save)
-        self._write_step_record(step, sample, batch, learner_metrics, report, clock)
+        await self._write_step_record(step, sample, batch, learner_metrics, report, clock)
         await self._hold_while_paused()
         for vid in self.validation.due(self.step):  # on the weights just published
             if self.validation.stop_hit(await self._validate(vid)):
@@ -293,6 +303,8 @@ class ControlPlane:
                 break
         if self.early_stopped and not saved:
             await self._checkpoint(force=True)
+        if self.autoscaler is not None and self.last_record is not None:
+            self.autoscaler.after_step(self.last_record)  # after the step's refit and validations
 
     def _check_refit_fidelity(self, metrics: LearnerMetrics) -> None:
         """The first step with rows generated wholly by the newest version checks their
@@ -318,7 +330,7 @@ class ControlPlane:
             trainer_version=self.weight_version,  # the learner holds the version every generator confirmed
         )
 
-    def _write_step_record(
+    async def _write_step_record(
         self,
         step: int,
         sample: SampleResult,
@@ -342,6 +354,7 @@ class ControlPlane:
             received_total=self.intake.received_total,
             started_at=self.started_at,
             dynamic_sampling=self.collector.dynamic_sampling_stats(sample),
+            pipeline=await self.pipeline.measure(batch, learner_metrics),
         )
         record.nemo_rl = nemo_rl_metrics(record, batch, sample.groups, trainer_ranks=launched_world_size())
         self.last_record = record
@@ -375,6 +388,9 @@ class ControlPlane:
             await asyncio.to_thread(
                 lambda: plot_reward_curve(read_records(path), self.log_dir / "reward_curve.png", title)
             )
+
+    def _refitting_or_validating(self) -> bool:
+        return self.state in (TrainerState.REFIT, TrainerState.VALIDATING)
 
     def _collecting_held(self, held: bool) -> None:
         """A pause landed (or ended) while the step waits for its batch: the state says so."""

@@ -23,6 +23,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from services.trainer import tracing_spans
 from services.trainer.buffer import ReplayBuffer
 from services.trainer.scheduler import Scheduler
 from shared import keys as K
@@ -140,6 +141,7 @@ class TrajectoryIntake:
             self._fail(self._fail_fast_error(traj))
         elif traj.group_id in self.cancelled_groups:
             self.cancelled_total += 1
+            tracing_spans.dropped(traj, "cancelled: its group was cancelled by a validation drain")
             await self.drop([entry_id])
         else:
             result = self.buffer.add(traj, entry_id)

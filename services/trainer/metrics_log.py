@@ -22,7 +22,15 @@ from typing import IO, Any
 
 import msgspec
 
-from shared.records import Record, StepRecord, ValidationRecord, encode_record, step_records, validation_records
+from shared.records import (
+    AutoscaleRecord,
+    Record,
+    StepRecord,
+    ValidationRecord,
+    encode_record,
+    step_records,
+    validation_records,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +90,7 @@ def write_scalars(writer: Any, record: Record) -> None:
 
 def scalars(record: Record) -> Iterator[tuple[str, float]]:
     """(tag, value) of every numeric figure, named as the module docstring says."""
-    prefix = "validation/" if isinstance(record, ValidationRecord) else "train/"
+    prefix = {ValidationRecord: "validation/", AutoscaleRecord: "autoscale/"}.get(type(record), "train/")
     yield from _numeric(msgspec.to_builtins(record), prefix, top=True)
     if isinstance(record, StepRecord) and record.nemo_rl is not None:
         yield from record.nemo_rl.named().items()

@@ -1,7 +1,7 @@
 """The trainer's Prometheus metrics, served at ``GET /metrics``.
 
 Three sources:
-* each record (train step or validation) as the control plane writes it: `observe_record` is a
+* each record (train step, validation or autoscaler decision) as the control plane writes it: `observe_record` is a
   record sink, so the staleness histogram (one observation per consumed trajectory: step minus
   the weight version it was launched on), refit phase and step phase durations are observed
   exactly once per step, and the last step's reward, staleness and refit time are kept, as are
@@ -28,7 +28,7 @@ from services.trainer.scheduler import Scheduler
 from shared import keys as K
 from shared.metrics import ServiceMetrics
 from shared.queue_stats import group_stats, stream_lengths
-from shared.records import Record, ValidationRecord
+from shared.records import AutoscaleRecord, Record, ValidationRecord
 from shared.streams import StreamClient
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,15 @@ class TrainerMetrics(ServiceMetrics):
             "streamrl_trainer_deadlettered_total", "Entries dead-lettered by the trainer", registry=r
         )
         self.val_accuracy = Gauge("streamrl_trainer_validation_accuracy", "Accuracy of the last validation", registry=r)
+        self.autoscale_decisions = Counter(
+            "streamrl_autoscale_decisions",
+            "Autoscaler decisions by role, direction and outcome",
+            ["role", "direction", "outcome"],
+            registry=r,
+        )
+        self.autoscale_workers = Gauge(
+            "streamrl_autoscale_workers", "Workers of a role after the autoscaler's last decision", ["role"], registry=r
+        )
         self.nemo_rl = Gauge(
             "streamrl_trainer_nemo_rl", "The last step's figures under NeMo-RL's names", ["name"], registry=r
         )
@@ -126,6 +135,12 @@ class TrainerMetrics(ServiceMetrics):
         """Record sink: one call per line written to metrics.jsonl."""
         if isinstance(record, ValidationRecord):
             self.val_accuracy.set(record.accuracy)
+            return
+        if isinstance(record, AutoscaleRecord):
+            direction = "up" if record.after > record.before else "down"
+            self.autoscale_decisions.labels(role=record.role, direction=direction, outcome=record.outcome).inc()
+            if record.outcome == "done":
+                self.autoscale_workers.labels(role=record.role).set(record.after)
             return
         for age, n in record.staleness.counts.items():
             for _ in range(n):

@@ -1,6 +1,6 @@
 """``GET /status``: the trainer's state as `shared.records.TrainerStatus`, read from its control
 plane (state, step, buffer, groups in flight, pauses and why the trainer took one, the last step
-record without its ledger, the last validation, live workers). Served by
+record without its ledger, the last validation, live workers with each generator's health). Served by
 `services.trainer.routes`; read by `streamrl status` and the live display of `streamrl up`.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from shared.fleet_health import fleet_health
 from shared.records import TrainerStatus, WorkerSummary
 from shared.registry import live_workers
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 
 async def trainer_status(control: ControlPlane) -> TrainerStatus:
     gens = await live_workers(control.redis, control.keys)
+    generators = [w for w in gens if w.kind == "generator"]
+    health = await fleet_health(control.redis, control.keys, heartbeats=generators, record=False)  # a GET: no writes
     return TrainerStatus(
         run_id=control.cfg.run.run_id,
         state=control.state,
@@ -37,7 +40,13 @@ async def trainer_status(control: ControlPlane) -> TrainerStatus:
         last_validation=control.validation.last,
         workers=[
             WorkerSummary(
-                id=w.worker_id, kind=w.kind, state=w.state, weight_version=w.weight_version, in_flight=w.in_flight
+                id=w.worker_id,
+                kind=w.kind,
+                state=w.state,
+                weight_version=w.weight_version,
+                in_flight=w.in_flight,
+                health=h.state if (h := health.get(w.worker_id)) else None,
+                health_reason=h.reason if h else None,
             )
             for w in gens
         ],

@@ -1,7 +1,10 @@
 """A training step's record (`shared.records.StepRecord`), built from what the step's parts report.
 
 Called by the control plane once a step is trained, refitted and checkpointed; the record goes to
-metrics.jsonl, TensorBoard and the Prometheus metrics (`services.trainer.metrics_log`).
+metrics.jsonl, TensorBoard and the Prometheus metrics (`services.trainer.metrics_log`). Besides the
+parts' figures it holds the pipeline's picture: the fraction of the step spent waiting for data, the
+learner's model FLOPs utilisation (`services.trainer.flops`), the rollouts' mean duration and the
+live workers per kind (`worker_counts`, read from the registry).
 """
 
 from __future__ import annotations
@@ -11,9 +14,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import redis.asyncio as aioredis
+
+from services.trainer.batch import StepBatch
 from services.trainer.buffer import Group, ReplayBuffer, SampleResult, is_placeholder
+from services.trainer.flops import MfuMeter
 from services.trainer.refit import RefitReport
 from services.trainer.scheduler import Scheduler
+from shared.keys import RunKeys
 from shared.records import (
     BatchStats,
     BufferSummary,
@@ -23,6 +31,10 @@ from shared.records import (
     StepRecord,
     StepTiming,
 )
+from shared.registry import live_workers
+from shared.run_config import RunConfig
+
+WORKER_KINDS = ("generator", "gym_gateway")  # the kinds a step record counts
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,45 @@ def dynamic_sampling_stats(
     )
 
 
+async def worker_counts(redis: aioredis.Redis, keys: RunKeys) -> dict[str, int]:
+    """Live workers of each of `WORKER_KINDS` in the registry now (0 for a kind with none running)."""
+    live = await live_workers(redis, keys)
+    return {kind: sum(h.kind == kind for h in live) for kind in WORKER_KINDS}
+
+
+@dataclass(frozen=True)
+class PipelineFigures:
+    """A step's figures read outside its parts (`PipelineMeter`)."""
+
+    model_tflops: float | None = None
+    mfu: float | None = None
+    workers: dict[str, int] | None = None
+
+
+class PipelineMeter:
+    """Measures `PipelineFigures` at a step's end: the learner's MFU over the batch's trainable
+    rows (`services.trainer.flops`) and the live workers per kind (the registry)."""
+
+    def __init__(self, cfg: RunConfig, redis: aioredis.Redis, keys: RunKeys, *, devices: int) -> None:
+        self.mfu = MfuMeter.from_config(cfg, devices)
+        self._redis, self._keys = redis, keys
+
+    async def measure(self, batch: StepBatch, learner: LearnerMetrics) -> PipelineFigures:
+        seq_lens = [len(r.input_ids) for r in batch.trainable]
+        tflops, mfu = self.mfu.measure(seq_lens, learner.train_time_s)
+        return PipelineFigures(model_tflops=tflops, mfu=mfu, workers=await worker_counts(self._redis, self._keys))
+
+
+def rollout_times(groups: Iterable[Group]) -> tuple[float | None, float | None]:
+    """(mean wall seconds from a rollout's start to its publish, mean seconds of its model calls)
+    over the groups' rollouts that ran (placeholders and rollouts without times left out)."""
+    ran = [t for g in groups for t in g.rows.values() if not is_placeholder(t) and t.finished_at > t.started_at > 0]
+    if not ran:
+        return None, None
+    wall = sum(t.finished_at - t.started_at for t in ran) / len(ran)
+    return wall, sum(turn.latency_s for t in ran for turn in t.turns) / len(ran)
+
+
 def build_step_record(
     step: int,
     sample: SampleResult,
@@ -110,8 +161,12 @@ def build_step_record(
     received_total: int,
     started_at: float,
     dynamic_sampling: DynamicSamplingStats | None = None,
+    pipeline: PipelineFigures | None = None,
 ) -> StepRecord:
     elapsed = time.time() - started_at
+    step_s = time.perf_counter() - clock.start
+    pipeline = pipeline or PipelineFigures()
+    rollout_s, generation_s = rollout_times(sample.groups)
     return StepRecord(
         step=step,
         weight_version=step,
@@ -129,7 +184,7 @@ def build_step_record(
         timing=StepTiming(
             wait_data_s=clock.data_ready - clock.start,
             train_s=clock.trained - clock.data_ready,
-            step_s=time.perf_counter() - clock.start,
+            step_s=step_s,
             batch_s=clock.batched - clock.data_ready,
             checkpoint_s=clock.checkpoint_s,
         ),
@@ -137,6 +192,12 @@ def build_step_record(
         trajectories_received=received_total,
         trajectories_per_s=received_total / max(elapsed, 1e-6),
         dynamic_sampling=dynamic_sampling,
+        wait_fraction=(clock.data_ready - clock.start) / step_s if step_s > 0 else None,
+        model_tflops=pipeline.model_tflops,
+        mfu=pipeline.mfu,
+        rollout_s=rollout_s,
+        generation_s=generation_s,
+        workers=pipeline.workers or {},
         consumed_ids=sorted(t.task_id for g in sample.groups for t in g.rows.values()),
         evicted_ids=sorted(evicted_ids),
         filtered_ids=sorted(t.task_id for g in sample.filtered for t in g.rows.values()),

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+from services.trainer import tracing_spans
 from services.trainer.scheduler import group_tasks
 from shared.jsonl import read_jsonl
 from shared.protocol import SamplingParams, Trajectory
@@ -101,7 +102,8 @@ class ValidationRunner:
         ]
         self._expected = {t.group_id for t in tasks}
         self._results = {}
-        await self.streams.publish_many(self.streams.keys.tasks, tasks)
+        with tracing_spans.issued(tasks):
+            await self.streams.publish_many(self.streams.keys.tasks, tasks)
         deadline = time.monotonic() + self.rollout_timeout_s
         while len(self._results) < len(tasks) and time.monotonic() < deadline:
             await self._arrived.wait(1.0)

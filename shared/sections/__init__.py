@@ -10,6 +10,7 @@ tree every service loads.
     generator      the generator service: ``generator``, ``policy.generation`` (vllm_cfg)
     gateway        the gym gateway: ``gym_gateway``, and ``env`` (settings common to every driver)
     env_<driver>   one environment driver's section: ``env.nemo_gym``, ``env.openhands``, ``env.swe``
+    tracing        OpenTelemetry traces, read by every service: ``tracing``
 
 They live under `shared/`, not next to their services, because every service loads the whole
 tree (a run is one file that all of them read, decoded strictly as a whole) and `shared` never

@@ -78,6 +78,13 @@ class TrainerSection(Section):
             "older than this (for inspection meanwhile); 0: as soon as acked. Unacked entries are never trimmed"
         ),
     ] = 3600.0
+    peak_tflops_per_device: Annotated[
+        Annotated[float, msgspec.Meta(gt=0)] | None,
+        D(
+            "peak TFLOP/s of one trainer device at policy.precision, the denominator of each step's mfu; null: "
+            "the dense data-sheet figure of a known GPU (H100, H200, A100, L40S), none on a CPU (mfu stays null)"
+        ),
+    ] = None
 
 
 class DataSection(Section):

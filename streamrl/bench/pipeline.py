@@ -80,7 +80,7 @@ from streamrl.bench.pipeline_report import (
     lag_run,
     render_pipeline,
 )
-from streamrl.bench.pipeline_sim import ENV_NAME, GATEWAY_WORKERS, GatewayReport, SimBackend, spawn
+from streamrl.bench.pipeline_sim import GATEWAY_WORKERS, GatewayReport, SimBackend, spawn
 from streamrl.bench.report import save
 from streamrl.bench.schedule import (
     LAGS,
@@ -91,6 +91,7 @@ from streamrl.bench.schedule import (
     long_run_speedups,
     pipeline_figures,
 )
+from streamrl.bench.sleep_env import ENV_NAME
 from streamrl.redis_server import RedisServer
 
 
@@ -108,10 +109,12 @@ def run_config(scenario: Scenario, lag: int, *, redis_url: str, run_id: str, wor
             "num_prompts_per_step": scenario.num_prompts,
             "num_generations_per_prompt": scenario.group_size,
             "max_num_steps": scenario.steps,
+            "max_infra_failure_fraction": None,  # rollouts without a model call are placeholders: not a failure here
             "async_grpo": {"max_trajectory_age_steps": lag},
         },
         "env": {"name": ENV_NAME},
         "checkpointing": {"enabled": False},
+        "refit": {"probe_tokens": 0},  # no model, no tokenizer: nothing to score
         "logger": {"plot": False},
         "trainer": {"refit_timeout_s": 60.0, "startup_timeout_s": 120.0, "data_timeout_s": 600.0},
     }

@@ -3,10 +3,8 @@ trainer control plane and real gateway workers:
 
 * `SimBackend`: the learner's backend; a step sleeps the scenario's training time and the weights
   are a 64-byte file;
-* `SleepEnv`: a benchmark-only environment (registered for the run only) that sleeps a log-normal
-  duration and calls no model. Each prompt's k-th attempt has a fixed, seeded set of G durations,
-  so the real run and the ideal schedule see the same rollout times. A rollout with no model call
-  has no turns: the trainer treats its rows as placeholders, which costs nothing here;
+* `SleepEnv` (`streamrl.bench.sleep_env`): the rollouts, each a seeded log-normal sleep, so the
+  real run and the ideal schedule see the same rollout times;
 * `SimGenerator`: in a process of its own, registers a generator heartbeat and confirms every
   weight announcement at once (the heartbeat carries the new version before the ack);
 * `serve_gateways`: GATEWAY_WORKERS `GatewayWorker`s built as the gateway app builds one (tasks
@@ -26,7 +24,6 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +31,6 @@ import aiohttp
 import msgspec
 import torch
 
-from services.gym_gateway import envs
-from services.gym_gateway.envs.base import Environment, ModelClient, Outcome
 from services.gym_gateway.proxy import GeneratorPool, SessionProxy
 from services.gym_gateway.worker import GatewayWorker
 from services.trainer.backends.layout import data_parallel
@@ -47,13 +42,12 @@ from shared.protocol import Heartbeat, WeightAck, WeightAnnouncement
 from shared.records import LearnerMetrics
 from shared.registry import HeartbeatTask, publish_heartbeat
 from shared.run_config import RunConfig
-from shared.sections.gateway import EnvSection
 from shared.streams import StreamClient, connect
 from shared.weights_format import write_hashed
 from streamrl.bench.schedule import Scenario
+from streamrl.bench.sleep_env import SleepEnv, registered_env
 from streamrl.child_guard import guarded
 
-ENV_NAME = "bench_sleep"
 GATEWAY_WORKERS = 8  # x gym_gateway.max_concurrent_rollouts (64): far above the peak, slots never limit generation
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,51 +113,6 @@ class SimBackend:
 
     def load_checkpoint(self, path: Path) -> None:
         raise NotImplementedError("the benchmark's runs keep no checkpoints")
-
-
-class SleepEnv:
-    """Benchmark-only environment: a prompt's rollouts sleep the scenario's durations, in order
-    (its k-th rollout is row k % G of attempt k // G), and call no model."""
-
-    name = ENV_NAME
-
-    def __init__(self, scenario: Scenario) -> None:
-        self.scenario = scenario
-        self.started: dict[int, int] = defaultdict(int)
-        self.running = 0
-        self.peak = 0
-
-    def next_duration(self, prompt: int) -> float:
-        k = self.started[prompt]
-        self.started[prompt] += 1
-        g = self.scenario.group_size
-        return self.scenario.durations(prompt, k // g)[k % g]
-
-    @classmethod
-    def from_config(cls, env_cfg: EnvSection) -> SleepEnv:
-        raise NotImplementedError("built by the benchmark with its scenario (plugged in by `registered_env`)")
-
-    def make_instances(self, n: int, seed: int) -> list[dict[str, Any]]:
-        raise ValueError(f"{ENV_NAME} rows are written by the pipeline benchmark ({{'prompt': i}}), not generated")
-
-    async def aclose(self) -> None:
-        """Nothing is kept between rollouts."""
-
-    async def rollout(self, instance: dict[str, Any], llm: ModelClient, *, max_turns: int) -> Outcome:
-        seconds = self.next_duration(int(instance["prompt"]))
-        sleep_from = time.time()
-        self.running += 1
-        self.peak = max(self.peak, self.running)
-        try:
-            await asyncio.sleep(seconds)
-        finally:
-            self.running -= 1
-        return Outcome(reward=0.0, metrics={"sim_rollout_s": seconds, "sim_sleep_from": sleep_from})
-
-
-def registered_env(env: SleepEnv) -> AbstractContextManager[Environment]:
-    """Make ``env`` resolvable by name for the duration of a run."""
-    return envs.registered(env)
 
 
 class SimGenerator:

@@ -24,6 +24,9 @@
     against the same run on one host: step and refit time, bytes per link.
 11. MoE routing replay (`streamrl.bench.routing_replay`): the trainer-vs-engine logprob mismatch
     at equal weights on the MoE demo's policy with replay off and on.
+12. A run that sizes itself (`streamrl.bench.autoscale`): the autoscaled run against every fixed
+    gateway count, with rollout times that double halfway through the run.
+13. Tracing (`streamrl.bench.tracing`): what OpenTelemetry traces cost a step, off and on.
 
 Every figure is reported against a baseline measured in the same run on the same machine, as a
 ratio, or with its baseline named in its table. Each section's results are stored as
@@ -43,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.bench import (
+    autoscale,
     demo,
     demo_variants,
     gateway,
@@ -54,6 +58,7 @@ from streamrl.bench import (
     reshard,
     routing_replay,
     streams,
+    tracing,
     trainer,
 )
 from streamrl.bench.pipeline_report import PipelineResults, render_pipeline
@@ -96,6 +101,8 @@ REPORT = (
     Section("multihost", multihost.MultihostResults, multihost.render_section),
     Section("pipeline", PipelineResults, render_pipeline),
     Section("routing_replay", routing_replay.RoutingReplayResults, routing_replay.render_section),
+    Section("autoscale", autoscale.AutoscaleResults, autoscale.render_section, redis=True),
+    Section("tracing", tracing.TracingResults, tracing.render_section),
 )
 BY_NAME = {s.name: s for s in REPORT}
 # Measurable alone (``--only``); the demo and the streams only in a whole run.
@@ -111,6 +118,8 @@ SECTIONS = (
     "demo_variants",
     "openhands",
     "routing_replay",
+    "autoscale",
+    "tracing",
 )
 # The order a whole run measures them in (the demo first, on a quiet machine).
 MEASURED = (
@@ -127,6 +136,8 @@ MEASURED = (
     "openhands",
     "pipeline",
     "routing_replay",
+    "autoscale",
+    "tracing",
 )
 
 
@@ -194,6 +205,8 @@ def measure(name: str, valkey: _Valkey, machine: str) -> tuple[Results, list[int
         "trainer": lambda: trainer.trainer_benchmark(work, machine),
         "routing_replay": lambda: routing_replay.routing_replay_benchmark(work, machine),
         "multihost": lambda: multihost.multihost_benchmark(work, machine),
+        "autoscale": lambda: autoscale.autoscale_benchmark(work, machine, valkey.url()),
+        "tracing": lambda: tracing.tracing_benchmark(work, machine),
     }
     return measures[name](), []
 

@@ -87,6 +87,9 @@ def test_json_snapshot_has_services_queues_and_step(run_in_redis):
     assert sorted(workers) == ["gateway-0", "generator-0", "generator-1", "trainer-0"]
     assert workers["generator-0"]["weight_version"] == 6 and workers["generator-0"]["in_flight"] == 3
     assert workers["generator-1"]["state"] == "failed" and workers["generator-1"]["error"] == "engine died"
+    health = s["health"]  # each generator's (shared.fleet_health): no calls seen, so judged on heartbeats
+    assert health["generator-0"]["state"] == "serving"
+    assert health["generator-1"]["state"] == "lost" and "engine died" in health["generator-1"]["reason"]
     for w in workers.values():  # published when the module started, well within the heartbeat TTL
         assert 0.0 <= w["heartbeat_age_s"] <= time.time() - t0 + K.HEARTBEAT_TTL_S
     assert s["streams"]["tasks"] == 5 and s["streams"]["trajectories"] == 0

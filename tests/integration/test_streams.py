@@ -182,7 +182,7 @@ async def test_a_burst_beyond_the_pool_size_queues_instead_of_failing(redis_url)
 async def test_a_burst_of_sessions_reads_the_generator_registry_once(redis_url, monkeypatch):
     import asyncio
 
-    from services.gym_gateway import proxy
+    from services.gym_gateway import pool as generator_pool
 
     redis = connect(redis_url)
     keys = K.RunKeys(f"pool-{uuid.uuid4().hex[:6]}")
@@ -197,8 +197,8 @@ async def test_a_burst_of_sessions_reads_the_generator_registry_once(redis_url, 
         reads += 1
         return await live_workers(*args, **kwargs)
 
-    monkeypatch.setattr(proxy, "live_workers", counting_live_workers)
-    pool = proxy.GeneratorPool(redis, keys, refresh_s=60.0)
+    monkeypatch.setattr(generator_pool, "live_workers", counting_live_workers)
+    pool = generator_pool.GeneratorPool(redis, keys, refresh_s=60.0)
     picks = await asyncio.gather(*[pool.pick() for _ in range(128)])
     assert picks == [("gen-0", "http://g", 3)] * 128 and reads == 1
     await redis.aclose()

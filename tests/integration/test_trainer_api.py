@@ -9,8 +9,9 @@ import pytest
 
 from shared import keys as K
 from shared.pause import PauseControl, PauseReason, launch_gate_closed
+from shared.registry import publish_heartbeat
 from shared.streams import connect
-from tests.support.messages import make_trajectory
+from tests.support.messages import make_heartbeat, make_trajectory
 from tests.support.trainer import opened_plane, trainer_config
 
 pytestmark = pytest.mark.integration
@@ -71,9 +72,12 @@ async def test_once_the_run_ended_a_validation_request_is_refused_and_a_queued_o
 
 
 async def test_status_and_metrics(api):
-    _, client = api
+    rt, client = api
+    await publish_heartbeat(rt.redis, rt.keys, make_heartbeat("gen-0", state="failed", error="engine died"))
     s = (await client.get("/status")).json()
     assert s["step"] == 0 and s["max_num_steps"] == 100 and s["weight_version"] == -1
+    [gen] = [w for w in s["workers"] if w["id"] == "gen-0"]  # with its health (shared.fleet_health)
+    assert gen["health"] == "lost" and gen["health_reason"] == "its heartbeat says failed: engine died"
     ready = await client.get("/ready")
     assert ready.status_code == 503 and ready.json()["weight_version"] == -1  # no weights confirmed yet
     text = (await client.get("/metrics")).text

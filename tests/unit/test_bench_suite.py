@@ -34,6 +34,8 @@ HEADINGS = {
     "multihost": "## Beyond one host",
     "pipeline": "## Pipeline efficiency",
     "routing_replay": "## MoE routing replay",
+    "autoscale": "## A run that sizes itself",
+    "tracing": "## Tracing",
 }
 
 

@@ -1,5 +1,6 @@
 """Run outputs besides metrics.jsonl: the TensorBoard event file the metrics writer keeps, record
-sinks, and ``streamrl report`` turning a metrics.jsonl written by the real writer into PNGs."""
+sinks, and ``streamrl report`` turning a metrics.jsonl written by the real writer into PNGs and a
+table of where each step's time went."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from services.trainer.metrics_log import MetricsLog
-from shared.records import read_records
+from shared.records import AutoscaleRecord, read_records
 from tests.support.records import step_record, validation_record
 
 pytestmark = pytest.mark.unit
@@ -86,12 +88,12 @@ def test_report_writes_every_plot_and_prints_the_paths(tmp_path):
     _write_run(tmp_path, validation=True)
     out = _report(str(tmp_path))
     assert out.returncode == 0, out.stderr
-    paths = [Path(p) for p in out.stdout.split()]
-    assert [p.name for p in paths] == ["reward.png", "validation.png", "staleness.png", "timing.png"]
+    paths = [Path(p) for p in out.stdout.split() if p.endswith(".png")]
+    assert [p.name for p in paths] == ["reward.png", "validation.png", "staleness.png", "timing.png", "pipeline.png"]
     for p in paths:
         assert p.parent == tmp_path / "report" and p.read_bytes()[:8] == PNG_MAGIC
         width, height = struct.unpack(">II", p.read_bytes()[16:24])
-        assert (width, height) == (880, 462)
+        assert (width, height) == ((990, 924) if p.name == "pipeline.png" else (880, 462))
 
 
 def test_report_skips_plots_without_data_and_honours_out(tmp_path):
@@ -99,8 +101,9 @@ def test_report_skips_plots_without_data_and_honours_out(tmp_path):
 
     _write_run(tmp_path / "run", validation=False)
     written, skipped = build_report(tmp_path / "run", tmp_path / "plots")
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["reward.png", "staleness.png", "timing.png"]
-    assert sorted(written) == ["reward", "staleness", "timing"] and skipped == ["validation"]
+    names = ["pipeline.png", "reward.png", "staleness.png", "timing.png"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == names
+    assert sorted(written) == ["pipeline", "reward", "staleness", "timing"] and skipped == ["validation"]
 
 
 def test_a_line_that_is_not_a_record_is_named(tmp_path):
@@ -114,3 +117,73 @@ def test_report_without_metrics_names_the_file(tmp_path):
 
     with pytest.raises(ReportError, match=f"no metrics.jsonl in {tmp_path}"):
         build_report(tmp_path)
+
+
+def _write_pipeline_run(folder: Path) -> None:
+    """Six steps with the pipeline's figures, two generators then three (an autoscaler decision
+    after step 2), and a seventh step from before those figures existed."""
+    log = MetricsLog(folder / "metrics.jsonl", sinks=[])
+    log.open()
+    for step in range(6):
+        record = msgspec.structs.replace(
+            step_record(step),
+            wait_fraction=0.25 + 0.01 * step,
+            mfu=0.0123 + 0.001 * step,
+            model_tflops=12.3 + step,
+            rollout_s=4.5 + step,
+            generation_s=3.25,
+            workers={"generator": 2 if step < 3 else 3, "gym_gateway": 1},
+        )
+        log.write(record)
+        if step == 2:
+            log.write(
+                AutoscaleRecord(
+                    step=3,
+                    time=1003.5,
+                    role="generator",
+                    before=2,
+                    after=3,
+                    reason="starved 2+ steps",
+                    signals={"wait_fraction": 0.27},
+                    outcome="done",
+                    backend="local",
+                )
+            )
+    log.write(step_record(6))
+    log.close()
+
+
+def test_report_draws_the_pipeline_and_prints_each_steps_numbers(tmp_path):
+    _write_pipeline_run(tmp_path)
+    out = _report(str(tmp_path), "--rows", "5")
+    assert out.returncode == 0, out.stderr
+    figure = tmp_path / "report" / "pipeline.png"
+    assert str(figure) in out.stdout.splitlines() and figure.read_bytes()[:8] == PNG_MAGIC
+    table = out.stdout.split("pipeline per step")[1].splitlines()[1:]
+    header = "step wall s wait batch train refit checkpoint other wait% mfu% TFLOP/s rollout s model s gens gws"
+    assert table[0].split() == header.split()
+    rows = {line.split()[0]: line.split() for line in table[1:6]}
+    assert sorted(rows) == ["2", "3", "4", "5", "6"]  # the last five steps
+    # step 3: wall 3.73 s = wait 1.00 + batch 0.00 + train 2.00 + refit 0.73 + checkpoint 0.00 + other 0.00
+    assert rows["3"][1:8] == ["3.73", "1.00", "0.00", "2.00", "0.73", "0.00", "0.00"]
+    assert rows["3"][8:] == ["28.0", "1.53", "15.3", "7.50", "3.25", "3", "1"]
+    assert rows["6"][8:] == ["-"] * 7  # a record from before the figures: dashes
+    assert "(the last 5 of 7 steps; --rows 0 shows every one)" in table
+    shares = next(line for line in table if line.startswith("all 7 steps"))
+    assert "wait for data" in shares and "mean MFU 1.48%" in shares
+    assert "autoscaler after step 2: generator 2 -> 3 (done): starved 2+ steps" in table
+
+
+def test_pipeline_table_of_the_phases_adds_up_to_the_step(tmp_path):
+    from streamrl.report_pipeline import PHASES
+
+    record = step_record(4)
+    assert sum(phase(record) for _, phase in PHASES) == pytest.approx(record.timing.step_s)
+
+
+def test_the_live_display_shows_the_wait_and_mfu():
+    from streamrl.progress import utilisation
+
+    record = msgspec.structs.replace(step_record(1), wait_fraction=0.614, mfu=0.0312, model_tflops=30.86)
+    assert utilisation(record) == "waited 61%  mfu 3.1% (30.9 TFLOP/s per device)"
+    assert utilisation(step_record(1)) == "waited -  mfu -"  # a record without them

@@ -1,12 +1,13 @@
 """A stand-in generator whose answers a test scripts: policies instead of a model.
 
 ``ScriptedGenerator`` serves ``POST /v1/chat/completions`` and registers in a run's registry as a
-ready generator serving weights v0, so a real gateway (pool, session proxy, worker) routes sessions
-to it. Each call is answered by the policy named by the head of its session id (the gateway's
-session ids start with the task's group id: a task of group ``correct-3`` is played by the policy
-``correct``). A policy reads the request's messages and returns the model's turn (`say`, `call`,
-or `write`: raw model text parsed as the generator parses it, malformed tool calls included), or
-raises `Refuse` to answer with an error status.
+ready generator serving weights v0 (as ``gen-scripted`` unless told another id), so a real gateway
+(pool, session proxy, worker) routes sessions to it; ``delay_s`` makes it a slow one. Each call is
+answered by the policy named by the head of its session id (the gateway's session ids start with
+the task's group id: a task of group ``correct-3`` is played by the policy ``correct``). A policy
+reads the request's messages and returns the model's turn (`say`, `call`, or `write`: raw model
+text parsed as the generator parses it, malformed tool calls included), or raises `Refuse` to
+answer with an error status.
 
 Token ids are one per message, by role, and one generated id: a conversation that replays its
 turns continues its token history exactly (no prefix break), one that rewrites it does not. The
@@ -16,6 +17,7 @@ which the answer carries as JSON ``null``, as the generator's encoder writes it)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -78,8 +80,9 @@ def write(text: str) -> ResponseMessage:
 
 
 class ScriptedGenerator:
-    def __init__(self, policies: dict[str, Policy]) -> None:
+    def __init__(self, policies: dict[str, Policy], *, delay_s: float = 0.0) -> None:
         self.policies = policies
+        self.delay_s = delay_s  # each answer waits this long first (a slow generator)
         self.calls = 0
         self.app = FastAPI()
         self.app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
@@ -87,6 +90,8 @@ class ScriptedGenerator:
     async def _chat(self, request: Request) -> Response:
         req = msgspec.json.decode(await request.body(), type=ChatCompletionRequest)
         self.calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         session_id = req.streamrl.session_id if req.streamrl else ""
         policy = self.policies[(session_id or "").split("-")[0]]
         try:
@@ -114,12 +119,14 @@ class ScriptedGenerator:
         return Response(msgspec.json.encode(out), media_type="application/json")
 
     @contextlib.asynccontextmanager
-    async def serving(self, serve_app, redis, run_keys: K.RunKeys) -> AsyncIterator[str]:
-        """Serve on a loopback port, registered as ready generator ``gen-scripted``; yields its URL."""
+    async def serving(
+        self, serve_app, redis, run_keys: K.RunKeys, worker_id: str = "gen-scripted"
+    ) -> AsyncIterator[str]:
+        """Serve on a loopback port, registered as ready generator ``worker_id``; yields its URL."""
         port = free_port()
         async with serve_app(self.app, port) as url:
             beat = Heartbeat(
-                worker_id="gen-scripted",
+                worker_id=worker_id,
                 kind="generator",
                 url=url,
                 pid=os.getpid(),

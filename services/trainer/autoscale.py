@@ -1,0 +1,173 @@
+"""The autoscaler's policy: from what a step waited for, and why, to worker counts. Pure: no Redis,
+no backend (`services.trainer.autoscaler` feeds it and carries out its decisions).
+
+Each step ends with `Signals`: the fraction of the step the trainer waited for data (the one figure
+that says the run is starved), and, averaged over the step, what says where the rollouts queue:
+the tasks stream's lag (tasks no gateway worker has taken: gateway slots are short), the gateway
+slots' busy fraction, and the requests waiting in the generators' engines. Then, per role:
+
+    starved (wait > scale_up_wait_fraction) for up_after_steps steps -> scale up the bottleneck:
+        requests wait in the engines                 -> generators
+        tasks wait for a slot, or the slots are full -> gateway workers
+        neither                                      -> generators (generation is what takes time)
+      by the factor that would have removed the wait: a step of period T that waited w.T needs its
+      rollouts 1 / (1 - w) faster, so n -> ceil(n / (1 - w)), at least n + 1, at most 2n and max
+    unstarved (wait < scale_down_wait_fraction) for down_after_steps steps -> one worker less, of a
+      role that has slack: gateways when no task waits and the remaining slots would stay below
+      max_gateway_utilization busy; generators when no request waits in their engines; never to a
+      count that starved the trainer in the last starved_memory_steps steps
+    a degraded generator -> one generator more (its replacement), within max
+
+Hysteresis: the two thresholds are apart, both need consecutive steps, a role changes at most once
+every cooldown_steps steps, and a count that starved the run is remembered. Decisions are taken
+only when the trainer is neither refitting nor validating (the driver holds them until then).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shared.sections.autoscale import ROLES, AutoscaleSection, RoleBounds
+
+REPLACE = "replacing"  # how a replacement's reason starts
+
+# Gateway slots this busy or more count as full (a task then waits for a slot even with no lag).
+FULL_SLOTS = 0.95
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What one step tells the policy; means over the step unless said otherwise."""
+
+    step: int
+    wait_fraction: float  # of the step's time, waiting for data
+    counts: dict[str, int]  # workers per role now (the backend's ready count)
+    tasks_lag: float = 0.0  # tasks no gateway worker has taken yet
+    gateway_utilization: float = 0.0  # busy rollout slots / slots
+    generator_queue: float = 0.0  # requests waiting in the engines, per generator
+    staleness_mean: float = 0.0  # of the step's trajectories (record only)
+    degraded_generators: int = 0  # generators the fleet health calls degraded (now)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "wait_fraction": round(self.wait_fraction, 4),
+            "tasks_lag": round(self.tasks_lag, 2),
+            "gateway_utilization": round(self.gateway_utilization, 4),
+            "generator_queue": round(self.generator_queue, 2),
+            "staleness_mean": round(self.staleness_mean, 3),
+            "degraded_generators": float(self.degraded_generators),
+            **{f"{role}_count": float(n) for role, n in self.counts.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    role: str  # generator | gym_gateway
+    before: int
+    after: int
+    reason: str
+
+
+@dataclass
+class AutoscalePolicy:
+    cfg: AutoscaleSection
+    starved_streak: int = 0
+    unstarved_streak: int = 0
+    changed_at: dict[str, int] = field(default_factory=dict)  # role -> step of its last change
+    starved_at: dict[tuple[str, int], int] = field(default_factory=dict)  # (role, count) -> last step starved
+    serving_target: int | None = None  # generators the policy wants serving (degraded ones not counted)
+
+    def bounds(self, role: str) -> RoleBounds:
+        b: RoleBounds = getattr(self.cfg, role)
+        return b
+
+    def decide(self, s: Signals) -> list[Decision]:
+        """The step's decisions (none most steps), at most one per role."""
+        c = self.cfg
+        starved = s.wait_fraction > c.scale_up_wait_fraction
+        self.starved_streak = self.starved_streak + 1 if starved else 0
+        self.unstarved_streak = self.unstarved_streak + 1 if s.wait_fraction < c.scale_down_wait_fraction else 0
+        if self.serving_target is None:
+            self.serving_target = s.counts.get("generator", 0)
+        if starved:
+            for role in ROLES:
+                self.starved_at[(role, s.counts.get(role, 0))] = s.step
+        decisions: list[Decision] = []
+        if self.starved_streak >= c.up_after_steps:
+            up = self._scale_up(s)
+            if up is not None:
+                decisions.append(up)
+                self.starved_streak = 0
+        elif self.unstarved_streak >= c.down_after_steps:
+            decisions += [d for role in ROLES if (d := self._scale_down(role, s)) is not None]
+            if decisions:
+                self.unstarved_streak = 0
+        if s.degraded_generators and not any(d.role == "generator" for d in decisions):
+            replace = self._replace_degraded(s)
+            if replace is not None:
+                decisions.append(replace)
+        for d in decisions:
+            self.changed_at[d.role] = s.step
+            if d.role == "generator" and not d.reason.startswith(REPLACE):
+                self.serving_target = d.after - s.degraded_generators
+        return decisions
+
+    def _cooling(self, role: str, step: int) -> bool:
+        last = self.changed_at.get(role)
+        return last is not None and step - last < self.cfg.cooldown_steps
+
+    def bottleneck(self, s: Signals) -> tuple[str, str]:
+        """The role whose shortage made the trainer wait, and the evidence."""
+        if s.generator_queue >= 1.0:
+            return "generator", f"{s.generator_queue:.1f} requests waiting per generator"
+        if s.tasks_lag >= 1.0:
+            return "gym_gateway", f"{s.tasks_lag:.1f} tasks waiting for a gateway slot"
+        if s.gateway_utilization >= FULL_SLOTS:
+            return "gym_gateway", f"gateway slots {s.gateway_utilization:.0%} busy"
+        return "generator", "no task or request queued outside the engines: generation is the bottleneck"
+
+    def _scale_up(self, s: Signals) -> Decision | None:
+        role, evidence = self.bottleneck(s)
+        n, top = s.counts.get(role, 0), self.bounds(role).max
+        if n < 1 or n >= top or self._cooling(role, s.step):
+            return None
+        wanted = math.ceil(n / max(1.0 - s.wait_fraction, 0.5))  # at most 2n per decision
+        after = min(top, max(n + 1, wanted))
+        reason = (
+            f"starved {self.cfg.up_after_steps}+ steps (waited {s.wait_fraction:.0%} of step {s.step}); "
+            f"{evidence}; x{after / n:.2f} to cover the wait"
+        )
+        return Decision(role, n, after, reason)
+
+    def _scale_down(self, role: str, s: Signals) -> Decision | None:
+        n, b = s.counts.get(role, 0), self.bounds(role)
+        if n <= b.min or self._cooling(role, s.step):
+            return None
+        last_starved = self.starved_at.get((role, n - 1))
+        if last_starved is not None and s.step - last_starved <= self.cfg.starved_memory_steps:
+            return None
+        if role == "gym_gateway":
+            projected = s.gateway_utilization * n / (n - 1)
+            if s.tasks_lag >= 1.0 or projected >= self.cfg.max_gateway_utilization:
+                return None
+            slack = f"the other {n - 1} would be {projected:.0%} busy"
+        else:
+            if s.generator_queue > 0.0 or s.degraded_generators:
+                return None
+            slack = "no request waited in the engines"
+        reason = (
+            f"not starved for {self.cfg.down_after_steps}+ steps (waited {s.wait_fraction:.1%} of step {s.step}); "
+            f"{slack}"
+        )
+        return Decision(role, n, n - 1, reason)
+
+    def _replace_degraded(self, s: Signals) -> Decision | None:
+        """Degraded generators get no new sessions: as many more as keep ``serving_target`` serving."""
+        n, top = s.counts.get("generator", 0), self.bounds("generator").max
+        target = self.serving_target or 0
+        if n - s.degraded_generators >= target or n >= top or self._cooling("generator", s.step):
+            return None
+        after = min(top, target + s.degraded_generators)
+        reason = f"{REPLACE} {s.degraded_generators} degraded generator(s): they get no new sessions"
+        return Decision("generator", n, after, reason)
