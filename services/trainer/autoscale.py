@@ -6,20 +6,27 @@ that says the run is starved), and, averaged over the step, what says where the 
 the tasks stream's lag (tasks no gateway worker has taken: gateway slots are short), the gateway
 slots' busy fraction, and the requests waiting in the generators' engines. Then, per role:
 
-    starved (wait > scale_up_wait_fraction) for up_after_steps steps -> scale up the bottleneck:
+    starved (the mean wait of the last up_after_steps steps > scale_up_wait_fraction; a mean,
+      because an asynchronous run that is short of rollouts often alternates a long wait with a
+      step whose batch was already staged) -> scale up the bottleneck, from the same steps' means:
         requests wait in the engines                 -> generators
         tasks wait for a slot, or the slots are full -> gateway workers
         neither                                      -> generators (generation is what takes time)
       by the factor that would have removed the wait: a step of period T that waited w.T needs its
       rollouts 1 / (1 - w) faster, so n -> ceil(n / (1 - w)), at least n + 1, at most 2n and max
-    unstarved (wait < scale_down_wait_fraction) for down_after_steps steps -> one worker less, of a
-      role that has slack: gateways when no task waits and the remaining slots would stay below
-      max_gateway_utilization busy; generators when no request waits in their engines; never to a
-      count that starved the trainer in the last starved_memory_steps steps
+    fed (every one of the last down_after_steps steps waited < scale_down_wait_fraction) -> one
+      worker less, of a role that has slack: gateways when no task waits and the remaining slots
+      would stay below max_gateway_utilization busy; generators when no request waits in their
+      engines; never to a count that starved the trainer in the last starved_memory_steps steps
     a degraded generator -> one generator more (its replacement), within max
 
-Hysteresis: the two thresholds are apart, both need consecutive steps, a role changes at most once
-every cooldown_steps steps, and a count that starved the run is remembered. Decisions are taken
+A scale-up is a trial: judged on the steps after it, one that did not cut the wait by a fifth is
+undone, and that role is not scaled past that count again while the wait stays what it was (a wait
+more workers cannot remove: the staleness window, the training time, another role).
+
+Hysteresis: the two thresholds are apart; a scale-up or -down forgets the steps before it, so the
+next decision judges the new counts at work; a role changes at most once every cooldown_steps
+steps; and a count that starved the run is remembered. Decisions are taken
 only when the trainer is neither refitting nor validating (the driver holds them until then).
 """
 
@@ -31,6 +38,9 @@ from dataclasses import dataclass, field
 from shared.sections.autoscale import ROLES, AutoscaleSection, RoleBounds
 
 REPLACE = "replacing"  # how a replacement's reason starts
+
+# A scale-up helped when the wait after it is below this fraction of the wait before it.
+HELPED = 0.8
 
 # Gateway slots this busy or more count as full (a task then waits for a slot even with no lag).
 FULL_SLOTS = 0.95
@@ -61,6 +71,36 @@ class Signals:
         }
 
 
+def window(steps: list[Signals]) -> Signals:
+    """The means of ``steps``' figures, as the last step's signals (its step, counts, degraded)."""
+    n, last = len(steps), steps[-1]
+
+    def mean(name: str) -> float:
+        return sum(float(getattr(x, name)) for x in steps) / n
+
+    return Signals(
+        step=last.step,
+        wait_fraction=mean("wait_fraction"),
+        counts=last.counts,
+        tasks_lag=mean("tasks_lag"),
+        gateway_utilization=mean("gateway_utilization"),
+        generator_queue=mean("generator_queue"),
+        staleness_mean=mean("staleness_mean"),
+        degraded_generators=last.degraded_generators,
+    )
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A scale-up of ``role`` from ``before`` to ``after`` at ``step``, decided at ``wait_before``."""
+
+    role: str
+    before: int
+    after: int
+    wait_before: float
+    step: int
+
+
 @dataclass(frozen=True)
 class Decision:
     role: str  # generator | gym_gateway
@@ -72,11 +112,12 @@ class Decision:
 @dataclass
 class AutoscalePolicy:
     cfg: AutoscaleSection
-    starved_streak: int = 0
-    unstarved_streak: int = 0
+    history: list[Signals] = field(default_factory=list)  # the steps since the last scale-up or -down
     changed_at: dict[str, int] = field(default_factory=dict)  # role -> step of its last change
     starved_at: dict[tuple[str, int], int] = field(default_factory=dict)  # (role, count) -> last step starved
     serving_target: int | None = None  # generators the policy wants serving (degraded ones not counted)
+    trial: Trial | None = None  # the last scale-up, until the steps after it show whether it helped
+    ceiling: dict[str, Trial] = field(default_factory=dict)  # role -> a scale-up that did not help
 
     def bounds(self, role: str) -> RoleBounds:
         b: RoleBounds = getattr(self.cfg, role)
@@ -85,24 +126,29 @@ class AutoscalePolicy:
     def decide(self, s: Signals) -> list[Decision]:
         """The step's decisions (none most steps), at most one per role."""
         c = self.cfg
-        starved = s.wait_fraction > c.scale_up_wait_fraction
-        self.starved_streak = self.starved_streak + 1 if starved else 0
-        self.unstarved_streak = self.unstarved_streak + 1 if s.wait_fraction < c.scale_down_wait_fraction else 0
+        self.history.append(s)
         if self.serving_target is None:
             self.serving_target = s.counts.get("generator", 0)
+        up = window(self.history[-c.up_after_steps :])
+        starved = len(self.history) >= c.up_after_steps and up.wait_fraction > c.scale_up_wait_fraction
+        down = self.history[-c.down_after_steps :]
+        fed = (
+            len(self.history) >= c.down_after_steps and max(x.wait_fraction for x in down) < c.scale_down_wait_fraction
+        )
         if starved:
             for role in ROLES:
                 self.starved_at[(role, s.counts.get(role, 0))] = s.step
         decisions: list[Decision] = []
-        if self.starved_streak >= c.up_after_steps:
-            up = self._scale_up(s)
-            if up is not None:
-                decisions.append(up)
-                self.starved_streak = 0
-        elif self.unstarved_streak >= c.down_after_steps:
-            decisions += [d for role in ROLES if (d := self._scale_down(role, s)) is not None]
-            if decisions:
-                self.unstarved_streak = 0
+        undo = self._judge_trial(up) if len(self.history) >= c.up_after_steps else None
+        if undo is not None:
+            decisions.append(undo)
+        elif starved and (scale_up := self._scale_up(up)) is not None:
+            decisions.append(scale_up)
+            self.trial = Trial(scale_up.role, scale_up.before, scale_up.after, up.wait_fraction, s.step)
+        elif fed:
+            decisions += [d for role in ROLES if (d := self._scale_down(role, window(down))) is not None]
+        if decisions:
+            self.history = []  # the next decision sees the new counts at work
         if s.degraded_generators and not any(d.role == "generator" for d in decisions):
             replace = self._replace_degraded(s)
             if replace is not None:
@@ -127,16 +173,39 @@ class AutoscalePolicy:
             return "gym_gateway", f"gateway slots {s.gateway_utilization:.0%} busy"
         return "generator", "no task or request queued outside the engines: generation is the bottleneck"
 
+    def _judge_trial(self, s: Signals) -> Decision | None:
+        """The last scale-up, judged on the steps after it: one that did not cut the wait by
+        HELPED is undone, and its role is not scaled past that count again while the wait stays
+        what it was (`_capped`): the wait is one more workers of that role cannot remove."""
+        t, self.trial = self.trial, None
+        if t is None or s.counts.get(t.role, 0) != t.after or s.wait_fraction < HELPED * t.wait_before:
+            return None
+        self.ceiling[t.role] = Trial(t.role, t.before, t.after, s.wait_fraction, s.step)
+        reason = (
+            f"undo: {t.before} -> {t.after} did not shorten the wait ({t.wait_before:.0%} of a step before, "
+            f"{s.wait_fraction:.0%} after): more {t.role} workers do not help here"
+        )
+        return Decision(t.role, t.after, t.before, reason)
+
+    def _capped(self, role: str, n: int, s: Signals) -> bool:
+        """A scale-up of ``role`` from ``n`` is known not to help: it did not, within
+        starved_memory_steps, at a wait not much below today's."""
+        cap = self.ceiling.get(role)
+        if cap is None or s.step - cap.step > self.cfg.starved_memory_steps or s.wait_fraction > 1.5 * cap.wait_before:
+            return False
+        return n >= cap.before
+
     def _scale_up(self, s: Signals) -> Decision | None:
         role, evidence = self.bottleneck(s)
         n, top = s.counts.get(role, 0), self.bounds(role).max
-        if n < 1 or n >= top or self._cooling(role, s.step):
+        if n < 1 or n >= top or self._cooling(role, s.step) or self._capped(role, n, s):
             return None
         wanted = math.ceil(n / max(1.0 - s.wait_fraction, 0.5))  # at most 2n per decision
         after = min(top, max(n + 1, wanted))
+        steps = self.cfg.up_after_steps
         reason = (
-            f"starved {self.cfg.up_after_steps}+ steps (waited {s.wait_fraction:.0%} of step {s.step}); "
-            f"{evidence}; x{after / n:.2f} to cover the wait"
+            f"starved: waited {s.wait_fraction:.0%} of the last {steps} step{'s' if steps > 1 else ''} "
+            f"(to step {s.step}); {evidence}; x{after / n:.2f} to cover the wait"
         )
         return Decision(role, n, after, reason)
 
@@ -157,8 +226,8 @@ class AutoscalePolicy:
                 return None
             slack = "no request waited in the engines"
         reason = (
-            f"not starved for {self.cfg.down_after_steps}+ steps (waited {s.wait_fraction:.1%} of step {s.step}); "
-            f"{slack}"
+            f"fed: waited under {self.cfg.scale_down_wait_fraction:.0%} in each of the last "
+            f"{self.cfg.down_after_steps} steps (to step {s.step}); {slack}"
         )
         return Decision(role, n, n - 1, reason)
 

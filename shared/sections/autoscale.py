@@ -37,13 +37,15 @@ class AutoscaleSection(Section):
         default_factory=RoleBounds
     )
     scale_up_wait_fraction: Annotated[
-        float, D("a step that waited for data more than this fraction of its time is starved")
+        float, D("steps that waited for data more than this fraction of their time, on average, are starved")
     ] = 0.10
     scale_down_wait_fraction: Annotated[
         float, D("a step that waited less than this fraction of its time counts toward a scale-down")
     ] = 0.02
-    up_after_steps: Annotated[int, D("consecutive starved steps before a scale-up")] = 2
-    down_after_steps: Annotated[int, D("consecutive unstarved steps before a scale-down")] = 6
+    up_after_steps: Annotated[int, D("steps whose mean wait decides a scale-up")] = 2
+    down_after_steps: Annotated[
+        int, D("steps that must each wait under scale_down_wait_fraction before a scale-down")
+    ] = 6
     cooldown_steps: Annotated[int, D("steps after a change of a role before that role changes again")] = 2
     max_gateway_utilization: Annotated[
         float, D("a scale-down of gateways keeps the busy fraction of the remaining slots below this")

@@ -112,11 +112,11 @@ class AutoscaleResults(Results):
     section_s: float
 
 
-def _config(work: Path, redis_url: str, count: int, autoscaled: bool) -> RunConfig:
+def _config(work: Path, redis_url: str, count: int, autoscaled: bool, scenario: Scenario) -> RunConfig:
     from streamrl.bench.pipeline import run_config  # the trainer's control plane: heavy
 
     run_id = f"autoscale-{'auto' if autoscaled else count}-{uuid.uuid4().hex[:6]}"
-    cfg = run_config(SCENARIO, 1, redis_url=redis_url, run_id=run_id, work=work)
+    cfg = run_config(scenario, 1, redis_url=redis_url, run_id=run_id, work=work)
     tree = msgspec.to_builtins(cfg)
     tree["gym_gateway"].update(num_workers=count, max_concurrent_rollouts=SLOTS, drain_timeout_s=30.0)
     tree["autoscale"].update(
@@ -200,19 +200,20 @@ class Pools:
         self.redis.close()
 
 
-def run_one(work: Path, redis_url: str, count: int, autoscaled: bool) -> CountRun:
-    """One run to its end: the real control plane here, the workers in their pools."""
+def run_one(work: Path, redis_url: str, count: int, autoscaled: bool, scenario: Scenario = SCENARIO) -> CountRun:
+    """One run to its end: the real control plane here, the workers in their pools; rollouts take
+    SLOWDOWN x longer from the scenario's halfway step on."""
     from services.trainer.control_plane import ControlPlane
     from services.trainer.learner import LocalLearner
     from streamrl.bench.pipeline_sim import SimBackend
 
     shutil.rmtree(work, ignore_errors=True)
     (work / "out").mkdir(parents=True)
-    cfg = _config(work, redis_url, count, autoscaled)
+    cfg = _config(work, redis_url, count, autoscaled, scenario)
     (work / "config.json").write_bytes(msgspec.json.encode(cfg))
-    slow_from = (STEPS // 2) * SCENARIO.num_prompts  # rows are issued in order: the prompts of the second half
+    slow_from = (scenario.steps // 2) * scenario.num_prompts  # rows are issued in order: the second half's
     (work / "scenario.json").write_text(
-        json.dumps({"scenario": msgspec.to_builtins(SCENARIO), "slowdown": SLOWDOWN, "slowdown_from_prompt": slow_from})
+        json.dumps({"scenario": msgspec.to_builtins(scenario), "slowdown": SLOWDOWN, "slowdown_from_prompt": slow_from})
     )
     # What `streamrl up` writes for `streamrl scale` (and the autoscaler's local backend) to find the run.
     write_run_file(work / "out", RunFile(run_id=cfg.run.run_id, trainer_url="http://trainer.sim", redis_url=redis_url))
