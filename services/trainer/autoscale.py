@@ -20,9 +20,10 @@ slots' busy fraction, and the requests waiting in the generators' engines. Then,
       engines; never to a count that starved the trainer in the last starved_memory_steps steps
     a degraded generator -> one generator more (its replacement), within max
 
-A scale-up is a trial: judged on the steps after it, one that did not cut the wait by a fifth is
-undone, and that role is not scaled past that count again while the wait stays what it was (a wait
-more workers cannot remove: the staleness window, the training time, another role).
+A scale-up is a trial: judged on the steps after it, one that left no work queued for its role and
+yet did not cut the wait by a fifth is undone, and that role is not scaled past that count again
+while the wait stays what it was (a wait more workers cannot remove: the staleness window, the
+training time, another role).
 
 Hysteresis: the two thresholds are apart; a scale-up or -down forgets the steps before it, so the
 next decision judges the new counts at work; a role changes at most once every cooldown_steps
@@ -107,6 +108,7 @@ class Decision:
     before: int
     after: int
     reason: str
+    basis: Signals  # what it was decided from: the means over the steps the reason names
 
 
 @dataclass
@@ -139,10 +141,15 @@ class AutoscalePolicy:
             for role in ROLES:
                 self.starved_at[(role, s.counts.get(role, 0))] = s.step
         decisions: list[Decision] = []
-        undo = self._judge_trial(up) if len(self.history) >= c.up_after_steps else None
+        # A scale-up is judged on the up_after_steps steps after the first one at the new count
+        # (that one still ran on rollouts the old count started); until then nothing scales up.
+        judging = self.trial is not None and len(self.history) <= c.up_after_steps
+        undo = None
+        if self.trial is not None and not judging:
+            undo = self._judge_trial(window(self.history[1:][-c.up_after_steps :]))
         if undo is not None:
             decisions.append(undo)
-        elif starved and (scale_up := self._scale_up(up)) is not None:
+        elif starved and not judging and (scale_up := self._scale_up(up)) is not None:
             decisions.append(scale_up)
             self.trial = Trial(scale_up.role, scale_up.before, scale_up.after, up.wait_fraction, s.step)
         elif fed:
@@ -174,18 +181,23 @@ class AutoscalePolicy:
         return "generator", "no task or request queued outside the engines: generation is the bottleneck"
 
     def _judge_trial(self, s: Signals) -> Decision | None:
-        """The last scale-up, judged on the steps after it: one that did not cut the wait by
-        HELPED is undone, and its role is not scaled past that count again while the wait stays
-        what it was (`_capped`): the wait is one more workers of that role cannot remove."""
+        """The last scale-up, judged on the steps after it: one that left no work queued for its
+        role and yet did not cut the wait by a fifth (HELPED) is undone, and the role is not scaled
+        past that count again while the wait stays what it was (`_capped`): the wait is one more
+        workers of that role cannot remove. While work still queues for the role, it was too
+        small rather than useless, and the next starved decision goes on."""
         t, self.trial = self.trial, None
         if t is None or s.counts.get(t.role, 0) != t.after or s.wait_fraction < HELPED * t.wait_before:
+            return None
+        queued = s.generator_queue >= 1.0 if t.role == "generator" else s.tasks_lag >= 1.0
+        if queued or (t.role == "gym_gateway" and s.gateway_utilization >= FULL_SLOTS):
             return None
         self.ceiling[t.role] = Trial(t.role, t.before, t.after, s.wait_fraction, s.step)
         reason = (
             f"undo: {t.before} -> {t.after} did not shorten the wait ({t.wait_before:.0%} of a step before, "
             f"{s.wait_fraction:.0%} after): more {t.role} workers do not help here"
         )
-        return Decision(t.role, t.after, t.before, reason)
+        return Decision(t.role, t.after, t.before, reason, s)
 
     def _capped(self, role: str, n: int, s: Signals) -> bool:
         """A scale-up of ``role`` from ``n`` is known not to help: it did not, within
@@ -207,7 +219,7 @@ class AutoscalePolicy:
             f"starved: waited {s.wait_fraction:.0%} of the last {steps} step{'s' if steps > 1 else ''} "
             f"(to step {s.step}); {evidence}; x{after / n:.2f} to cover the wait"
         )
-        return Decision(role, n, after, reason)
+        return Decision(role, n, after, reason, s)
 
     def _scale_down(self, role: str, s: Signals) -> Decision | None:
         n, b = s.counts.get(role, 0), self.bounds(role)
@@ -229,7 +241,7 @@ class AutoscalePolicy:
             f"fed: waited under {self.cfg.scale_down_wait_fraction:.0%} in each of the last "
             f"{self.cfg.down_after_steps} steps (to step {s.step}); {slack}"
         )
-        return Decision(role, n, n - 1, reason)
+        return Decision(role, n, n - 1, reason, s)
 
     def _replace_degraded(self, s: Signals) -> Decision | None:
         """Degraded generators get no new sessions: as many more as keep ``serving_target`` serving."""
@@ -239,4 +251,4 @@ class AutoscalePolicy:
             return None
         after = min(top, target + s.degraded_generators)
         reason = f"{REPLACE} {s.degraded_generators} degraded generator(s): they get no new sessions"
-        return Decision("generator", n, after, reason)
+        return Decision("generator", n, after, reason, s)

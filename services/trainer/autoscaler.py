@@ -196,9 +196,9 @@ class Autoscaler:
         signals = await self.signals(record, counts)
         decisions = self.policy.decide(signals)
         for decision in decisions:
-            await self._apply(record.step, decision, signals)
+            await self._apply(record.step, decision)
 
-    async def _apply(self, step: int, d: Decision, signals: Signals) -> None:
+    async def _apply(self, step: int, d: Decision) -> None:
         assert self.backend is not None
         while self.busy():  # never during a refit or a validation
             await asyncio.sleep(HOLD_POLL_S)
@@ -218,7 +218,7 @@ class Autoscaler:
             before=d.before,
             after=d.after,
             reason=d.reason,
-            signals=signals.as_dict(),
+            signals=d.basis.as_dict(),
             outcome="failed" if error else "done",
             backend=self.backend.name,
             apply_s=round(time.perf_counter() - t0, 3),

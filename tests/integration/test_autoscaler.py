@@ -22,9 +22,9 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_starved_run_asks_for_gateway_workers_and_they_join(redis_url, tmp_path):
-    # 14 steps; one gateway worker of 4 slots covers half of what a step needs, and from step 7 on
+    # 10 steps; one gateway worker of 4 slots covers half of what a step needs, and from step 5 on
     # rollouts take twice as long.
-    scenario = dataclasses.replace(autoscale.SCENARIO, steps=14)
+    scenario = dataclasses.replace(autoscale.SCENARIO, steps=10)
     run = autoscale.run_one(tmp_path, redis_url, 1, autoscaled=True, scenario=scenario)
 
     assert run.decisions, f"no decision in a starved run: {run}"
@@ -39,14 +39,14 @@ def test_a_starved_run_asks_for_gateway_workers_and_they_join(redis_url, tmp_pat
 
     records = read_records(tmp_path / "out" / "metrics.jsonl")
     steps = step_records(records)
-    assert [r.step for r in steps] == list(range(14))
+    assert [r.step for r in steps] == list(range(10))
     consumed = [i for r in steps for i in r.consumed_ids]
-    assert len(consumed) == len(set(consumed)) == 14 * scenario.num_prompts * scenario.group_size
+    assert len(consumed) == len(set(consumed)) == 10 * scenario.num_prompts * scenario.group_size
     decisions = [r for r in records if isinstance(r, AutoscaleRecord)]
     assert [(d.before, d.after) for d in decisions] == [(d.before, d.after) for d in run.decisions]
     for d in decisions:
-        assert d.role == "gym_gateway" and d.backend == "local"
-        assert d.signals["wait_fraction"] > 0.10 and d.signals["gym_gateway_count"] == d.before
+        assert d.role == "gym_gateway" and d.backend == "local" and d.signals["gym_gateway_count"] == d.before
+    assert decisions[0].signals["wait_fraction"] > 0.10  # the mean the first reason quotes
     # The step records saw the workers join.
     assert max(r.workers.get("gym_gateway", 0) for r in steps if r.workers) >= first.after
 

@@ -63,17 +63,29 @@ def test_a_scale_up_that_did_not_shorten_the_wait_is_undone_and_not_tried_again(
     p.decide(sig(0, 0.3, gw=4, tasks_lag=3))
     [d] = p.decide(sig(1, 0.3, gw=4, tasks_lag=3))
     assert (d.before, d.after) == (4, 6)
-    assert p.decide(sig(2, 0.28, gw=6, tasks_lag=1)) == []
-    [d] = p.decide(sig(3, 0.28, gw=6, tasks_lag=1))  # 30% -> 28%: not the fifth less it needed
+    assert p.decide(sig(2, 0.3, gw=6, tasks_lag=2)) == []  # ran on rollouts four workers started: not judged
+    assert p.decide(sig(3, 0.28, gw=6, gateway_utilization=0.6)) == []  # judged on two steps
+    [d] = p.decide(sig(4, 0.28, gw=6, gateway_utilization=0.6))  # no task waits, yet 30% -> 28%
     assert (d.role, d.before, d.after) == ("gym_gateway", 6, 4)
     assert d.reason == (
         "undo: 4 -> 6 did not shorten the wait (30% of a step before, 28% after): "
         "more gym_gateway workers do not help here"
     )
-    for step in range(4, 20):  # starved as before: the same wait, so no second try
+    for step in range(5, 20):  # starved as before: the same wait, so no second try
         assert p.decide(sig(step, 0.3, gw=4, tasks_lag=3)) == []
     [d] = p.decide(sig(20, 0.6, gw=4, tasks_lag=9))  # the wait doubled: something changed, try again
     assert (d.before, d.after) == (4, 8)
+
+
+def test_a_scale_up_that_leaves_tasks_waiting_was_too_small_and_the_next_goes_on():
+    p = policy(cooldown_steps=0)
+    p.decide(sig(0, 0.3, gw=2, tasks_lag=6))
+    [d] = p.decide(sig(1, 0.3, gw=2, tasks_lag=6))
+    assert (d.before, d.after) == (2, 3)
+    assert p.decide(sig(2, 0.35, gw=3, tasks_lag=6)) == []  # rollouts got slower meanwhile
+    assert p.decide(sig(3, 0.35, gw=3, tasks_lag=5)) == []
+    [d] = p.decide(sig(4, 0.35, gw=3, tasks_lag=5))  # not undone: tasks still wait for a slot
+    assert (d.before, d.after) == (3, 5) and d.reason.startswith("starved")
 
 
 def test_an_idle_run_scales_down_one_at_a_time_only_where_there_is_slack():
