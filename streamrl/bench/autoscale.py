@@ -46,8 +46,8 @@ from streamrl.redis_server import RedisServer, free_port
 from streamrl.supervisor import Child
 from streamrl.worker_pool import ScaleChannel, WorkerPool
 
-TRAIN_S = 1.0
-STEPS = 60
+TRAIN_S = 2.0
+STEPS = 40
 SLOTS = 4  # rollout slots per gateway worker
 SLOWDOWN = 2.0  # rollouts take this much longer from halfway through the run
 START_COUNT = 2
@@ -61,9 +61,9 @@ SCENARIO = Scenario(
     name="doubling",
     description="rollout times double halfway through the run",
     sigma=0.25,
-    makespan_over_train=0.77,  # a rollout's median 0.5 s, then 1.0 s
+    makespan_over_train=0.4148,  # a rollout's median 0.5 s, then 1.0 s
     train_s=TRAIN_S,
-    num_prompts=4,
+    num_prompts=8,
     group_size=4,
     steps=STEPS,
     seed=11,
