@@ -13,7 +13,9 @@ slots' busy fraction, and the requests waiting in the generators' engines. Then,
         tasks wait for a slot, or the slots are full -> gateway workers
         neither                                      -> generators (generation is what takes time)
       by the factor that would have removed the wait: a step of period T that waited w.T needs its
-      rollouts 1 / (1 - w) faster, so n -> ceil(n / (1 - w)), at least n + 1, at most 2n and max
+      rollouts 1 / (1 - w) faster, so n -> ceil(n / (1 - w)); for gateways, at least as many more
+      as the waiting tasks need slots (the wait understates the shortfall while the buffer still
+      holds batches the window staged earlier); at least n + 1, at most max
     fed (every one of the last down_after_steps steps waited < scale_down_wait_fraction) -> one
       worker less, of a role that has slack: gateways when no task waits and the remaining slots
       would stay below max_gateway_utilization busy; generators when no request waits in their
@@ -59,6 +61,7 @@ class Signals:
     generator_queue: float = 0.0  # requests waiting in the engines, per generator
     staleness_mean: float = 0.0  # of the step's trajectories (record only)
     degraded_generators: int = 0  # generators the fleet health calls degraded (now)
+    gateway_slots: int = 0  # rollout slots of one gateway worker (gym_gateway.max_concurrent_rollouts)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -88,6 +91,7 @@ def window(steps: list[Signals]) -> Signals:
         generator_queue=mean("generator_queue"),
         staleness_mean=mean("staleness_mean"),
         degraded_generators=last.degraded_generators,
+        gateway_slots=last.gateway_slots,
     )
 
 
@@ -212,12 +216,16 @@ class AutoscalePolicy:
         n, top = s.counts.get(role, 0), self.bounds(role).max
         if n < 1 or n >= top or self._cooling(role, s.step) or self._capped(role, n, s):
             return None
-        wanted = math.ceil(n / max(1.0 - s.wait_fraction, 0.5))  # at most 2n per decision
+        wanted, how = math.ceil(n / max(1.0 - s.wait_fraction, 0.5)), "to cover the wait"  # at most 2n
+        if role == "gym_gateway" and s.gateway_slots and s.tasks_lag >= 1.0:
+            for_tasks = n + math.ceil(s.tasks_lag / s.gateway_slots)
+            if for_tasks > wanted:
+                wanted, how = for_tasks, f"slots for the waiting tasks ({s.gateway_slots} a worker)"
         after = min(top, max(n + 1, wanted))
         steps = self.cfg.up_after_steps
         reason = (
             f"starved: waited {s.wait_fraction:.0%} of the last {steps} step{'s' if steps > 1 else ''} "
-            f"(to step {s.step}); {evidence}; x{after / n:.2f} to cover the wait"
+            f"(to step {s.step}); {evidence}; {n} -> {after}: {how}"
         )
         return Decision(role, n, after, reason, s)
 

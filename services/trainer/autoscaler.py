@@ -173,6 +173,7 @@ class Autoscaler:
             generator_queue=sum(s.generator_queue for s in samples) / len(samples),
             staleness_mean=record.staleness.mean,
             degraded_generators=sum(h.state == "degraded" for h in health.values()),
+            gateway_slots=self.slots_per_gateway,
         )
 
     # ---- decisions ------------------------------------------------------------------------------

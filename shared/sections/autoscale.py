@@ -38,7 +38,7 @@ class AutoscaleSection(Section):
     )
     scale_up_wait_fraction: Annotated[
         float, D("steps that waited for data more than this fraction of their time, on average, are starved")
-    ] = 0.10
+    ] = 0.05
     scale_down_wait_fraction: Annotated[
         float, D("a step that waited less than this fraction of its time counts toward a scale-down")
     ] = 0.02

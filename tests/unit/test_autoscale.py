@@ -29,6 +29,14 @@ def test_starved_steps_scale_up_the_role_where_work_queues_by_the_factor_that_co
     assert "12.0 tasks waiting for a gateway slot" in d.reason and "waited 50% of the last 2 steps" in d.reason
 
 
+def test_gateways_grow_by_the_slots_the_waiting_tasks_need_when_that_is_more():
+    p = policy()
+    p.decide(sig(0, 0.2, gw=3, tasks_lag=14, gateway_slots=4))
+    [d] = p.decide(sig(1, 0.2, gw=3, tasks_lag=14, gateway_slots=4))
+    assert (d.before, d.after) == (3, 7)  # 14 tasks / 4 slots: 4 more; the wait alone says 4
+    assert d.reason.endswith("3 -> 7: slots for the waiting tasks (4 a worker)")
+
+
 def test_requests_waiting_in_the_engines_point_at_the_generators():
     p = policy()
     p.decide(sig(0, 0.3, generator_queue=5, gateway_utilization=1.0))
