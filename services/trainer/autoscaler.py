@@ -213,7 +213,7 @@ class Autoscaler:
             error = f"{type(exc).__name__}: {exc}"
             log.error("autoscaler: %s %d -> %d failed: %s", d.role, d.before, d.after, error)
         record = AutoscaleRecord(
-            step=step,
+            step=step + 1,  # steps done: it follows step ``step``
             time=decided,
             role=d.role,
             before=d.before,

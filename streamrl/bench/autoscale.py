@@ -73,7 +73,7 @@ SCENARIO = Scenario(
 
 
 class Decision(msgspec.Struct):
-    step: int
+    step: int  # the step it followed
     at_s: float  # from the run's start
     before: int
     after: int
@@ -253,7 +253,7 @@ def run_one(work: Path, redis_url: str, count: int, autoscaled: bool, scenario: 
         wait_data_s=sum(r.timing.wait_data_s for r in measured) / max(len(measured), 1),
         counts=[(round(t - t0, 2), n) for t, n in pools.counts],
         decisions=[
-            Decision(d.step, round(d.time - t0, 2), d.before, d.after, d.reason, d.apply_s, d.outcome)
+            Decision(d.step - 1, round(d.time - t0, 2), d.before, d.after, d.reason, d.apply_s, d.outcome)
             for d in autoscale_records(records)
             if d.role == "gym_gateway"
         ],

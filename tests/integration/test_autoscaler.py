@@ -15,6 +15,7 @@ from shared import keys as K
 from shared.config_error import ConfigError
 from shared.records import AutoscaleRecord, read_records, step_records
 from shared.run_config import RunConfig
+from shared.sections.autoscale import AutoscaleSection
 from shared.streams import connect
 from streamrl.bench import autoscale
 
@@ -22,9 +23,10 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_starved_run_asks_for_gateway_workers_and_they_join(redis_url, tmp_path):
-    # 10 steps; one gateway worker of 4 slots covers half of what a step needs, and from step 5 on
-    # rollouts take twice as long.
-    scenario = dataclasses.replace(autoscale.SCENARIO, steps=10)
+    # 10 steps of 1 s and 16 rollouts of 0.5 s (median): one gateway worker of 4 slots covers half
+    # of what a step needs, and from step 5 on rollouts take twice as long.
+    scenario = dataclasses.replace(autoscale.SCENARIO, steps=10, train_s=1.0, num_prompts=4, makespan_over_train=0.77)
+    assert 0.45 < scenario.rollout_median_s < 0.55
     run = autoscale.run_one(tmp_path, redis_url, 1, autoscaled=True, scenario=scenario)
 
     assert run.decisions, f"no decision in a starved run: {run}"
@@ -46,7 +48,7 @@ def test_a_starved_run_asks_for_gateway_workers_and_they_join(redis_url, tmp_pat
     assert [(d.before, d.after) for d in decisions] == [(d.before, d.after) for d in run.decisions]
     for d in decisions:
         assert d.role == "gym_gateway" and d.backend == "local" and d.signals["gym_gateway_count"] == d.before
-    assert decisions[0].signals["wait_fraction"] > 0.10  # the mean the first reason quotes
+    assert decisions[0].signals["wait_fraction"] > AutoscaleSection().scale_up_wait_fraction  # the mean it quotes
     # The step records saw the workers join.
     assert max(r.workers.get("gym_gateway", 0) for r in steps if r.workers) >= first.after
 

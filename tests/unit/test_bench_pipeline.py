@@ -19,8 +19,8 @@ from streamrl.bench.pipeline_report import (
     render_pipeline,
     targets,
 )
-from streamrl.bench.sleep_env import ENV_NAME, SleepEnv, registered_env
 from streamrl.bench.schedule import SCENARIOS, Scenario, ideal_run, pipeline_figures, simulate_schedule
+from streamrl.bench.sleep_env import ENV_NAME, SleepEnv, registered_env
 
 pytestmark = pytest.mark.unit
 
