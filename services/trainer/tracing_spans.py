@@ -36,14 +36,8 @@ def issued(tasks: list[Task]) -> Iterator[None]:
     spans = [tracing.start("task.issued", None, tracing.task_attributes(t)) for t in tasks]
     for task, span in zip(tasks, spans, strict=True):
         tracing.stamp(task, span)
-    try:
+    with _ending(spans):
         yield
-    except BaseException as exc:
-        for span in spans:
-            tracing.end(span, exc)
-        raise
-    for span in spans:
-        tracing.end(span)
 
 
 @contextmanager
@@ -54,6 +48,13 @@ def consumed(step: int, sample: SampleResult) -> Iterator[None]:
         return
     trajs = [t for g in sample.groups for t in g.ordered()]
     spans = [_trajectory_span("trajectory.consumed", t, {"streamrl.step": step}) for t in trajs]
+    with _ending(spans):
+        yield
+
+
+@contextmanager
+def _ending(spans: list[Span | None]) -> Iterator[None]:
+    """End ``spans`` when the block ends, with its exception when it raised."""
     try:
         yield
     except BaseException as exc:
