@@ -233,10 +233,14 @@ class Supervisor:
             # trainer.nproc_per_node > 1: the trainer starts its ranks under torchrun itself
             self.trainer = trainer = self._child("trainer", "services.trainer", _port(cfg.trainer.port, 0), [])
             trainer.env.update(self.devices.trainer_env if self.devices is not None else {})
+            # Before the trainer starts: its autoscaler (autoscale.backend local) finds the run by
+            # run.json and scales through this channel.
+            self.channel = ScaleChannel(redis.Redis.from_url(self.redis_url), K.RunKeys(cfg.run.run_id), self.pools)
+            self._write_run_file(trainer)
             trainer.start()
+            self._write_run_file(trainer)  # with its pid
             wait_ready(gateways, timeout_s=cfg.supervisor.gateway_ready_timeout_s)  # while the trainer loads its policy
             self.pools["gym-gateway"].mark_ready()
-            self.channel = ScaleChannel(redis.Redis.from_url(self.redis_url), K.RunKeys(cfg.run.run_id), self.pools)
             self._write_run_file(trainer)
             return self._watch(trainer)
         except KeyboardInterrupt:

@@ -67,6 +67,10 @@ def finished_run(tmp_path_factory, tiny_model_dir, redis_url):
         "policy.generation.top_p=0.9",
         "grpo.async_grpo.in_flight_weight_updates=true",
         "tracing.enabled=true",  # spans to <output_dir>/traces/<service>-<worker_id>.jsonl
+        # The autoscaler on, through streamrl up's own scale channel; bounds that hold the counts.
+        "autoscale.enabled=true",
+        "autoscale.generator.max=1",
+        "autoscale.gym_gateway.max=1",
     ]
     proc = start_job(
         ROOT / "deploy/configs/demo.yaml", out / "up.log", *overrides, env={**os.environ, "REDIS_URL": redis_url}
@@ -138,6 +142,7 @@ def test_run_finishes_and_trains_every_step(finished_run):
     assert (final / "meta.json").is_file()
     assert len(list((final / "learner" / "shards").glob("*.distcp"))) == 2  # a shard from each rank
     log = (out / "logs" / "trainer.log").read_text()
+    assert "autoscaling through the local backend: generators 1..1, gateway workers 1..1" in log
     assert "trainer rank 1 of 2" in log and "rank 1: stopped by rank 0" in log
 
 
