@@ -148,8 +148,12 @@ async def test_deadline_removes_the_container(fake_engine):
     async with runtime.workspace(CALC) as ws:
         res = await ws.run("sleep 300", timeout_s=1.0)
     assert res.timed_out and res.duration_s < 60  # cut at its 1 s limit, far short of the sleep
-    run, rm = fake_engine()
-    assert rm == ["docker", "rm", "-f", run[run.index("--name") + 1]]
+    # On a loaded machine the deadline can fall before the engine client has logged its argv (it
+    # is killed first); the removal is then the only entry, and it names the container all the same.
+    *run, rm = fake_engine()
+    assert rm[:3] == ["docker", "rm", "-f"] and rm[3].startswith(f"streamrl-swe-{os.getpid()}-")
+    if run:
+        assert rm[3] == run[0][run[0].index("--name") + 1]
 
 
 # ---- a real engine, where one works here ------------------------------------------------------
