@@ -14,7 +14,8 @@ if [ ! -x .venv/bin/python ]; then
   if ! "$PY" -m venv .venv 2>/dev/null; then
     # Debian ships venv separately.
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq python3.11-venv
+    # test.sh runs the set-up scripts side by side: apt waits for another one's lock
+    $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq && $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq python3.11-venv
     "$PY" -m venv .venv
   fi
 fi

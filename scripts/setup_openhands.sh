@@ -35,7 +35,8 @@ find_python() {
 
 if ! command -v tmux >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq tmux
+  # test.sh runs the set-up scripts side by side: apt waits for another one's lock
+  $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq && $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq tmux
 fi
 
 want="$(printf '%s\n' "${PINS[@]}" | sha256sum | cut -c1-16)"

@@ -53,12 +53,17 @@ OVERRIDES = {
 }
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a live process, from /proc/<pid>/status."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of a process, from /proc/<pid>/status; None once it has exited (a zombie
+    has no VmRSS line)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return None
+    for line in status.splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
-    raise ValueError(f"no VmRSS for pid {pid}")
+    return None
 
 
 @dataclass
@@ -71,7 +76,10 @@ class Samples:
     def take(self, run: FaultRun) -> None:
         with run.client() as r:
             lengths = {s: r.xlen(run.keys._k(s)) for s in STREAMS}
-        rss = {wid: rss_bytes(run.services[wid].proc.pid) for wid in SERVICES}
+        sizes = {wid: rss_bytes(run.services[wid].proc.pid) for wid in SERVICES}
+        rss = {wid: n for wid, n in sizes.items() if n is not None}
+        if len(rss) < len(sizes):  # a service exited since the loop looked: the run is over, no sample
+            return
         self.times.append(time.time())
         self.steps.append(run.trained_steps())
         for wid, n in rss.items():
