@@ -125,7 +125,8 @@ class ValidationController:
         self.last = record
         self.write_record(record)
         log.info(
-            "validation %s at step %d: accuracy %.3f over %d", validation_id, step, record.accuracy, record.num_samples
+            "validation %s at step %d: accuracy %.3f over %d (%d failed, %d missing)",
+            *(validation_id, step, record.accuracy, record.num_samples, record.num_failed, record.num_missing),
         )
         return record
 

@@ -117,10 +117,12 @@ def scripted_command(prompt: str) -> str:
 
 class ScriptedModel:
     """An OpenAI chat endpoint whose every answer is one terminal call (`scripted_command` of the
-    first user message) and ``finish``, as native tool calls."""
+    first user message) and ``finish``, as native tool calls; with ``finish`` False the terminal
+    call alone, so that only the turn or time limit ends the episode."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.finish = True
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -150,10 +152,9 @@ class ScriptedModel:
         user: dict[str, Any] = next((m for m in body.get("messages", []) if m.get("role") == "user"), {})
         content = user.get("content", "")
         text = content if isinstance(content, str) else " ".join(str(p.get("text", "")) for p in content)
-        calls = [
-            ("terminal", {"command": scripted_command(text)}),
-            ("finish", {"message": "done"}),
-        ]
+        calls: list[tuple[str, dict[str, str]]] = [("terminal", {"command": scripted_command(text)})]
+        if self.finish:
+            calls.append(("finish", {"message": "done"}))
         message = {
             "role": "assistant",
             "content": None,

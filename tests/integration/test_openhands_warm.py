@@ -43,11 +43,11 @@ def _env(**overrides) -> OpenHandsEnv:
     return OpenHandsEnv(OpenHandsSection(**{**OPENHANDS, "warm_runners": 1, **overrides}))
 
 
-async def _episode(env: OpenHandsEnv, model: ScriptedModel, command: str, job_dir: Path):
+async def _episode(env: OpenHandsEnv, model: ScriptedModel, command: str, job_dir: Path, max_turns: int = 2):
     """``command`` run by the agent in ``job_dir/ws``; the job's files stay in ``job_dir``."""
     ws = job_dir / "ws"
     ws.mkdir(parents=True)
-    return await env.run_agent(f"RUN: {command}", ws, scripted_client(model.url), max_turns=2, job_dir=job_dir)
+    return await env.run_agent(f"RUN: {command}", ws, scripted_client(model.url), max_turns=max_turns, job_dir=job_dir)
 
 
 async def test_warm_runner_runs_an_episode_from_task_to_trajectory(gateway_stack, tmp_path):
@@ -122,9 +122,16 @@ async def test_deadline_and_time_limit_kill_the_episodes_processes(tmp_path, mod
             await task
         assert await gone(episode) and await gone(sleeper)
 
-        # env.openhands.timeout_s: stopped, reported as timed out
+        # env.openhands.timeout_s: stopped, reported as timed out. The model never finishes and the
+        # turns outlast the limit, so that a terminal call that returns early (its own timeout, a
+        # slow tmux on a loaded machine) cannot end the episode first.
         pidfile = tmp_path / "late.pid"
-        run = await _episode(env, model, f"sleep 300 & echo $! > {pidfile}; wait", tmp_path / "t")
+        model.finish = False
+        try:
+            command = f"sleep 300 & echo $! > {pidfile}; wait"
+            run = await _episode(env, model, command, tmp_path / "t", max_turns=50)
+        finally:
+            model.finish = True
         assert run.timed_out and run.status == "timeout"
         assert await gone(int(await text_of(pidfile)))
         assert env.pool.started == 1  # episodes ended, the runner stays
