@@ -12,6 +12,7 @@ Every service is a process; the generators use the transformers engine on the ti
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -48,6 +49,25 @@ def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: fl
 def _scale(out: Path, redis_url: str, *targets: str) -> subprocess.CompletedProcess:
     args = ("scale", *targets, "--run-dir", str(out), "--timeout", "240")
     return streamrl(*args, timeout_s=300, env={**os.environ, "REDIS_URL": redis_url})
+
+
+def _hold(out: Path, proc: subprocess.Popen, log: Path) -> int:
+    """``streamrl pause``, then wait until the trainer holds at a step boundary; the pause's epoch."""
+    paused = streamrl("pause", "--run-dir", str(out), timeout_s=60)
+    assert paused.returncode == 0, paused.stdout + paused.stderr
+
+    def held() -> bool:
+        status = streamrl("status", "--json", "--run-dir", str(out), timeout_s=60)
+        return status.returncode == 0 and (json.loads(status.stdout)["trainer"] or {}).get("state") == "paused"
+
+    _wait_for("the pause to hold the run", held, proc, log, 240)
+    epoch: int = json.loads(paused.stdout)["epoch"]
+    return epoch
+
+
+def _release(out: Path, epoch: int) -> None:
+    resumed = streamrl("resume", "--epoch", str(epoch), "--run-dir", str(out), timeout_s=60)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
 
 
 def _trajectories(redis_url: str, run_id: str) -> list[Trajectory]:
@@ -89,7 +109,11 @@ def scaled_run(tmp_path_factory, tiny_model_dir, redis_url):
     proc = start_job(ROOT / "deploy/configs/demo.yaml", log, *overrides, env={**os.environ, "REDIS_URL": redis_url})
     try:
         _wait_for("first step", lambda: _records(out), proc, log, 300)
+        # Each scaling runs while a pause holds the run at a step boundary, so that the run cannot
+        # end before the new workers serve, however long they take to start on a loaded machine.
+        epoch = _hold(out, proc, log)
         up = _scale(out, redis_url, "generator=2", "gym-gateway=2")
+        _release(out, epoch)
         _wait_for(
             "refit confirmed by the new generator",
             lambda: any("generator-1" in r["refit"]["generators"] for r in _records(out)),
@@ -98,8 +122,10 @@ def scaled_run(tmp_path_factory, tiny_model_dir, redis_url):
             120,
         )
         _wait_for("rollouts through the new workers", lambda: _new_workers_used(redis_url, run_id), proc, log, 120)
+        epoch = _hold(out, proc, log)
         steps_at_down = len(_records(out))  # before the command: it returns once the workers drained
         down = _scale(out, redis_url, "generator=1", "gym-gateway=1")
+        _release(out, epoch)
         proc.wait(timeout=400)
     finally:
         if proc.poll() is None:
