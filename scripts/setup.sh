@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ]; then
   if ! "$PY" -m venv .venv 2>/dev/null; then
     # Debian ships venv separately.
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    # test.sh runs the set-up scripts side by side: apt waits for another one's lock
+    # apt waits for a lock another install holds (test.sh runs other set-up scripts meanwhile)
     $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq && $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq python3.11-venv
     "$PY" -m venv .venv
   fi

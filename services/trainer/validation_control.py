@@ -126,7 +126,12 @@ class ValidationController:
         self.write_record(record)
         log.info(
             "validation %s at step %d: accuracy %.3f over %d (%d failed, %d missing)",
-            *(validation_id, step, record.accuracy, record.num_samples, record.num_failed, record.num_missing),
+            validation_id,
+            step,
+            record.accuracy,
+            record.num_samples,
+            record.num_failed,
+            record.num_missing,
         )
         return record
 
